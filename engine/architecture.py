@@ -1,0 +1,95 @@
+"""Small DiffusionGemma configurations: the tiny test model and the sizes we train ourselves.
+
+Our own models use the same class as Google's checkpoints (DiffusionGemmaForBlockDiffusion), so the engine has one
+code path. A DiffusionGemma config always carries a vision tower; ours is the smallest Gemma4VisionConfig that
+builds, and no text path ever calls it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    DiffusionGemmaConfig,
+    DiffusionGemmaForBlockDiffusion,
+    DiffusionGemmaTextConfig,
+    Gemma4VisionConfig,
+)
+
+from engine.loading import quiet_libraries
+from engine.settings import MODEL_SETTINGS_FILE
+from engine.tokenizer import SPARES, train_tokenizer
+
+
+def small_config(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 32,
+    num_experts: int = 4,
+    top_k_experts: int = 2,
+    moe_intermediate_size: int = 64,
+    intermediate_size: int = 128,
+    sliding_window: int = 256,
+    canvas_length: int = 32,
+    max_positions: int = 4096,
+) -> DiffusionGemmaConfig:
+    """A DiffusionGemma config at toy-to-small scale; the last layer is full attention, the rest sliding."""
+    layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+    text = DiffusionGemmaTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        global_head_dim=head_dim,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        num_experts=num_experts,
+        top_k_experts=top_k_experts,
+        moe_intermediate_size=moe_intermediate_size,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    vision = Gemma4VisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        position_embedding_size=64,
+    )
+    # Image marker ids point at spare special tokens so that they stay inside the small vocabulary.
+    return DiffusionGemmaConfig(
+        text_config=text,
+        vision_config=vision,
+        canvas_length=canvas_length,
+        boi_token_id=3,
+        eoi_token_id=4,
+        image_token_id=5,
+    )
+
+
+def build_tiny_model(
+    out_dir: Path, texts: list[str], seed: int = 0, vocab_size: int = 384, infill: dict[str, Any] | None = None
+) -> Path:
+    """Write a randomly initialised tiny model (with a tokenizer trained on `texts`) to `out_dir`, for tests."""
+    quiet_libraries()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(texts, vocab_size, out_dir)
+    assert tokenizer.convert_tokens_to_ids(SPARES[0]) == 3
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer)))
+    model.save_pretrained(str(out_dir))
+    if infill is not None:
+        (out_dir / MODEL_SETTINGS_FILE).write_text(json.dumps({"infill": infill}, indent=2) + "\n")
+    return out_dir

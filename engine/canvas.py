@@ -1,0 +1,238 @@
+"""The denoising loop: fill a gap in place, between an encoded prefix and a clamped suffix head.
+
+Token ids in, token ids out: this file knows nothing about text, files or editors.
+
+    encode prefix once -> KV cache
+    for each canvas (block) until EOS or max_new_tokens:
+        canvas = [G gap slots: uniform noise] + [S suffix-head tokens: clamped]
+        for step N..1:
+            1. decoder forward (canvas, KV cache, self-conditioning logits)
+            2. temperature schedule on the gap logits
+            3. sample a denoiser canvas; take the argmax canvas
+            4. entropy-bound acceptance; renoise the rest of the gap
+            5. write the suffix head back (it is never renoised, never changes)
+            6. stop when stable and confident
+        answer += argmax gap up to the first EOS/pad
+        no EOS in the gap: encode the gap into the KV cache and open the next canvas
+
+The sampler, the temperature schedule and the stopping rule are transformers' own DiffusionGemma classes; the
+only subclass adds a torch.Generator so that one request's noise is reproducible and independent of any other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+    EntropyBoundSampler,
+    EntropyBoundSamplerConfig,
+    LinearTemperatureScheduleLogitsProcessor,
+    StableAndConfidentStoppingCriteria,
+)
+
+
+class CancelToken(Protocol):
+    """Anything with `is_set()`, e.g. a threading.Event; checked before every denoising step."""
+
+    def is_set(self) -> bool: ...
+
+
+class InfillCancelled(Exception):
+    """The request was cancelled between denoising steps; `steps` says how many had run."""
+
+    def __init__(self, steps: int):
+        super().__init__(f"cancelled after {steps} denoising steps")
+        self.steps = steps
+
+
+@dataclass(frozen=True)
+class DenoiseParams:
+    gap_tokens: int
+    max_new_tokens: int
+    max_steps: int
+    entropy_bound: float
+    t_min: float
+    t_max: float
+    stability_threshold: int
+    confidence_threshold: float
+    seed: int | None
+
+
+@dataclass
+class StepView:
+    """What an observer (tests, streaming drafts) sees after each denoising step."""
+
+    canvas_index: int
+    step: int  # 1-based step within this canvas
+    canvas: torch.Tensor  # [G + S] the canvas the next step will read (gap noise/accepted + clamped suffix head)
+    argmax: torch.Tensor  # [G] the current best guess for the gap
+    accepted: torch.Tensor  # [G] bool, tokens accepted this step
+
+
+@dataclass
+class CanvasOutput:
+    tokens: list[int]  # the answer, first EOS and everything after it excluded
+    confidence: list[float]  # per answer token: its probability under the last step's (untempered) logits
+    ended_with_eos: bool
+    steps: int  # denoising steps, all canvases
+    forward_passes: int  # decoder forwards, all canvases (== steps; kept apart for batched engines)
+    canvases: int
+    canvas_stops: list[str] = field(default_factory=list)  # per canvas: "converged" or "step_cap"
+    encode_seconds: float = 0.0
+    denoise_seconds: float = 0.0
+
+
+class SeededEntropyBoundSampler(EntropyBoundSampler):
+    """transformers' EntropyBoundSampler, drawing its noise from a per-request generator."""
+
+    def __init__(
+        self,
+        config: EntropyBoundSamplerConfig,
+        canvas_length: int,
+        vocab_size: int,
+        max_denoising_steps: int,
+        generator: torch.Generator,
+    ):
+        super().__init__(config, canvas_length, vocab_size, max_denoising_steps)
+        self.generator = generator
+
+    def initialize_canvas(self, batch_size: int, device: torch.device) -> torch.LongTensor:
+        return torch.randint(
+            0, self.vocab_size, (batch_size, self.canvas_length), device=device, generator=self.generator
+        )
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample_tokens(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One categorical sample per position. logits: [B, L, V] (already temperature-scaled) -> [B, L]."""
+    batch, length, vocab = logits.shape
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return torch.multinomial(probs.view(-1, vocab), num_samples=1, generator=generator).view(batch, length)
+
+
+@torch.inference_mode()
+def encode(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int) -> None:
+    """Run the causal encoder over `ids` ([1, n]) at positions start..start+n-1, appending to `cache`."""
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
+    model.model.encoder(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+
+
+@torch.inference_mode()
+def fill(
+    model: Any,
+    prefix_ids: Sequence[int],
+    suffix_head_ids: Sequence[int],
+    params: DenoiseParams,
+    stop_ids: Sequence[int],
+    cancel: CancelToken | None = None,
+    on_step: Callable[[StepView], None] | None = None,
+) -> CanvasOutput:
+    """Fill the gap after `prefix_ids` (non-empty) and before `suffix_head_ids` (may be empty)."""
+    device = model.device
+    vocab_size = model.config.text_config.vocab_size
+    gap, head_len = params.gap_tokens, len(suffix_head_ids)
+    generator = make_generator(params.seed, device)
+    stop_tensor = torch.tensor(sorted(set(stop_ids)), device=device)
+    suffix_head = torch.tensor([list(suffix_head_ids)], dtype=torch.long, device=device)  # [1, S]
+    embed_dtype = model.model.decoder.embed_tokens.weight.dtype
+
+    # 1. The prefix goes through the causal encoder once, into the KV cache.
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    prefix = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)  # [1, P]
+    encode(model, prefix, cache, start=0)
+    cursor = prefix.shape[1]  # position of the first gap slot
+    encode_seconds = time.perf_counter() - t0
+
+    out = CanvasOutput(
+        tokens=[],
+        confidence=[],
+        ended_with_eos=False,
+        steps=0,
+        forward_passes=0,
+        canvases=0,
+        encode_seconds=encode_seconds,
+    )
+    t_denoise = time.perf_counter()
+    while len(out.tokens) < params.max_new_tokens:
+        sampler = SeededEntropyBoundSampler(
+            EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound), gap, vocab_size, params.max_steps, generator
+        )
+        temperature = LinearTemperatureScheduleLogitsProcessor(params.t_min, params.t_max, params.max_steps)
+        stopping = StableAndConfidentStoppingCriteria(params.stability_threshold, params.confidence_threshold)
+        positions = torch.arange(cursor, cursor + gap + head_len, device=device).unsqueeze(0)  # [1, G+S]
+
+        gap_canvas = sampler.initialize_canvas(1, device)  # [1, G] uniform noise
+        argmax = gap_canvas
+        self_cond: torch.Tensor | None = None  # [1, G+S, V] last step's tempered logits
+        raw_gap_logits: torch.Tensor | None = None
+        stop = "step_cap"
+        for step, remaining in enumerate(range(params.max_steps, 0, -1), start=1):
+            if cancel is not None and cancel.is_set():
+                raise InfillCancelled(out.steps)
+            canvas = torch.cat([gap_canvas, suffix_head], dim=1)  # [1, G+S]; the head is written back every step
+            logits = model(
+                decoder_input_ids=canvas,
+                past_key_values=cache,
+                self_conditioning_logits=self_cond,
+                decoder_position_ids=positions,
+            ).logits  # [1, G+S, V]
+            out.steps += 1
+            out.forward_passes += 1
+
+            tempered = temperature(None, logits, cur_step=remaining)  # [1, G+S, V]
+            raw_gap_logits = logits[:, :gap]
+            gap_logits = tempered[:, :gap]
+            denoised = sample_tokens(gap_logits, generator)  # [1, G]
+            argmax = gap_logits.argmax(dim=-1)  # [1, G]
+            accepted = sampler.accept_canvas(gap_canvas, denoised, gap_logits, remaining)
+            gap_canvas = sampler.renoise_canvas(accepted, remaining)
+            self_cond = tempered.to(embed_dtype)
+            done = bool(stopping(argmax, gap_logits)[0])
+            if on_step is not None:
+                on_step(
+                    StepView(
+                        out.canvases,
+                        step,
+                        torch.cat([gap_canvas, suffix_head], dim=1)[0],
+                        argmax[0],
+                        sampler.accepted_token_mask[0],
+                    )
+                )
+            if done:
+                stop = "converged"
+                break
+        out.canvases += 1
+        out.canvas_stops.append(stop)
+
+        # The answer is the gap's argmax up to the first EOS/pad.
+        block = argmax[0]
+        is_stop = torch.isin(block, stop_tensor)
+        probs = torch.softmax(raw_gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
+        end = int(is_stop.float().argmax()) if bool(is_stop.any()) else gap
+        out.tokens.extend(block[:end].tolist())
+        out.confidence.extend(probs[:end].tolist())
+        if end < gap:
+            out.ended_with_eos = True
+            break
+        # No EOS: the gap is all answer and the answer goes on. Encode it and open the next canvas after it.
+        encode(model, block[None, :], cache, start=cursor)
+        cursor += gap
+
+    del out.tokens[params.max_new_tokens :]
+    del out.confidence[params.max_new_tokens :]
+    out.denoise_seconds = time.perf_counter() - t_denoise
+    return out

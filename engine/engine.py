@@ -1,0 +1,167 @@
+"""The engine's public face: text in, `InfillResult` out.
+
+`Engine` owns one loaded model and its tokenizer. `Engine.infill(prefix, suffix)` tokenizes, lays the request out
+as the model's settings say ("canvas": suffix head clamped in the canvas; "prompt": suffix in the encoder prompt),
+runs the denoising loop in `engine.canvas`, and decodes. Callers (the CLI, the LSP server, the resident engine)
+use only this module's names; nothing outside `engine/` touches a tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.canvas import CancelToken, DenoiseParams, InfillCancelled, StepView, fill
+from engine.loading import LoadedModel, load_model
+from engine.settings import InfillSettings, model_settings
+
+__all__ = ["Engine", "InfillCancelled", "InfillResult"]
+
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+INSTRUCTION = (
+    "Complete the code at <CURSOR>. Answer with only the code that goes there, nothing else.\n\n"
+    "{prefix}<CURSOR>{suffix}"
+)
+
+
+@dataclass
+class InfillResult:
+    text: str
+    tokens: list[int]
+    token_texts: list[str]
+    confidence: list[float]  # per token, probability of the chosen token at the last step
+    steps: int  # denoising steps, all canvases
+    forward_passes: int  # decoder forward passes
+    tokens_per_forward: float  # answer tokens (plus the closing EOS) per decoder forward
+    canvases: int
+    canvas_stops: list[str]  # per canvas: "converged" (adaptive stop) or "step_cap"
+    stop_reason: str  # "eos" (the model closed the gap) or "max_tokens"
+    encode_ms: float
+    denoise_ms: float
+    prefix_tokens: int
+    suffix_head_tokens: int
+    layout: str
+    model: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Engine:
+    """One model, ready to fill gaps. Thread-safe: requests run one at a time on the model."""
+
+    def __init__(self, loaded: LoadedModel, overrides: dict[str, Any] | None = None):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        generation_config = getattr(loaded.model, "generation_config", None)
+        self.settings = InfillSettings().merged(model_settings(loaded.folder, generation_config)).merged(overrides)
+        self._stop_ids = _stop_ids(loaded.model, self.tokenizer)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls, model: str | None = None, device: str | None = None, overrides: dict[str, Any] | None = None
+    ) -> Engine:
+        return cls(load_model(model, device), overrides)
+
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    def infill(
+        self,
+        prefix: str,
+        suffix: str,
+        overrides: dict[str, Any] | None = None,
+        cancel: CancelToken | None = None,
+        on_step: Callable[[StepView], None] | None = None,
+    ) -> InfillResult:
+        """Fill the gap between `prefix` and `suffix`. Raises InfillCancelled when `cancel` is set mid-way."""
+        settings = self.settings.merged(overrides)
+        if settings.layout == "canvas":
+            encoder_ids = self._with_bos(self._encode(prefix)[-settings.max_prefix_tokens :])
+            head_ids = self._encode(suffix)[: settings.suffix_head_tokens]
+        else:
+            encoder_ids = self._prompt_ids(prefix, suffix, settings)
+            head_ids = []
+        params = DenoiseParams(
+            gap_tokens=settings.gap_tokens,
+            max_new_tokens=settings.max_new_tokens,
+            max_steps=settings.max_steps,
+            entropy_bound=settings.entropy_bound,
+            t_min=settings.t_min,
+            t_max=settings.t_max,
+            stability_threshold=settings.stability_threshold,
+            confidence_threshold=settings.confidence_threshold,
+            seed=settings.seed,
+        )
+        with self._lock:
+            out = fill(self.loaded.model, encoder_ids, head_ids, params, self._stop_ids, cancel, on_step)
+        produced = len(out.tokens) + (1 if out.ended_with_eos else 0)
+        return InfillResult(
+            text=self.tokenizer.decode(out.tokens, skip_special_tokens=True),
+            tokens=out.tokens,
+            token_texts=[self.tokenizer.decode([t]) for t in out.tokens],
+            confidence=[round(c, 4) for c in out.confidence],
+            steps=out.steps,
+            forward_passes=out.forward_passes,
+            tokens_per_forward=round(produced / max(out.forward_passes, 1), 3),
+            canvases=out.canvases,
+            canvas_stops=out.canvas_stops,
+            stop_reason="eos" if out.ended_with_eos else "max_tokens",
+            encode_ms=round(out.encode_seconds * 1000, 2),
+            denoise_ms=round(out.denoise_seconds * 1000, 2),
+            prefix_tokens=len(encoder_ids),
+            suffix_head_tokens=len(head_ids),
+            layout=settings.layout,
+            model=self.name,
+            settings=settings.to_dict(),
+        )
+
+    # -- layouts -------------------------------------------------------------------------------------------------
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """The encoder needs at least one token; models expect BOS first."""
+        start = self.tokenizer.bos_token_id
+        if start is None:
+            start = self._stop_ids[0]
+        return [start, *ids]
+
+    def _prompt_ids(self, prefix: str, suffix: str, settings: InfillSettings) -> list[int]:
+        """The "prompt" layout: prefix and suffix both in the encoder prompt, the canvas holds only the middle."""
+        prefix_ids = self._encode(prefix)[-settings.max_prefix_tokens :]
+        suffix_ids = self._encode(suffix)[: settings.max_suffix_tokens]
+        prefix = self.tokenizer.decode(prefix_ids)
+        suffix = self.tokenizer.decode(suffix_ids)
+        template = settings.prompt_template
+        vocab = self.tokenizer.get_vocab()
+        if template == "auto" and all(t in vocab for t in FIM_TOKENS):
+            template = "{}{{prefix}}{}{{suffix}}{}".format(*FIM_TOKENS)
+        elif template == "auto" and getattr(self.tokenizer, "chat_template", None):
+            message = [{"role": "user", "content": INSTRUCTION.format(prefix=prefix, suffix=suffix)}]
+            ids = self.tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        elif template == "auto":
+            template = INSTRUCTION
+        return self._with_bos(self._encode(template.format(prefix=prefix, suffix=suffix)))
+
+
+def _stop_ids(model: Any, tokenizer: Any) -> list[int]:
+    """EOS ids from the generation config, the model config and the tokenizer, then pad: any of them ends a gap."""
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config.get_text_config(), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids.extend(value if isinstance(value, list) else [] if value is None else [value])
+    for source in (model.config.get_text_config(), tokenizer):
+        value = getattr(source, "pad_token_id", None)
+        if value is not None:
+            ids.append(value)
+    if not ids:
+        raise ValueError("the model defines no EOS or pad token, so a gap could never end")
+    return list(dict.fromkeys(ids))

@@ -1,0 +1,132 @@
+"""Load a DiffusionGemmaForBlockDiffusion checkpoint and its tokenizer, or fail with one clear line.
+
+A model is a local folder or a hub id (`from_pretrained` either way). fp32 on CPU, bf16 on CUDA, placed by
+accelerate (`device_map="auto"`) on GPU machines. Every failure becomes a `ModelLoadError` whose message is a
+single sentence a user can act on; tracebacks stay out of the editor and the terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The model a user gets when they name none: trained by `canvas-ls train`, shipped inside the package.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; str(error) is one line meant for the user."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers.DiffusionGemmaForBlockDiffusion, in eval mode
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    name: str  # what the user asked for (path or hub id)
+    folder: Path | None  # the local folder the files came from, when there is one
+    device: torch.device
+    load_seconds: float
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"unknown device '{device}' (use cpu, cuda, cuda:N or auto)") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device '{device}' was asked for, but this machine has no usable CUDA GPU")
+    return resolved
+
+
+def _looks_like_path(name: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else that names no existing folder was meant as a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def load_model(name: str | None = None, device: str | None = None) -> LoadedModel:
+    """Load `name` (a folder or a hub id; None: the shipped default model) onto `device` (None: best available)."""
+    import time
+
+    from transformers import AutoConfig, AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+    quiet_libraries()
+    started = time.perf_counter()
+    target = resolve_device(device)
+
+    if name is None:
+        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+            raise ModelLoadError(
+                f"no model given and no default model is installed at {DEFAULT_MODEL_DIR}; pass --model PATH_OR_ID"
+            )
+        name = str(DEFAULT_MODEL_DIR)
+
+    folder: Path | None = None
+    local = Path(name).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ModelLoadError(f"model '{name}' is a file; give the folder that holds config.json")
+        if not (local / "config.json").is_file():
+            raise ModelLoadError(f"folder '{name}' holds no model (no config.json in it)")
+        folder = local
+        source = str(local)
+    elif _looks_like_path(name):
+        raise ModelLoadError(f"model folder '{name}' does not exist")
+    else:
+        source = name
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        if folder is not None:
+            raise ModelLoadError(f"cannot read the model config in '{name}': {_first_line(exc)}") from exc
+        raise ModelLoadError(
+            f"model '{name}' is not a local folder and could not be fetched from the model hub "
+            f"(offline, or no such model): {_first_line(exc)}"
+        ) from exc
+    if getattr(config, "model_type", None) != "diffusion_gemma":
+        raise ModelLoadError(
+            f"model '{name}' is a '{getattr(config, 'model_type', '?')}' model; canvas-ls needs a "
+            "DiffusionGemmaForBlockDiffusion (model_type 'diffusion_gemma')"
+        )
+
+    dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if target.type == "cuda":
+        kwargs["device_map"] = "auto" if target.index is None else {"": target.index}
+    try:
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load model '{name}': {_first_line(exc)}") from exc
+    if target.type != "cuda":
+        model.to(target)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        folder=folder,
+        device=target,
+        load_seconds=time.perf_counter() - started,
+    )
+
+
+def quiet_libraries() -> None:
+    """No library warnings or progress bars: stdout may be an LSP stream, and the CLI prints only answers."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,98 @@
+"""`canvas-ls`: the command line.
+
+    canvas-ls complete FILE --line L --character C [--model PATH_OR_ID] [--json]
+    canvas-ls make-tiny-model DIR
+
+Errors are one line on stderr (`canvas-ls: error: ...`) and exit status 2; stdout carries only the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from server.positions import PositionError, offset_at
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="canvas-ls", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    complete = commands.add_parser("complete", help="fill the gap at a position in a file and print it")
+    complete.add_argument("file", type=Path)
+    complete.add_argument("--line", type=int, required=True, help="0-based line (LSP)")
+    complete.add_argument("--character", type=int, required=True, help="0-based UTF-16 column (LSP)")
+    complete.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    complete.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
+    complete.add_argument("--layout", choices=("canvas", "prompt"), help="override the model's layout")
+    complete.add_argument("--gap-tokens", type=int)
+    complete.add_argument("--max-steps", type=int)
+    complete.add_argument("--max-new-tokens", type=int)
+    complete.add_argument("--seed", type=int)
+    complete.add_argument("--json", action="store_true", help="print the whole result object")
+
+    tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
+    tiny.add_argument("out", type=Path)
+    tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
+    return parser
+
+
+def _complete(args: argparse.Namespace) -> int:
+    from engine import Engine
+
+    try:
+        text = args.file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {args.file}: {exc}") from exc
+    try:
+        offset = offset_at(text, args.line, args.character)
+    except PositionError as exc:
+        raise CliError(f"{args.file}: {exc}") from exc
+    overrides = {
+        "layout": args.layout,
+        "gap_tokens": args.gap_tokens,
+        "max_steps": args.max_steps,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+    }
+    engine = Engine.load(args.model, args.device, overrides)
+    result = engine.infill(text[:offset], text[offset:])
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print(result.text)
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from engine.architecture import build_tiny_model
+
+    # A tokenizer needs text to learn from: the Python standard library's json package is always there.
+    sources = sorted(Path(json.__file__).parent.glob("*.py"))
+    build_tiny_model(args.out, [p.read_text(encoding="utf-8") for p in sources], infill={"layout": args.layout})
+    print(args.out)
+    return 0
+
+
+class CliError(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine import ModelLoadError, SettingsError
+
+    args = _parser().parse_args(argv)
+    handlers = {"complete": _complete, "make-tiny-model": _make_tiny_model}
+    try:
+        return handlers[args.command](args)
+    except (CliError, ModelLoadError, SettingsError) as exc:
+        print(f"canvas-ls: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Shared fixtures: a tiny random DiffusionGemma model built on the spot (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import Engine
+from engine.architecture import build_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "fixtures"
+
+
+def tokenizer_texts() -> list[str]:
+    """Text for the tiny tokenizer: the fixtures plus the standard library's json package."""
+    files = sorted(p for p in FIXTURES.rglob("*") if p.is_file())
+    files += sorted(Path(json.__file__).parent.glob("*.py"))
+    return [p.read_text(encoding="utf-8") for p in files]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer_texts(), infill={"layout": "canvas"})
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: Path) -> Engine:
+    return Engine.load(str(tiny_model_dir), "cpu")

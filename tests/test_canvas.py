@@ -1,0 +1,147 @@
+"""The denoising loop's invariants, on a tiny random model (CPU, seconds)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from engine import Engine, InfillCancelled
+from engine.canvas import StepView
+
+PREFIX = "def mean(values):\n    total = sum(values)\n    "
+SUFFIX = "\n\n\ndef mode(values):\n    counts = Counter(values)\n    return counts.most_common(1)[0][0]\n"
+EOS = 1
+
+
+@contextmanager
+def confident(engine: Engine, target: Callable[[int], int]) -> Iterator[None]:
+    """Patch the model so that each canvas position p predicts token target(p) with near-one-hot logits."""
+    model = engine.loaded.model
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        positions = kwargs["decoder_position_ids"][0]  # [L]
+        wanted = torch.tensor([target(int(p)) for p in positions])
+        logits = torch.full_like(out.logits, -30.0)
+        logits[0, torch.arange(len(positions)), wanted] = 30.0
+        out.logits = logits
+        return out
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
+
+
+def prefix_len(engine: Engine) -> int:
+    return len(engine.tokenizer.encode(PREFIX, add_special_tokens=False)) + 1  # + BOS
+
+
+def test_suffix_head_is_clamped_after_every_step(tiny_engine: Engine) -> None:
+    gap = 8
+    head = tiny_engine.tokenizer.encode(SUFFIX, add_special_tokens=False)[:12]
+    seen: list[StepView] = []
+    result = tiny_engine.infill(
+        PREFIX,
+        SUFFIX,
+        {"gap_tokens": gap, "suffix_head_tokens": 12, "max_steps": 6, "max_new_tokens": 16},
+        on_step=seen.append,
+    )
+    assert result.suffix_head_tokens == 12
+    assert len(seen) == result.steps > 0
+    for view in seen:
+        assert view.canvas.shape == (gap + 12,)
+        assert view.canvas[gap:].tolist() == head
+
+
+def test_text_is_cut_at_the_first_eos(tiny_engine: Engine) -> None:
+    start = prefix_len(tiny_engine)
+    pattern = {0: 40, 1: 41, 2: EOS, 3: 42, 4: 43}  # offset in the gap -> token; then EOS fill
+
+    with confident(tiny_engine, lambda p: pattern.get(p - start, EOS)):
+        result = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8})
+    assert result.tokens == [40, 41]
+    assert result.text == tiny_engine.tokenizer.decode([40, 41])
+    assert result.stop_reason == "eos"
+    assert len(result.confidence) == 2 and all(c > 0.99 for c in result.confidence)
+
+
+def test_adaptive_stopping_ends_before_the_step_cap(tiny_engine: Engine) -> None:
+    start = prefix_len(tiny_engine)
+    with confident(tiny_engine, lambda p: 50 if p - start < 3 else EOS):
+        result = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_steps": 12})
+    assert result.canvas_stops == ["converged"]
+    assert result.steps < 12
+    assert result.tokens == [50, 50, 50]
+    assert result.tokens_per_forward == pytest.approx(4 / result.steps, abs=1e-3)
+
+
+def test_a_full_gap_continues_in_the_next_canvas(tiny_engine: Engine) -> None:
+    start = prefix_len(tiny_engine)
+    # 11 answer tokens, then EOS: the 8-slot gap fills, a second canvas finishes the answer.
+    with confident(tiny_engine, lambda p: 60 + (p - start) if p - start < 11 else EOS):
+        result = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_new_tokens": 64})
+    assert result.tokens == list(range(60, 71))
+    assert result.canvases == 2
+    assert result.stop_reason == "eos"
+
+
+def test_max_new_tokens_bounds_an_answer_that_never_ends(tiny_engine: Engine) -> None:
+    with confident(tiny_engine, lambda p: 70):
+        result = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_new_tokens": 20})
+    assert result.tokens == [70] * 20
+    assert result.canvases == 3
+    assert result.stop_reason == "max_tokens"
+
+
+def test_same_seed_same_output(tiny_engine: Engine) -> None:
+    settings = {"gap_tokens": 8, "max_new_tokens": 16, "max_steps": 5}
+    first = tiny_engine.infill(PREFIX, SUFFIX, {**settings, "seed": 7})
+    again = tiny_engine.infill(PREFIX, SUFFIX, {**settings, "seed": 7})
+    other = tiny_engine.infill(PREFIX, SUFFIX, {**settings, "seed": 8})
+    assert first.tokens == again.tokens and first.confidence == again.confidence
+    assert other.tokens != first.tokens  # a random model, so different noise gives a different canvas
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_cancel_after_step_k_stops_by_step_k_plus_1(tiny_engine: Engine, k: int) -> None:
+    cancel = threading.Event()
+    steps: list[int] = []
+
+    def on_step(view: StepView) -> None:
+        steps.append(view.step)
+        if view.step == k:
+            cancel.set()
+
+    with pytest.raises(InfillCancelled) as info:
+        tiny_engine.infill(PREFIX, SUFFIX, {"max_steps": 10, "gap_tokens": 8}, cancel=cancel, on_step=on_step)
+    assert info.value.steps == k
+    assert steps == list(range(1, k + 1))
+
+
+def test_prompt_layout_puts_the_suffix_in_the_encoder(tiny_engine: Engine) -> None:
+    seen: list[StepView] = []
+    result = tiny_engine.infill(
+        PREFIX, SUFFIX, {"layout": "prompt", "gap_tokens": 8, "max_new_tokens": 8, "max_steps": 3}, on_step=seen.append
+    )
+    assert result.layout == "prompt"
+    assert result.suffix_head_tokens == 0
+    assert all(view.canvas.shape == (8,) for view in seen)  # the canvas holds only the middle
+    suffix_len = len(tiny_engine.tokenizer.encode(SUFFIX, add_special_tokens=False))
+    assert result.prefix_tokens > prefix_len(tiny_engine) + suffix_len  # prefix, suffix and the instruction
+
+
+def test_empty_prefix_and_suffix(tiny_engine: Engine) -> None:
+    result = tiny_engine.infill("", "", {"gap_tokens": 4, "max_new_tokens": 4, "max_steps": 2})
+    assert result.prefix_tokens == 1 and result.suffix_head_tokens == 0
+    assert len(result.tokens) <= 4
+
+
+def test_model_settings_come_from_canvas_ls_json(tiny_engine: Engine) -> None:
+    assert tiny_engine.settings.layout == "canvas"  # the tiny model's canvas_ls.json says so

@@ -1,0 +1,129 @@
+"""`canvas-ls complete` as a user runs it: a real process, a fixture file, a model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import FIXTURES
+
+STATS = FIXTURES / "python" / "stats.py"
+RESULT_FIELDS = {
+    "text",
+    "tokens",
+    "token_texts",
+    "confidence",
+    "steps",
+    "forward_passes",
+    "tokens_per_forward",
+    "canvases",
+    "canvas_stops",
+    "stop_reason",
+    "encode_ms",
+    "denoise_ms",
+    "prefix_tokens",
+    "suffix_head_tokens",
+    "layout",
+    "model",
+    "settings",
+}
+
+
+def canvas_ls(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_complete_json_prints_every_field(tiny_model_dir: Path) -> None:
+    done = canvas_ls(
+        "complete",
+        str(STATS),
+        "--line",
+        "20",
+        "--character",
+        "11",
+        "--model",
+        str(tiny_model_dir),
+        "--json",
+        "--max-new-tokens",
+        "16",
+        "--max-steps",
+        "4",
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result) == RESULT_FIELDS
+    assert result["layout"] == "canvas"
+    assert result["steps"] == result["forward_passes"] > 0
+    assert len(result["confidence"]) == len(result["tokens"]) <= 16
+    assert result["stop_reason"] in ("eos", "max_tokens")
+    assert done.stderr == ""  # no library chatter
+
+
+def test_complete_plain_prints_the_text(tiny_model_dir: Path) -> None:
+    args = (
+        "complete",
+        str(STATS),
+        "--line",
+        "9",
+        "--character",
+        "4",
+        "--model",
+        str(tiny_model_dir),
+        "--max-new-tokens",
+        "8",
+        "--max-steps",
+        "3",
+    )
+    plain = canvas_ls(*args)
+    as_json = canvas_ls(*args, "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == json.loads(as_json.stdout)["text"] + "\n"
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("canvas-ls: error: ")
+    return lines[0]
+
+
+def test_missing_model_folder_is_one_clear_line(tmp_path: Path) -> None:
+    done = canvas_ls("complete", str(STATS), "--line", "0", "--character", "0", "--model", str(tmp_path / "nope"))
+    assert "does not exist" in one_line_error(done)
+
+
+def test_folder_without_a_model_is_one_clear_line(tmp_path: Path) -> None:
+    done = canvas_ls("complete", str(STATS), "--line", "0", "--character", "0", "--model", str(tmp_path))
+    assert "holds no model" in one_line_error(done)
+
+
+def test_hub_id_while_offline_is_one_clear_line() -> None:
+    done = canvas_ls(
+        "complete",
+        str(STATS),
+        "--line",
+        "0",
+        "--character",
+        "0",
+        "--model",
+        "google/diffusiongemma-26B-A4B-it",
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert "could not be fetched from the model hub" in one_line_error(done)
+
+
+def test_position_past_the_end_is_one_clear_line(tiny_model_dir: Path) -> None:
+    done = canvas_ls("complete", str(STATS), "--line", "500", "--character", "0", "--model", str(tiny_model_dir))
+    assert "line 500 is past the end" in one_line_error(done)
