@@ -33,6 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     complete.add_argument("--seed", type=int)
     complete.add_argument("--json", action="store_true", help="print the whole result object")
 
+    train = commands.add_parser("train", help="train the default model on source code already on this machine")
+    train.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
+    train.add_argument("--out", type=Path, default=_cache_dir() / "train", help="work folder (resumable)")
+    train.add_argument("--minutes", type=float, help="wall-clock budget (default: the preset's)")
+    train.add_argument("--eval-dir", type=Path, help="HumanEval-Infilling folder, for the decontamination report")
+    train.add_argument("--install", action="store_true", help="copy the result over the shipped default model")
+
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
@@ -76,6 +83,32 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.loading import DEFAULT_MODEL_DIR
+    from engine.training import run
+
+    bar = tqdm(total=None, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=5.0)
+
+    def progress(state: dict, diffusion: float, ar: float, budget: float) -> None:
+        bar.update(1)
+        bar.set_postfix(diff=f"{diffusion:.3f}", ar=f"{ar:.3f}", min=f"{state['elapsed'] / 60:.1f}/{budget / 60:.0f}")
+
+    summary = run(
+        args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None, progress
+    )
+    bar.close()
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    return 0
+
+
+def _cache_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "canvas-ls"
+
+
 class CliError(Exception):
     pass
 
@@ -84,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import ModelLoadError, SettingsError
 
     args = _parser().parse_args(argv)
-    handlers = {"complete": _complete, "make-tiny-model": _make_tiny_model}
+    handlers = {"complete": _complete, "train": _train, "make-tiny-model": _make_tiny_model}
     try:
         return handlers[args.command](args)
     except (CliError, ModelLoadError, SettingsError) as exc:
