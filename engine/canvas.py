@@ -61,6 +61,9 @@ class DenoiseParams:
     stability_threshold: int
     confidence_threshold: float
     seed: int | None
+    # "diffusion": entropy-bound parallel acceptance. "left_to_right": the autoregressive-equivalent baseline on the
+    # same model and canvas: each step commits the leftmost open slot's argmax, one token per forward.
+    order: str = "diffusion"
 
 
 @dataclass
@@ -105,6 +108,27 @@ class SeededEntropyBoundSampler(EntropyBoundSampler):
         return torch.randint(
             0, self.vocab_size, (batch_size, self.canvas_length), device=device, generator=self.generator
         )
+
+
+class LeftToRightSampler(SeededEntropyBoundSampler):
+    """One token per step, left to right, greedy: the baseline every parallel decode is measured against."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.committed = 0  # slots [0, committed) hold their final tokens
+
+    def accept_canvas(self, current_canvas, denoiser_canvas, logits, cur_step):  # type: ignore[override]
+        mask = torch.zeros_like(current_canvas, dtype=torch.bool)
+        mask[:, : self.committed + 1] = True
+        self.accepted_token_mask = mask
+        chosen = current_canvas.clone()
+        chosen[:, self.committed] = logits[:, self.committed].argmax(dim=-1)
+        self.committed += 1
+        return chosen
+
+    def finished(self, canvas: torch.Tensor, stop: torch.Tensor) -> bool:
+        """Done once the committed run ends with a stop token or fills the gap."""
+        return self.committed >= self.canvas_length or bool(torch.isin(canvas[0, self.committed - 1], stop))
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -168,10 +192,13 @@ def fill(
     )
     t_denoise = time.perf_counter()
     while len(out.tokens) < params.max_new_tokens:
-        sampler = SeededEntropyBoundSampler(
-            EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound), gap, vocab_size, params.max_steps, generator
+        left_to_right = params.order == "left_to_right"
+        sampler_class = LeftToRightSampler if left_to_right else SeededEntropyBoundSampler
+        steps_cap = gap if left_to_right else params.max_steps
+        sampler = sampler_class(
+            EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound), gap, vocab_size, steps_cap, generator
         )
-        temperature = LinearTemperatureScheduleLogitsProcessor(params.t_min, params.t_max, params.max_steps)
+        temperature = LinearTemperatureScheduleLogitsProcessor(params.t_min, params.t_max, steps_cap)
         stopping = StableAndConfidentStoppingCriteria(params.stability_threshold, params.confidence_threshold)
         positions = torch.arange(cursor, cursor + gap + head_len, device=device).unsqueeze(0)  # [1, G+S]
 
@@ -180,7 +207,7 @@ def fill(
         self_cond: torch.Tensor | None = None  # [1, G+S, V] last step's tempered logits
         raw_gap_logits: torch.Tensor | None = None
         stop = "step_cap"
-        for step, remaining in enumerate(range(params.max_steps, 0, -1), start=1):
+        for step, remaining in enumerate(range(steps_cap, 0, -1), start=1):
             if cancel is not None and cancel.is_set():
                 raise InfillCancelled(out.steps)
             canvas = torch.cat([gap_canvas, suffix_head], dim=1)  # [1, G+S]; the head is written back every step
@@ -201,7 +228,11 @@ def fill(
             accepted = sampler.accept_canvas(gap_canvas, denoised, gap_logits, remaining)
             gap_canvas = sampler.renoise_canvas(accepted, remaining)
             self_cond = tempered.to(embed_dtype)
-            done = bool(stopping(argmax, gap_logits)[0])
+            if left_to_right:
+                argmax = accepted  # the committed tokens are the answer
+                done = sampler.finished(accepted, stop_tensor)
+            else:
+                done = bool(stopping(argmax, gap_logits)[0])
             if on_step is not None:
                 on_step(
                     StepView(

@@ -97,6 +97,7 @@ class Engine:
             stability_threshold=settings.stability_threshold,
             confidence_threshold=settings.confidence_threshold,
             seed=settings.seed,
+            order=settings.order,
         )
         with self._lock:
             out = fill(self.loaded.model, encoder_ids, head_ids, params, self._stop_ids, cancel, on_step)

@@ -60,6 +60,9 @@ class InfillSettings:
     confidence_threshold: float = 0.005
     # Seed of the canvas noise and the samples; the same seed gives the same output. None: fresh noise each time.
     seed: int | None = 0
+    # "diffusion": parallel entropy-bound decoding. "left_to_right": one token per forward, the autoregressive-
+    # equivalent baseline that `canvas-ls bench infill` measures the parallel decode against.
+    order: Literal["diffusion", "left_to_right"] = "diffusion"
     # "prompt" layout template, with {prefix} and {suffix}. "auto": the tokenizer's FIM tokens if it has them,
     # else its chat template with an instruction, else a plain instruction.
     prompt_template: str = "auto"
@@ -81,6 +84,8 @@ class InfillSettings:
         return result
 
     def validate(self) -> None:
+        if self.order not in ("diffusion", "left_to_right"):
+            raise SettingsError(f"order must be 'diffusion' or 'left_to_right', got '{self.order}'")
         if self.layout not in LAYOUTS:
             raise SettingsError(f"layout must be one of {LAYOUTS}, got '{self.layout}'")
         for name in ("gap_tokens", "max_new_tokens", "max_prefix_tokens", "max_steps"):

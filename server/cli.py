@@ -40,6 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-dir", type=Path, help="HumanEval-Infilling folder, for the decontamination report")
     train.add_argument("--install", action="store_true", help="copy the result over the shipped default model")
 
+    bench = commands.add_parser("bench", help="benchmarks (figures, not pass/fail)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    infill = benches.add_parser(
+        "infill", help="HumanEval-Infilling-format quality and speed, parallel vs left to right"
+    )
+    infill.add_argument("--dataset", type=Path, required=True, help="jsonl or jsonl.gz")
+    infill.add_argument("--limit", type=int, help="this many tasks, spread over the set")
+    infill.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    infill.add_argument("--device")
+    infill.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the tasks' tests)")
+    infill.add_argument("--prefix-latency", type=int, default=1024, help="also time a prefix of N tokens (0: skip)")
+    infill.add_argument("--out", type=Path, help="JSON report path (default: bench-infill-<time>.json in the cache)")
+
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
@@ -103,6 +116,32 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import time
+
+    from engine import Engine
+    from engine.bench import format_table, prefix_latency, run_infill
+
+    if not args.dataset.is_file():
+        raise CliError(f"dataset {args.dataset} does not exist")
+    engine = Engine.load(args.model, args.device)
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r{done}/{total} tasks", end="", file=sys.stderr, flush=True)
+
+    report = run_infill(engine, args.dataset, args.limit, not args.no_tests, progress)
+    print(file=sys.stderr)
+    if args.prefix_latency:
+        filler = (Path(__file__).resolve().parent.parent / "fixtures" / "python" / "stats.py").read_text()
+        report["prefix_latency"] = prefix_latency(engine, filler, args.prefix_latency)
+    out = args.out or _cache_dir() / f"bench-infill-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(format_table(report))
+    print(f"\nreport: {out}")
+    return 0
+
+
 def _cache_dir() -> Path:
     import os
 
@@ -117,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import ModelLoadError, SettingsError
 
     args = _parser().parse_args(argv)
-    handlers = {"complete": _complete, "train": _train, "make-tiny-model": _make_tiny_model}
+    handlers = {"complete": _complete, "train": _train, "bench": _bench, "make-tiny-model": _make_tiny_model}
     try:
         return handlers[args.command](args)
     except (CliError, ModelLoadError, SettingsError) as exc:

@@ -145,3 +145,13 @@ def test_empty_prefix_and_suffix(tiny_engine: Engine) -> None:
 
 def test_model_settings_come_from_canvas_ls_json(tiny_engine: Engine) -> None:
     assert tiny_engine.settings.layout == "canvas"  # the tiny model's canvas_ls.json says so
+
+
+def test_left_to_right_baseline_commits_one_token_per_forward(tiny_engine: Engine) -> None:
+    start = prefix_len(tiny_engine)
+    with confident(tiny_engine, lambda p: 80 + (p - start) if p - start < 5 else EOS):
+        parallel = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8})
+        baseline = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "order": "left_to_right"})
+    assert baseline.tokens == parallel.tokens == list(range(80, 85))
+    assert baseline.forward_passes == 6  # five tokens and the EOS, one per forward
+    assert parallel.forward_passes < baseline.forward_passes

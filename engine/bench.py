@@ -1,0 +1,220 @@
+"""`canvas-ls bench infill`: quality and speed on HumanEval-Infilling-format tasks, parallel vs left to right.
+
+Every task is decoded twice with the same model, in the same run: the parallel diffusion decode (the engine's
+settings) and the autoregressive-equivalent baseline (one token per forward, left to right, greedy). Reported per
+mode: exact match (whitespace-normalised), edit similarity, pass@1 where tests exist (each program runs in its own
+`python` subprocess, in a temporary folder, with a timeout and a memory limit; never in-process), median and p95
+latency, mean steps, tokens per forward, and the share of empty completions; then the ratios between the modes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import gzip
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.engine import Engine
+
+MODES = {"parallel": "diffusion", "left_to_right": "left_to_right"}
+TEST_TIMEOUT_S = 10
+TEST_MEMORY_BYTES = 1 << 30
+
+
+@dataclass
+class Task:
+    task_id: str
+    prompt: str
+    suffix: str
+    solution: str
+    test: str | None
+    entry_point: str | None
+
+
+def load_tasks(path: Path, limit: int | None = None) -> list[Task]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as source:
+        rows = [json.loads(line) for line in source if line.strip()]
+    tasks = [
+        Task(r["task_id"], r["prompt"], r["suffix"], r["canonical_solution"], r.get("test"), r.get("entry_point"))
+        for r in rows
+    ]
+    if limit is not None and limit < len(tasks):
+        stride = len(tasks) / limit  # spread over the whole set, not the first few problems
+        tasks = [tasks[int(i * stride)] for i in range(limit)]
+    return tasks
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def edit_similarity(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (TEST_MEMORY_BYTES, TEST_MEMORY_BYTES))
+
+
+def passes(task: Task, completion: str, timeout: float = TEST_TIMEOUT_S) -> bool:
+    """Run prompt + completion + suffix + test + check(entry_point) in a sandboxed subprocess."""
+    program = f"{task.prompt}{completion}{task.suffix}\n\n{task.test}\n\ncheck({task.entry_point})\n"
+    with tempfile.TemporaryDirectory(prefix="canvas-ls-bench-") as folder:
+        script = Path(folder) / "program.py"
+        script.write_text(program, encoding="utf-8")
+        try:
+            done = subprocess.run(
+                [sys.executable, "-I", str(script)],
+                cwd=folder,
+                capture_output=True,
+                timeout=timeout,
+                preexec_fn=_limit_memory if os.name == "posix" else None,
+                stdin=subprocess.DEVNULL,
+                env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
+            )
+        except subprocess.TimeoutExpired:
+            return False
+    return done.returncode == 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def run_infill(
+    engine: Engine,
+    dataset: Path,
+    limit: int | None = None,
+    run_tests: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    tasks = load_tasks(dataset, limit)
+    rows: list[dict[str, Any]] = []
+    for index, task in enumerate(tasks):
+        row: dict[str, Any] = {"task_id": task.task_id}
+        for mode, order in MODES.items():
+            started = time.perf_counter()
+            result = engine.infill(task.prompt, task.suffix, {"order": order})
+            latency = (time.perf_counter() - started) * 1000
+            text = result.text
+            row[mode] = {
+                "text": text,
+                "exact": normalise(text) == normalise(task.solution),
+                "edit_similarity": edit_similarity(text, task.solution),
+                "passed": passes(task, text) if run_tests and task.test and task.entry_point else None,
+                "latency_ms": latency,
+                "steps": result.steps,
+                "forward_passes": result.forward_passes,
+                "produced": result.tokens_per_forward * result.forward_passes,
+                "empty": text.strip() == "",
+            }
+        rows.append(row)
+        if progress is not None:
+            progress(index + 1, len(tasks))
+    report: dict[str, Any] = {
+        "dataset": str(dataset),
+        "tasks": len(tasks),
+        "model": engine.name,
+        "settings": engine.settings.to_dict(),
+        "machine": machine(),
+    }
+    for mode in MODES:
+        report[mode] = summarise([row[mode] for row in rows])
+    par, seq = report["parallel"], report["left_to_right"]
+    report["ratios"] = {
+        "forward_passes_left_to_right_over_parallel": seq["forward_passes"] / max(par["forward_passes"], 1),
+        "wall_time_left_to_right_over_parallel": seq["total_latency_ms"] / max(par["total_latency_ms"], 1e-9),
+        "exact_match_difference_points": 100 * (par["exact_match"] - seq["exact_match"]),
+        "pass_at_1_difference_points": (
+            100 * (par["pass_at_1"] - seq["pass_at_1"]) if par["pass_at_1"] is not None else None
+        ),
+    }
+    report["rows"] = rows
+    return report
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    latencies = [r["latency_ms"] for r in results]
+    tested = [r["passed"] for r in results if r["passed"] is not None]
+    forwards = sum(r["forward_passes"] for r in results)
+    return {
+        "exact_match": statistics.fmean(r["exact"] for r in results),
+        "edit_similarity": statistics.fmean(r["edit_similarity"] for r in results),
+        "pass_at_1": statistics.fmean(tested) if tested else None,
+        "median_latency_ms": statistics.median(latencies),
+        "p95_latency_ms": percentile(latencies, 0.95),
+        "total_latency_ms": sum(latencies),
+        "mean_steps": statistics.fmean(r["steps"] for r in results),
+        "forward_passes": forwards,
+        "tokens_per_forward": sum(r["produced"] for r in results) / max(forwards, 1),
+        "empty_share": statistics.fmean(r["empty"] for r in results),
+    }
+
+
+def prefix_latency(engine: Engine, filler: str, prefix_tokens: int, runs: int = 7) -> dict[str, Any]:
+    """Median single-line completion latency with a prefix of about `prefix_tokens` tokens."""
+    ids = engine.tokenizer.encode(filler * (1 + 4 * prefix_tokens // max(1, len(filler))), add_special_tokens=False)
+    prefix = engine.tokenizer.decode(ids[-prefix_tokens:]) + "\n    "
+    overrides = {"max_prefix_tokens": prefix_tokens + 8, "max_new_tokens": engine.settings.gap_tokens}
+    engine.infill(prefix, "\n", overrides)  # warm-up, reported apart
+    times = []
+    for seed in range(runs):
+        started = time.perf_counter()
+        engine.infill(prefix, "\n", {**overrides, "seed": seed})
+        times.append((time.perf_counter() - started) * 1000)
+    return {"prefix_tokens": prefix_tokens, "runs": runs, "median_ms": statistics.median(times), "all_ms": times}
+
+
+def machine() -> str:
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {gpu}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{report['tasks']} tasks from {report['dataset']}", f"model {report['model']}", report["machine"], ""]
+    header = f"{'':<16}{'exact':>8}{'edit sim':>10}{'pass@1':>8}{'p50 ms':>9}{'p95 ms':>9}{'steps':>7}"
+    header += f"{'tok/fwd':>9}{'empty':>7}"
+    lines.append(header)
+    for mode in MODES:
+        s = report[mode]
+        pass_at_1 = f"{100 * s['pass_at_1']:.1f}" if s["pass_at_1"] is not None else "-"
+        lines.append(
+            f"{mode:<16}{100 * s['exact_match']:>8.1f}{100 * s['edit_similarity']:>10.1f}{pass_at_1:>8}"
+            f"{s['median_latency_ms']:>9.1f}{s['p95_latency_ms']:>9.1f}{s['mean_steps']:>7.2f}"
+            f"{s['tokens_per_forward']:>9.2f}{100 * s['empty_share']:>7.1f}"
+        )
+    r = report["ratios"]
+    lines.append("")
+    lines.append(f"forward passes, left-to-right / parallel: {r['forward_passes_left_to_right_over_parallel']:.2f}x")
+    lines.append(f"wall time, left-to-right / parallel:      {r['wall_time_left_to_right_over_parallel']:.2f}x")
+    lines.append(f"exact match, parallel - left-to-right:    {r['exact_match_difference_points']:+.1f} points")
+    if r["pass_at_1_difference_points"] is not None:
+        lines.append(f"pass@1, parallel - left-to-right:         {r['pass_at_1_difference_points']:+.1f} points")
+    if "prefix_latency" in report:
+        p = report["prefix_latency"]
+        lines.append(f"single-line completion, {p['prefix_tokens']}-token prefix: median {p['median_ms']:.1f} ms")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""`canvas-ls bench infill`: the sandboxed test runner and the report, on a tiny dataset and a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.bench import Task, load_tasks, passes
+from tests.conftest import FIXTURES
+from tests.test_cli import canvas_ls
+
+DATASET = FIXTURES / "bench" / "tiny-infill.jsonl"
+
+
+@pytest.fixture(scope="module")
+def add_task() -> Task:
+    return load_tasks(DATASET)[0]
+
+
+def test_canonical_solution_passes(add_task: Task) -> None:
+    assert passes(add_task, add_task.solution)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "    return a - b\n",  # wrong answer
+        "    return a +\n",  # syntax error
+        "    while True: pass\n",  # never ends: killed by the timeout
+        "    x = bytearray(4 << 30)\n",  # 4 GiB: refused by the memory limit
+    ],
+)
+def test_bad_completions_fail_in_the_sandbox(add_task: Task, completion: str) -> None:
+    assert not passes(add_task, completion, timeout=2)
+
+
+def test_limit_spreads_over_the_set() -> None:
+    assert [t.task_id for t in load_tasks(DATASET, 2)] == ["Tiny/0/L1", "Tiny/1/L2"]
+
+
+def test_bench_infill_prints_the_table_and_writes_the_report(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    done = canvas_ls(
+        "bench",
+        "infill",
+        "--dataset",
+        str(DATASET),
+        "--model",
+        str(tiny_model_dir),
+        "--prefix-latency",
+        "64",
+        "--out",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "forward passes, left-to-right / parallel" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["tasks"] == 3 and len(report["rows"]) == 3
+    for mode in ("parallel", "left_to_right"):
+        summary = report[mode]
+        assert 0 <= summary["exact_match"] <= 1 and summary["pass_at_1"] is not None
+        assert summary["forward_passes"] > 0
+    # The baseline commits one token per forward: at most one (the EOS may be the one).
+    assert report["left_to_right"]["tokens_per_forward"] <= 1.0
+    assert report["prefix_latency"]["prefix_tokens"] == 64
