@@ -33,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     complete.add_argument("--seed", type=int)
     complete.add_argument("--json", action="store_true", help="print the whole result object")
 
+    serve = commands.add_parser("serve", help="run the language server (stdio unless --tcp)")
+    serve.add_argument("--stdio", action="store_true", help="talk LSP over stdin/stdout (the default)")
+    serve.add_argument("--tcp", metavar="HOST:PORT", help="listen on a TCP address instead")
+    serve.add_argument("--log-file", type=Path, help="write logs here instead of stderr")
+    serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
     train = commands.add_parser("train", help="train the default model on source code already on this machine")
     train.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
     train.add_argument("--out", type=Path, default=_cache_dir() / "train", help="work folder (resumable)")
@@ -96,6 +102,25 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    handler = logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
+    logging.basicConfig(level=args.log_level, handlers=[handler], format="%(asctime)s %(name)s %(message)s")
+    if args.log_level != "DEBUG":
+        logging.getLogger("pygls").setLevel(logging.WARNING)  # it logs every message it sends at INFO
+    from server.lsp import server
+
+    if args.tcp:
+        host, _, port = args.tcp.rpartition(":")
+        if not host or not port.isdigit():
+            raise CliError(f"--tcp wants HOST:PORT, got '{args.tcp}'")
+        server.start_tcp(host, int(port))
+    else:
+        server.start_io()
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -156,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine import ModelLoadError, SettingsError
 
     args = _parser().parse_args(argv)
-    handlers = {"complete": _complete, "train": _train, "bench": _bench, "make-tiny-model": _make_tiny_model}
+    handlers = {
+        "complete": _complete,
+        "serve": _serve,
+        "train": _train,
+        "bench": _bench,
+        "make-tiny-model": _make_tiny_model,
+    }
     try:
         return handlers[args.command](args)
     except (CliError, ModelLoadError, SettingsError) as exc:

@@ -23,7 +23,11 @@ def tokenizer_texts() -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer_texts(), infill={"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 16})
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny"),
+        tokenizer_texts(),
+        infill={"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 16},
+    )
 
 
 @pytest.fixture(scope="session")

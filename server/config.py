@@ -1,0 +1,68 @@
+"""Server configuration: one tree of dataclasses with defaults, from `initializationOptions` and
+`workspace/didChangeConfiguration`. Bad options never stop the server: they produce a message and the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import cattrs
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+@dataclass
+class EngineOptions:
+    # Model folder or hub id; None means the default model shipped inside the package.
+    model: str | None = None
+    # "auto" takes CUDA when there is a GPU, else the CPU.
+    device: str = "auto"
+
+
+@dataclass
+class CompletionOptions:
+    # Gap slots for a completion that ends the current line / that writes a block. A model trained for in-place
+    # infill fills the slots it does not need with EOS, so these bound the answer, they do not guess its length.
+    gap_tokens_single_line: int = 16
+    gap_tokens_multi_line: int = 32
+    max_new_tokens_single_line: int = 48
+    max_new_tokens_multi_line: int = 128
+    # Denoising step cap and entropy bound; None keeps the model's own settings.
+    max_steps: int | None = None
+    entropy_bound: float | None = None
+    # Context windows around the cursor, in model tokens (estimated from characters; the engine trims exactly).
+    prefix_tokens: int = 1024
+    suffix_tokens: int = 256
+    # A multi-line completion keeps at most this many lines.
+    max_lines: int = 30
+    # Wait this long after a keystroke before calling the model; a newer request in the meantime wins.
+    debounce_ms: int = 0
+
+
+@dataclass
+class ServerConfig:
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    completion: CompletionOptions = field(default_factory=CompletionOptions)
+    # Per-language switch, by LSP languageId or canonical name ("python": false); a language not listed is on.
+    languages: dict[str, bool] = field(default_factory=dict)
+    # Completions remembered by context (LRU), answered without a model call.
+    cache_size: int = 256
+
+    def enabled(self, language: str, language_id: str | None = None) -> bool:
+        return self.languages.get(language_id or language, self.languages.get(language, True))
+
+
+def parse_config(options: Any) -> tuple[ServerConfig, str | None]:
+    """The configuration from a client's options, and an error message when they were invalid (defaults used)."""
+    if options is None:
+        return ServerConfig(), None
+    if isinstance(options, dict) and "canvas-ls" in options:  # didChangeConfiguration sends the whole section
+        options = options["canvas-ls"]
+    if not isinstance(options, dict):
+        return ServerConfig(), f"Invalid canvas-ls options, using defaults: expected an object, got {options!r}"
+    try:
+        return _converter.structure(options, ServerConfig), None
+    except (cattrs.BaseValidationError, TypeError, ValueError, AttributeError) as exc:
+        details = cattrs.transform_error(exc) if isinstance(exc, cattrs.BaseValidationError) else [str(exc)]
+        return ServerConfig(), "Invalid canvas-ls options, using defaults: " + "; ".join(details)

@@ -1,0 +1,120 @@
+"""Open documents: text, version, language and a tree-sitter tree kept current with incremental parsing.
+
+Every change is applied to the text and, as an edit, to the tree, then the tree is re-parsed incrementally. A
+change whose version is not newer than the document's is stale (it arrived out of order) and is dropped, so a
+late notification can never rewind the text.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from lsprotocol import types
+from tree_sitter import Parser, Tree
+
+from server.languages import language_for, parser_for
+from server.positions import LineIndex, PositionError, utf8
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Document:
+    uri: str
+    text: str
+    version: int
+    language: str  # canonical name; "plaintext" (or another id) when there is no grammar
+    encoding: str = "utf-16"  # the negotiated LSP position encoding
+    parser: Parser | None = None
+    tree: Tree | None = None
+    _index: LineIndex | None = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, uri: str, text: str, version: int, language_id: str | None, encoding: str = "utf-16") -> Document:
+        language = language_for(language_id, uri)
+        document = cls(uri, text, version, language, encoding, parser_for(language))
+        document.reparse()
+        return document
+
+    @property
+    def index(self) -> LineIndex:
+        if self._index is None or self._index.text is not self.text:
+            self._index = LineIndex(self.text, self.encoding)
+        return self._index
+
+    def reparse(self, old: Tree | None = None) -> None:
+        if self.parser is not None:
+            source = utf8(self.text)
+            self.tree = self.parser.parse(source, old) if old is not None else self.parser.parse(source)
+
+    def apply(self, version: int, changes: list[types.TextDocumentContentChangeEvent]) -> bool:
+        """Apply the changes of one didChange; False (and nothing changed) when the version is stale."""
+        if version <= self.version:
+            log.warning("%s: dropped stale change (version %s, document at %s)", self.uri, version, self.version)
+            return False
+        for change in changes:
+            if isinstance(change, types.TextDocumentContentChangePartial):
+                self._apply_range(change.range, change.text)
+            else:
+                self.text = change.text
+                self.reparse()
+        self.version = version
+        return True
+
+    def _apply_range(self, span: types.Range, new_text: str) -> None:
+        index = self.index
+        try:
+            start = index.offset(span.start.line, span.start.character)
+            end = index.offset(span.end.line, span.end.character)
+        except PositionError:  # a range past the end: clamp to the end of the text
+            start = min(len(self.text), _safe_offset(index, span.start))
+            end = min(len(self.text), _safe_offset(index, span.end))
+        start, end = min(start, end), max(start, end)
+        start_point, old_end_point = index.point(start), index.point(end)
+        start_byte = len(utf8(self.text[:start]))
+        old_end_byte = start_byte + len(utf8(self.text[start:end]))
+        self.text = self.text[:start] + new_text + self.text[end:]
+        if self.tree is not None:
+            new_index = self.index
+            self.tree.edit(
+                start_byte=start_byte,
+                old_end_byte=old_end_byte,
+                new_end_byte=start_byte + len(utf8(new_text)),
+                start_point=start_point,
+                old_end_point=old_end_point,
+                new_end_point=new_index.point(start + len(new_text)),
+            )
+            self.reparse(self.tree)
+
+
+def _safe_offset(index: LineIndex, position: types.Position) -> int:
+    try:
+        return index.offset(position.line, position.character)
+    except PositionError:
+        return len(index.text)
+
+
+class DocumentStore:
+    def __init__(self) -> None:
+        self._documents: dict[str, Document] = {}
+        self.encoding = "utf-16"  # set from the initialize handshake
+
+    def open(self, item: types.TextDocumentItem) -> Document:
+        document = Document.open(item.uri, item.text, item.version, item.language_id, self.encoding)
+        self._documents[item.uri] = document
+        return document
+
+    def change(self, params: types.DidChangeTextDocumentParams) -> Document | None:
+        document = self._documents.get(params.text_document.uri)
+        if document is None:
+            log.warning("change for a document that is not open: %s", params.text_document.uri)
+            return None
+        document.apply(params.text_document.version, list(params.content_changes))
+        return document
+
+    def close(self, uri: str) -> None:
+        self._documents.pop(uri, None)
+
+    def get(self, uri: str) -> Document | None:
+        return self._documents.get(uri)

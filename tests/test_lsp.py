@@ -1,0 +1,339 @@
+"""The language server over stdio, driven by a real LSP client (pytest-lsp) that launches `canvas-ls serve`.
+
+The model here is the tiny random one: it writes noise, so completions that must survive the syntax check are
+asked for inside comments (any text is valid there). What is asserted is the server's behaviour: capabilities,
+ranges, cache and typing-through (no model call), cancellation, supersession, and staying up on bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_lsp
+from lsprotocol import types
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+SERVE = [sys.executable, "-m", "server.cli", "serve"]
+COMMENT_DOC = "import os\n\n\ndef main():\n    # TODO: \n    return os.getcwd()\n"
+COMMENT_POS = types.Position(line=4, character=12)  # right after "# TODO: "
+
+
+def plain(value: Any) -> Any:
+    """pygls hands custom results back as named tuples; tests compare plain dicts and lists."""
+    if hasattr(value, "_asdict"):
+        return {k: plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+async def request(client: LanguageClient, method: str, params: Any) -> Any:
+    return plain(await client.protocol.send_request_async(method, params))
+
+
+def uri(name: str) -> str:
+    return f"file:///work/{name}"
+
+
+async def wait_ready(client: LanguageClient, timeout: float = 60) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        stats = await request(client, "canvas/stats", {})
+        state = stats["engine"]["state"]
+        if state in ("ready", "failed") or asyncio.get_running_loop().time() > deadline:
+            assert state == "ready", stats
+            return stats
+        await asyncio.sleep(0.1)
+
+
+def open_doc(client: LanguageClient, name: str, text: str, language: str = "python", version: int = 1) -> None:
+    client.text_document_did_open(
+        types.DidOpenTextDocumentParams(types.TextDocumentItem(uri(name), language, version, text))
+    )
+
+
+async def inline(client: LanguageClient, name: str, position: types.Position) -> list[types.InlineCompletionItem]:
+    result = await client.text_document_inline_completion_async(
+        types.InlineCompletionParams(
+            text_document=types.TextDocumentIdentifier(uri(name)),
+            position=position,
+            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
+        )
+    )
+    return list(result.items if isinstance(result, types.InlineCompletionList) else result or [])
+
+
+async def fill(client: LanguageClient, name: str, position: types.Position) -> dict[str, Any]:
+    return await request(
+        client,
+        "canvas/fill",
+        {"textDocument": {"uri": uri(name)}, "position": {"line": position.line, "character": position.character}},
+    )
+
+
+def options(tiny_model_dir: Path, **completion: Any) -> dict[str, Any]:
+    return {"engine": {"model": str(tiny_model_dir), "device": "cpu"}, "completion": completion}
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def client(lsp_client: LanguageClient, tiny_model_dir: Path):
+    params = types.InitializeParams(
+        capabilities=pytest_lsp.client_capabilities("neovim"),
+        initialization_options=options(tiny_model_dir, max_steps=4),
+    )
+    lsp_client.init_result = await lsp_client.initialize_session(params)
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def test_initialize_advertises_inline_completion(client: LanguageClient) -> None:
+    capabilities = client.init_result.capabilities
+    assert capabilities.inline_completion_provider is not None
+    assert capabilities.completion_provider is not None
+    assert capabilities.text_document_sync.change == types.TextDocumentSyncKind.Incremental
+    assert client.init_result.server_info.name == "canvas-ls"
+
+
+async def test_model_loading_is_reported_as_progress(client: LanguageClient) -> None:
+    await wait_ready(client)
+    reports = [r for values in client.progress_reports.values() for r in values]
+    assert isinstance(reports[0], types.WorkDoneProgressBegin)
+    assert isinstance(reports[-1], types.WorkDoneProgressEnd) and "ready" in reports[-1].message
+
+
+async def test_inline_completion_in_a_comment_inserts_at_the_cursor(client: LanguageClient) -> None:
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    items = await inline(client, "a.py", COMMENT_POS)
+    assert len(items) == 1
+    item = items[0]
+    assert item.range == types.Range(COMMENT_POS, COMMENT_POS)
+    assert item.insert_text and "\n" not in item.insert_text  # single line: the cursor's line has text
+
+
+async def test_same_context_is_answered_from_the_cache(client: LanguageClient) -> None:
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    first = await fill(client, "a.py", COMMENT_POS)
+    again = await fill(client, "a.py", COMMENT_POS)
+    assert first["source"] == "model" and again["source"] == "cache"
+    assert again["edit"]["text"] == first["edit"]["text"]
+
+
+async def test_typing_through_is_answered_without_a_model_call(client: LanguageClient) -> None:
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    first = await fill(client, "a.py", COMMENT_POS)
+    shown = first["edit"]["text"]
+    assert len(shown) >= 2, shown
+    calls = (await request(client, "canvas/stats", {}))["modelCalls"]
+    typed = shown[:1]
+    client.text_document_did_change(
+        types.DidChangeTextDocumentParams(
+            text_document=types.VersionedTextDocumentIdentifier(uri=uri("a.py"), version=2),
+            content_changes=[
+                types.TextDocumentContentChangePartial(range=types.Range(COMMENT_POS, COMMENT_POS), text=typed)
+            ],
+        )
+    )
+    encoding = client.init_result.capabilities.position_encoding
+    width = len(typed.encode("utf-8")) if encoding == "utf-8" else len(typed.encode("utf-16-le")) // 2
+    moved = types.Position(COMMENT_POS.line, COMMENT_POS.character + width)
+    items = await inline(client, "a.py", moved)
+    assert [i.insert_text for i in items] == [shown[1:]]
+    stats = await request(client, "canvas/stats", {})
+    assert stats["modelCalls"] == calls and stats["typingHits"] == 1
+
+
+async def test_completion_fallback_returns_one_text_edit(client: LanguageClient) -> None:
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    result = await client.text_document_completion_async(
+        types.CompletionParams(types.TextDocumentIdentifier(uri("a.py")), COMMENT_POS)
+    )
+    assert len(result.items) == 1
+    edit = result.items[0].text_edit
+    assert edit.range == types.Range(COMMENT_POS, COMMENT_POS) and edit.new_text
+
+
+async def test_no_completion_inside_an_identifier(client: LanguageClient) -> None:
+    await wait_ready(client)
+    open_doc(client, "a.py", "value = compute_total(3)\n")
+    response = await fill(client, "a.py", types.Position(0, 11))  # compu|te_total
+    assert response["source"] == "skip:inside an identifier" and response["edit"] is None
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def slow_client(lsp_client: LanguageClient, tiny_model_dir: Path):
+    """A session whose model calls take 2000 denoising steps per canvas (seconds), unless stopped."""
+    params = types.InitializeParams(
+        capabilities=pytest_lsp.client_capabilities("neovim"),
+        initialization_options=options(tiny_model_dir, max_steps=2000, gap_tokens_single_line=32),
+    )
+    await lsp_client.initialize_session(params)
+    await wait_ready(lsp_client)
+    open_doc(lsp_client, "a.py", COMMENT_DOC)
+    yield
+    await lsp_client.shutdown_session()
+
+
+def make_fast(client: LanguageClient, tiny_model_dir: Path) -> None:
+    client.workspace_did_change_configuration(
+        types.DidChangeConfigurationParams(settings={"canvas-ls": options(tiny_model_dir, max_steps=2)})
+    )
+
+
+async def test_cancel_request_stops_denoising_at_the_next_step(
+    slow_client: LanguageClient, tiny_model_dir: Path
+) -> None:
+    pending = asyncio.ensure_future(
+        slow_client.protocol.send_request_async(
+            "canvas/fill", {"textDocument": {"uri": uri("a.py")}, "position": {"line": 4, "character": 12}}, msg_id=9001
+        )
+    )
+    await asyncio.sleep(0.5)
+    slow_client.protocol.notify("$/cancelRequest", types.CancelParams(id=9001))
+    with pytest.raises(Exception, match="cancel"):
+        await asyncio.wait_for(pending, 60)
+    make_fast(slow_client, tiny_model_dir)
+    after = await fill(slow_client, "a.py", types.Position(4, 11))  # the worker is free for the next request
+    assert after["result"] is not None and after["result"]["steps"] <= 2 * after["result"]["canvases"]
+    stats = await request(slow_client, "canvas/stats", {})
+    [stopped_at] = stats["cancelledAfterSteps"]
+    assert 0 < stopped_at < 2000  # denoising stopped mid-canvas, not at its step cap
+
+
+async def test_newer_request_supersedes_the_older(slow_client: LanguageClient, tiny_model_dir: Path) -> None:
+    older = asyncio.ensure_future(fill(slow_client, "a.py", COMMENT_POS))
+    await asyncio.sleep(0.5)
+    make_fast(slow_client, tiny_model_dir)
+    newer = await fill(slow_client, "a.py", types.Position(4, 11))
+    assert (await asyncio.wait_for(older, 60))["source"] == "cancelled"
+    assert newer["source"] in ("model", "rejected")
+
+
+# -- bad input: the server answers empty (or with a clear error) and stays up --------------------------------------
+
+
+async def still_up(client: LanguageClient) -> None:
+    stats = await request(client, "canvas/stats", {})
+    assert stats["engine"]["state"] in ("loading", "ready")
+
+
+async def test_request_while_the_model_is_loading_is_empty(client: LanguageClient) -> None:
+    open_doc(client, "a.py", COMMENT_DOC)
+    response = await fill(client, "a.py", COMMENT_POS)
+    assert response["source"] == "not ready:the model is still loading" and response["edit"] is None
+    assert await inline(client, "a.py", COMMENT_POS) == [] or True  # may have finished loading meanwhile
+    await still_up(client)
+
+
+@pytest.mark.parametrize("position", [types.Position(4, 500), types.Position(99, 0)])
+async def test_position_past_the_end(client: LanguageClient, position: types.Position) -> None:
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    if position.line == 99:
+        assert (await fill(client, "a.py", position))["source"] == "skip:position past the end"
+    else:  # past the end of the line: the end of the line, as the spec says
+        assert (await fill(client, "a.py", position))["source"] in ("model", "rejected")
+    assert await inline(client, "a.py", types.Position(99, 0)) == []
+    await still_up(client)
+
+
+async def test_unknown_uri(client: LanguageClient) -> None:
+    await wait_ready(client)
+    assert await inline(client, "never-opened.py", types.Position(0, 0)) == []
+    assert (await fill(client, "never-opened.py", types.Position(0, 0)))["source"] == "skip:unknown document"
+    await still_up(client)
+
+
+async def test_changes_out_of_order_never_rewind_the_text(client: LanguageClient) -> None:
+    await wait_ready(client)
+    open_doc(client, "a.py", "x = 1\n")
+    end = types.Position(1, 0)
+
+    def change(version: int, text: str, span: types.Range | None) -> None:
+        event = (
+            types.TextDocumentContentChangeWholeDocument(text=text)
+            if span is None
+            else types.TextDocumentContentChangePartial(range=span, text=text)
+        )
+        client.text_document_did_change(
+            types.DidChangeTextDocumentParams(
+                text_document=types.VersionedTextDocumentIdentifier(uri=uri("a.py"), version=version),
+                content_changes=[event],
+            )
+        )
+
+    change(3, "# note: \n", types.Range(end, end))  # version 3 adds a second line
+    change(2, "", None)  # version 2 arrives late: it would empty the file
+    response = await fill(client, "a.py", types.Position(1, 8))
+    assert response["source"] != "skip:position past the end"  # the second line is still there
+    await still_up(client)
+
+
+async def test_a_5_mb_file(client: LanguageClient) -> None:
+    await wait_ready(client)
+    function = "def f{n}(x):\n    # {n}: \n    return x + {n}\n\n\n"
+    text = "".join(function.format(n=n) for n in range(5 * 1024 * 1024 // len(function.format(n=0))))
+    last_comment = text.count("\n") - 4  # the '# n: ' line of the last function
+    open_doc(client, "big.py", text)
+    line = text.split("\n")[last_comment]
+    response = await fill(client, "big.py", types.Position(last_comment, len(line)))
+    assert response["source"] in ("model", "rejected")
+    assert response["result"]["prefix_tokens"] <= 1024 + 1  # the window, not 5 MB, reached the model
+    await still_up(client)
+
+
+async def test_non_utf8_bytes(client: LanguageClient) -> None:
+    await wait_ready(client)
+    text = bytes(range(256)).decode("latin-1") + "\n\ufffd\ufffd = 1\n# note: \n"
+    open_doc(client, "bytes.py", text)
+    response = await fill(client, "bytes.py", types.Position(text.count("\n") - 1, 8))
+    assert response["source"] in ("model", "rejected", "skip:position past the end")
+    await still_up(client)
+
+
+async def test_a_language_with_no_grammar_uses_plain_text(client: LanguageClient) -> None:
+    await wait_ready(client)
+    open_doc(
+        client, "report.cob", "       IDENTIFICATION DIVISION.\n       PROGRAM-ID. HELLO.\n       ", language="cobol"
+    )
+    items = await inline(client, "report.cob", types.Position(2, 7))
+    assert len(items) == 1  # no grammar, no syntax check: the model's text is offered as it is
+    await still_up(client)
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def raw_client(lsp_client: LanguageClient):
+    """A client the test initializes itself."""
+    yield
+
+
+async def test_invalid_options_give_a_message_and_defaults(raw_client: LanguageClient, tiny_model_dir: Path) -> None:
+    lsp_client = raw_client
+    params = types.InitializeParams(
+        capabilities=pytest_lsp.client_capabilities("neovim"),
+        initialization_options={"engine": {"model": str(tiny_model_dir)}, "completion": {"gap_tokens": "many"}},
+    )
+    await lsp_client.initialize_session(params)
+    await lsp_client.wait_for_notification(types.WINDOW_SHOW_MESSAGE)
+    assert lsp_client.messages[0].message.startswith("Invalid canvas-ls options, using defaults:")
+    assert "extra fields found (gap_tokens)" in lsp_client.messages[0].message
+    await lsp_client.shutdown_session()
+
+
+async def test_shutdown_during_a_request(slow_client: LanguageClient) -> None:
+    pending = asyncio.ensure_future(fill(slow_client, "a.py", COMMENT_POS))
+    await asyncio.sleep(0.5)
+    await slow_client.shutdown_async(None)
+    slow_client.exit(None)
+    assert await asyncio.wait_for(slow_client._server.wait(), 60) == 0
+    assert pending.done()
+    slow_client.capabilities = None  # the session is over; nothing left for the fixture to shut down
