@@ -59,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     infill.add_argument("--prefix-latency", type=int, default=1024, help="also time a prefix of N tokens (0: skip)")
     infill.add_argument("--out", type=Path, help="JSON report path (default: bench-infill-<time>.json in the cache)")
 
+    lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client, cold and typing-through")
+    lsp.add_argument("--requests", type=int, default=100, help="cold requests (each may add a typing one)")
+    lsp.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    lsp.add_argument("--device", default="auto")
+    lsp.add_argument("--files", type=Path, nargs="*", help="files to complete in (default: the fixtures)")
+    lsp.add_argument("--out", type=Path, help="JSON report path")
+
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
@@ -142,6 +149,26 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    return _bench_lsp(args) if args.bench == "lsp" else _bench_infill(args)
+
+
+def _bench_lsp(args: argparse.Namespace) -> int:
+    import time
+
+    from server.bench_lsp import LANGUAGES, format_report, run_lsp_bench
+
+    fixtures = Path(__file__).resolve().parent.parent / "fixtures"
+    files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
+    report = run_lsp_bench(files, args.requests, args.model, args.device)
+    out = args.out or _cache_dir() / f"bench-lsp-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(format_report(report))
+    print(f"\nreport: {out}")
+    return 0
+
+
+def _bench_infill(args: argparse.Namespace) -> int:
     import time
 
     from engine import Engine

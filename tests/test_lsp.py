@@ -17,6 +17,8 @@ import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
+from tests.conftest import FIXTURES
+
 SERVE = [sys.executable, "-m", "server.cli", "serve"]
 COMMENT_DOC = "import os\n\n\ndef main():\n    # TODO: \n    return os.getcwd()\n"
 COMMENT_POS = types.Position(line=4, character=12)  # right after "# TODO: "
@@ -115,6 +117,27 @@ async def test_inline_completion_in_a_comment_inserts_at_the_cursor(client: Lang
     item = items[0]
     assert item.range == types.Range(COMMENT_POS, COMMENT_POS)
     assert item.insert_text and "\n" not in item.insert_text  # single line: the cursor's line has text
+
+
+@pytest.mark.parametrize(
+    ("fixture", "language"),
+    [("python/stats.py", "python"), ("javascript/cart.js", "javascript"), ("go/shapes.go", "go")],
+)
+async def test_inline_completion_in_fixtures(client: LanguageClient, fixture: str, language: str) -> None:
+    """In each fixture, complete after the "TODO: " comment: an item at the cursor, on one line."""
+    await wait_ready(client)
+    text = (FIXTURES / fixture).read_text()
+    if "TODO: " not in text:
+        text = text.replace("    m = mean(values)\n", "    # TODO: \n    m = mean(values)\n")
+    line = next(i for i, row in enumerate(text.split("\n")) if row.rstrip().endswith("TODO:"))
+    character = len(text.split("\n")[line].encode("utf-8"))  # the negotiated encoding is utf-8 (Neovim's first)
+    open_doc(client, fixture, text, language)
+    response = await fill(client, fixture, types.Position(line, character))
+    assert response["result"]["prefix_tokens"] > 10 and response["result"]["layout"] == "canvas"
+    items = await inline(client, fixture, types.Position(line, character))
+    assert len(items) == 1
+    assert items[0].range.start == types.Position(line, character) == items[0].range.end
+    assert "\n" not in items[0].insert_text
 
 
 async def test_same_context_is_answered_from_the_cache(client: LanguageClient) -> None:

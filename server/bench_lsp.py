@@ -1,0 +1,146 @@
+"""`canvas-ls bench lsp`: end-to-end latency as an editor sees it.
+
+A real LSP client (pygls) starts `canvas-ls serve` over stdio, opens the fixtures, and sends inline-completion
+requests: "cold" ones at line ends across the files (each context new to the server), and after each cold answer
+that offered text, a "typing" one where the user has typed the completion's first characters (the server should
+answer from what is on screen, with no model call). Reported: p50/p95 per kind, the cache hit rate and the model
+calls, from the server's own counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lsprotocol import types
+from pygls.lsp.client import LanguageClient
+
+from engine.bench import machine, percentile
+
+LANGUAGES = {".py": "python", ".js": "javascript", ".go": "go", ".ts": "typescript", ".rs": "rust"}
+
+
+def _positions(text: str) -> list[tuple[int, int]]:
+    """Cursor positions worth completing at: the end of each non-blank line, and mid-line after `(`, `=`."""
+    spots = []
+    for number, line in enumerate(text.split("\n")):
+        if line.strip():
+            spots.append((number, len(line.encode("utf-16-le")) // 2))
+        for marker in ("(", "= "):
+            column = line.find(marker)
+            if column > 0:
+                spots.append((number, column + len(marker)))
+    return spots
+
+
+async def _drive(command: list[str], files: list[Path], requests: int, init: dict[str, Any]) -> dict[str, Any]:
+    client = LanguageClient("canvas-ls-bench", "1")
+    for method in (types.WINDOW_LOG_MESSAGE, types.WINDOW_SHOW_MESSAGE, types.PROGRESS):
+        client.feature(method)(lambda *args: None)
+    client.feature(types.WINDOW_WORK_DONE_PROGRESS_CREATE)(lambda *args: None)
+    await client.start_io(*command)
+    drain = asyncio.ensure_future(_drain(client))
+    capabilities = types.ClientCapabilities(
+        general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])
+    )
+    await client.initialize_async(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    client.initialized(types.InitializedParams())
+    while (await client.protocol.send_request_async("canvas/stats", {})).engine.state == "loading":
+        await asyncio.sleep(0.2)
+
+    texts = {path: path.read_text() for path in files}
+    spots = [(path, spot) for path in files for spot in _positions(texts[path])]
+    spots = [spots[int(i * len(spots) / requests)] for i in range(min(requests, len(spots)))]
+    cold: list[float] = []
+    typing: list[float] = []
+    versions: dict[Path, int] = {}
+    for path, (line, character) in spots:
+        uri = path.resolve().as_uri()
+        version = versions.get(path, 0) + 1
+        versions[path] = version
+        if version > 1:
+            client.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri)))
+        client.text_document_did_open(
+            types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, LANGUAGES[path.suffix], version, texts[path]))
+        )
+        started = time.perf_counter()
+        items = await _inline(client, uri, line, character)
+        cold.append((time.perf_counter() - started) * 1000)
+        if not items or len(items[0].insert_text) < 2:
+            continue
+        typed = items[0].insert_text[: min(3, len(items[0].insert_text) - 1)]
+        at = types.Position(line, character)
+        client.text_document_did_change(
+            types.DidChangeTextDocumentParams(
+                types.VersionedTextDocumentIdentifier(version=version + 1000, uri=uri),
+                [types.TextDocumentContentChangePartial(range=types.Range(at, at), text=typed)],
+            )
+        )
+        started = time.perf_counter()
+        await _inline(client, uri, line, character + len(typed.encode("utf-16-le")) // 2)
+        typing.append((time.perf_counter() - started) * 1000)
+    stats = await client.protocol.send_request_async("canvas/stats", {})
+    await client.shutdown_async(None)
+    client.exit(None)
+    drain.cancel()
+    return {
+        "requests": len(cold) + len(typing),
+        "cold": _summary(cold),
+        "typing": _summary(typing),
+        "model_calls": stats.modelCalls,
+        "cache_hits": stats.cacheHits,
+        "typing_hits": stats.typingHits,
+        "hit_rate": (stats.cacheHits + stats.typingHits) / max(stats.requests, 1),
+        "by_source": dict(stats.bySource._asdict()) if hasattr(stats.bySource, "_asdict") else stats.bySource,
+    }
+
+
+async def _drain(client: LanguageClient) -> None:
+    """Read the server's stderr so that a full pipe never blocks it."""
+    server = client._server
+    if server is None or server.stderr is None:
+        return
+    while await server.stderr.readline():
+        pass
+
+
+async def _inline(client: LanguageClient, uri: str, line: int, character: int) -> list[types.InlineCompletionItem]:
+    result = await client.text_document_inline_completion_async(
+        types.InlineCompletionParams(
+            text_document=types.TextDocumentIdentifier(uri),
+            position=types.Position(line, character),
+            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
+        )
+    )
+    return list(result.items if isinstance(result, types.InlineCompletionList) else result or [])
+
+
+def _summary(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50_ms": statistics.median(values), "p95_ms": percentile(values, 0.95)}
+
+
+def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str) -> dict[str, Any]:
+    command = [sys.executable, "-m", "server.cli", "serve", "--log-level", "WARNING"]
+    init = {"engine": {"model": model, "device": device}}
+    report = asyncio.run(_drive(command, files, requests, init))
+    report["machine"] = machine()
+    report["model"] = model or "(default)"
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"model {report['model']}", report["machine"], f"{report['requests']} requests", ""]
+    for kind in ("cold", "typing"):
+        s = report[kind]
+        if s["n"]:
+            lines.append(f"{kind:<8} n={s['n']:<4} p50 {s['p50_ms']:8.1f} ms   p95 {s['p95_ms']:8.1f} ms")
+    lines.append(f"model calls {report['model_calls']}, cache hits {report['cache_hits']}, "
+                 f"typing-through hits {report['typing_hits']}, hit rate {100 * report['hit_rate']:.1f}%")  # fmt: skip
+    lines.append(f"outcomes: {report['by_source']}")
+    return "\n".join(lines)
