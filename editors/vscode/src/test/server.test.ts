@@ -1,0 +1,92 @@
+// The extension's server launch, tested in node: exactly the command and initializationOptions the extension
+// builds, a real `canvas-ls serve`, and initialize + inline completion over JSON-RPC (no VS Code binary here).
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { execFileSync, spawn } from "node:child_process";
+import * as fs from "node:fs";
+import * as os from "node:os";
+import * as path from "node:path";
+import { pathToFileURL } from "node:url";
+import {
+  createProtocolConnection,
+  DidOpenTextDocumentNotification,
+  ExitNotification,
+  InitializedNotification,
+  InitializeRequest,
+  InlineCompletionRequest,
+  InlineCompletionTriggerKind,
+  ShutdownRequest,
+  StreamMessageReader,
+  StreamMessageWriter,
+} from "vscode-languageserver-protocol/node";
+import { CanvasSettings, DEFAULT_SETTINGS, initializationOptions, serverCommand } from "../config";
+
+const python = process.env.CANVAS_PYTHON ?? "python3";
+const repo = path.resolve(__dirname, "..", "..", "..", "..");
+
+test("the default command is canvas-ls serve; a pythonPath runs the module", () => {
+  assert.deepEqual(serverCommand(DEFAULT_SETTINGS), { command: "canvas-ls", args: ["serve"] });
+  assert.deepEqual(serverCommand({ ...DEFAULT_SETTINGS, pythonPath: "/usr/bin/python3" }), {
+    command: "/usr/bin/python3",
+    args: ["-m", "server.cli", "serve"],
+  });
+});
+
+test("settings become the server's option tree", () => {
+  const options = initializationOptions({ ...DEFAULT_SETTINGS, model: "/m", device: "cpu", gapTokens: { singleLine: 8 } });
+  assert.deepEqual(options, { engine: { model: "/m", device: "cpu" }, completion: { gap_tokens_single_line: 8 } });
+  assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, { model: null, device: "auto" });
+});
+
+test("the server the extension starts answers initialize and an inline completion", { timeout: 180_000 }, async () => {
+  const modelDir = fs.mkdtempSync(path.join(os.tmpdir(), "canvas-tiny-"));
+  execFileSync(python, ["-m", "server.cli", "make-tiny-model", modelDir]);
+  const settings: CanvasSettings = { ...DEFAULT_SETTINGS, pythonPath: python, model: modelDir, device: "cpu" };
+  const { command, args } = serverCommand(settings);
+  const server = spawn(command, args, { stdio: ["pipe", "pipe", "ignore"] });
+  const connection = createProtocolConnection(
+    new StreamMessageReader(server.stdout),
+    new StreamMessageWriter(server.stdin),
+  );
+  connection.listen();
+  try {
+    const init = await connection.sendRequest(InitializeRequest.type, {
+      processId: process.pid,
+      rootUri: null,
+      capabilities: {},
+      initializationOptions: initializationOptions(settings),
+    });
+    assert.ok(init.capabilities.inlineCompletionProvider, "inlineCompletionProvider is advertised");
+    await connection.sendNotification(InitializedNotification.type, {});
+
+    const file = path.join(repo, "fixtures", "javascript", "cart.js");
+    const uri = pathToFileURL(file).toString();
+    const text = fs.readFileSync(file, "utf8");
+    await connection.sendNotification(DidOpenTextDocumentNotification.type, {
+      textDocument: { uri, languageId: "javascript", version: 1, text },
+    });
+    for (let i = 0; i < 300; i++) {
+      const stats = await connection.sendRequest<{ engine: { state: string } }>("canvas/stats", {});
+      if (stats.engine.state === "ready") break;
+      assert.notEqual(stats.engine.state, "failed");
+      await new Promise((resolve) => setTimeout(resolve, 200));
+    }
+    const line = text.split("\n").findIndex((row) => row.trimEnd().endsWith("// TODO:"));
+    const position = { line, character: text.split("\n")[line].length };
+    const result = await connection.sendRequest(InlineCompletionRequest.type, {
+      textDocument: { uri },
+      position,
+      context: { triggerKind: InlineCompletionTriggerKind.Automatic },
+    });
+    const items = Array.isArray(result) ? result : (result?.items ?? []);
+    assert.equal(items.length, 1);
+    assert.deepEqual(items[0].range, { start: position, end: position });
+    assert.equal(typeof items[0].insertText, "string");
+    await connection.sendRequest(ShutdownRequest.type);
+    await connection.sendNotification(ExitNotification.type);
+  } finally {
+    connection.dispose();
+    server.kill();
+    fs.rmSync(modelDir, { recursive: true, force: true });
+  }
+});
