@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.engine import Engine
 
 MODES = {"parallel": "diffusion", "left_to_right": "left_to_right"}
@@ -217,4 +219,77 @@ def format_table(report: dict[str, Any]) -> str:
     if "prefix_latency" in report:
         p = report["prefix_latency"]
         lines.append(f"single-line completion, {p['prefix_tokens']}-token prefix: median {p['median_ms']:.1f} ms")
+    return "\n".join(lines)
+
+
+# -- `canvas-ls bench sampler`: the per-step sampler work, torch vs the fused kernel ------------------------------
+
+
+def _torch_step(logits: torch.Tensor, temperature: float, generator: torch.Generator, sampler, stopping) -> None:
+    """What transformers' DiffusionGemma step does with the logits: scale, softmax, sample, argmax, accept, stop."""
+    scaled = logits / temperature
+    probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+    sample = torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+    argmax = scaled.argmax(dim=-1)
+    sampler.accept_canvas(argmax, sample, scaled, 1)
+    stopping(argmax, scaled)
+
+
+def _fused_step(logits: torch.Tensor, temperature: float, generator: torch.Generator, sampler, stopping) -> None:
+    from engine.sampling import step_stats_fused
+
+    stats = step_stats_fused(logits.view(-1, logits.shape[-1]), temperature, generator)
+    shape = logits.shape[:-1]
+    sampler.accept_entropy(stats.argmax.view(shape), stats.sample.view(shape), stats.entropy.view(shape))
+    stopping(stats.argmax.view(shape), token_entropy=stats.entropy.view(shape))
+
+
+def run_sampler(device: str | None = None, canvases: tuple[int, ...] = (64, 256),
+                vocabs: tuple[int, ...] = (8192, 262144), steps: int = 20) -> dict[str, Any]:  # fmt: skip
+    """Median milliseconds per step, torch vs fused (fused only where the kernel runs: CUDA with triton)."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    from engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
+    from engine.sampling import fused_available
+
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    fused_ok = fused_available(target) and target.type == "cuda"
+    rows = []
+    for canvas in canvases:
+        for vocab in vocabs:
+            generator = torch.Generator(device=target).manual_seed(0)
+            logits = torch.randn(1, canvas, vocab, device=target, generator=generator) * 3
+            config = EntropyBoundSamplerConfig(entropy_bound=0.1)
+            row: dict[str, Any] = {"canvas": canvas, "vocab": vocab}
+            for name, step in (("torch", _torch_step), ("fused", _fused_step)):
+                if name == "fused" and not fused_ok:
+                    row[name + "_ms"] = None
+                    continue
+                sampler = SeededEntropyBoundSampler(config, canvas, vocab, steps, generator)
+                stopping = EntropyStableAndConfident(1, 0.005)
+                step(logits, 0.7, generator, sampler, stopping)  # warm-up (and kernel compilation), not timed
+                times = []
+                for _ in range(steps):
+                    if target.type == "cuda":
+                        torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    step(logits, 0.7, generator, sampler, stopping)
+                    if target.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append((time.perf_counter() - started) * 1000)
+                row[name + "_ms"] = statistics.median(times)
+            row["speedup"] = row["torch_ms"] / row["fused_ms"] if row["fused_ms"] else None
+            rows.append(row)
+    return {"device": str(target), "machine": machine(), "steps": steps, "rows": rows}
+
+
+def format_sampler(report: dict[str, Any]) -> str:
+    lines = [report["machine"], f"device {report['device']}, median of {report['steps']} steps", ""]
+    lines.append(f"{'canvas':>7}{'vocab':>9}{'torch ms':>11}{'fused ms':>11}{'speedup':>9}")
+    for row in report["rows"]:
+        fused = f"{row['fused_ms']:.3f}" if row["fused_ms"] is not None else "-"
+        speedup = f"{row['speedup']:.2f}x" if row["speedup"] else "-"
+        lines.append(f"{row['canvas']:>7}{row['vocab']:>9}{row['torch_ms']:>11.3f}{fused:>11}{speedup:>9}")
+    if any(row["fused_ms"] is None for row in report["rows"]):
+        lines.append("\nfused: the Triton kernel runs on CUDA only (its CPU interpreter is for tests, not timing)")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch.distributions import Categorical
 from transformers import DynamicCache
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     EntropyBoundSampler,
@@ -34,6 +35,8 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     LinearTemperatureScheduleLogitsProcessor,
     StableAndConfidentStoppingCriteria,
 )
+
+from engine.sampling import step_stats
 
 
 class CancelToken(Protocol):
@@ -109,6 +112,30 @@ class SeededEntropyBoundSampler(EntropyBoundSampler):
             0, self.vocab_size, (batch_size, self.canvas_length), device=device, generator=self.generator
         )
 
+    def accept_canvas(self, current_canvas, denoiser_canvas, logits, cur_step):  # type: ignore[override]
+        return self.accept_entropy(current_canvas, denoiser_canvas, Categorical(logits=logits).entropy())
+
+    def accept_entropy(self, current: torch.Tensor, proposal: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """The parent's entropy-bound rule on per-token entropies [B, G] computed once per step (fused on GPU):
+        accept the k lowest-entropy tokens with sum(entropy) - max(entropy) <= bound."""
+        ordered, order = torch.sort(entropy, dim=-1)
+        chosen = torch.cumsum(ordered, dim=-1) - ordered <= self.entropy_bound
+        self.accepted_token_mask = torch.scatter(torch.zeros_like(chosen), -1, order, chosen)
+        return torch.where(self.accepted_token_mask, proposal, current)
+
+
+class EntropyStableAndConfident(StableAndConfidentStoppingCriteria):
+    """transformers' stopping rule, reading per-token entropies computed once per step instead of the logits."""
+
+    def __call__(self, argmax_canvas, logits=None, token_entropy=None, **kwargs):  # type: ignore[override]
+        if token_entropy is None:
+            return super().__call__(argmax_canvas, logits)
+        # The parent's stability bookkeeping, fed a one-class stand-in (entropy 0, so "confident" always holds)...
+        stand_in = torch.zeros((*argmax_canvas.shape, 1), device=argmax_canvas.device)
+        stable = super().__call__(argmax_canvas, stand_in)
+        # ...and the confidence test on the real entropies.
+        return stable & (token_entropy.mean(dim=-1) < self.confidence_threshold)
+
 
 class LeftToRightSampler(SeededEntropyBoundSampler):
     """One token per step, left to right, greedy: the baseline every parallel decode is measured against."""
@@ -117,12 +144,13 @@ class LeftToRightSampler(SeededEntropyBoundSampler):
         super().__init__(*args, **kwargs)
         self.committed = 0  # slots [0, committed) hold their final tokens
 
-    def accept_canvas(self, current_canvas, denoiser_canvas, logits, cur_step):  # type: ignore[override]
-        mask = torch.zeros_like(current_canvas, dtype=torch.bool)
+    def accept_entropy(self, current: torch.Tensor, proposal: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """Commit the next slot's proposal (the loop passes the argmax: greedy)."""
+        mask = torch.zeros_like(current, dtype=torch.bool)
         mask[:, : self.committed + 1] = True
         self.accepted_token_mask = mask
-        chosen = current_canvas.clone()
-        chosen[:, self.committed] = logits[:, self.committed].argmax(dim=-1)
+        chosen = current.clone()
+        chosen[:, self.committed] = proposal[:, self.committed]
         self.committed += 1
         return chosen
 
@@ -138,13 +166,6 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     else:
         generator.manual_seed(seed)
     return generator
-
-
-def sample_tokens(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One categorical sample per position. logits: [B, L, V] (already temperature-scaled) -> [B, L]."""
-    batch, length, vocab = logits.shape
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    return torch.multinomial(probs.view(-1, vocab), num_samples=1, generator=generator).view(batch, length)
 
 
 @torch.inference_mode()
@@ -199,7 +220,7 @@ def fill(
             EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound), gap, vocab_size, steps_cap, generator
         )
         temperature = LinearTemperatureScheduleLogitsProcessor(params.t_min, params.t_max, steps_cap)
-        stopping = StableAndConfidentStoppingCriteria(params.stability_threshold, params.confidence_threshold)
+        stopping = EntropyStableAndConfident(params.stability_threshold, params.confidence_threshold)
         positions = torch.arange(cursor, cursor + gap + head_len, device=device).unsqueeze(0)  # [1, G+S]
 
         gap_canvas = sampler.initialize_canvas(1, device)  # [1, G] uniform noise
@@ -220,19 +241,20 @@ def fill(
             out.steps += 1
             out.forward_passes += 1
 
-            tempered = temperature(None, logits, cur_step=remaining)  # [1, G+S, V]
+            # One pass over the gap logits: sample, argmax and entropy at this step's temperature (fused on GPU).
+            step_temperature = 1.0 / float(temperature(None, torch.ones(()), cur_step=remaining))
             raw_gap_logits = logits[:, :gap]
-            gap_logits = tempered[:, :gap]
-            denoised = sample_tokens(gap_logits, generator)  # [1, G]
-            argmax = gap_logits.argmax(dim=-1)  # [1, G]
-            accepted = sampler.accept_canvas(gap_canvas, denoised, gap_logits, remaining)
+            stats = step_stats(raw_gap_logits, step_temperature, generator)  # fields [1, G]
+            argmax = stats.argmax
+            proposal = stats.argmax if left_to_right else stats.sample
+            accepted = sampler.accept_entropy(gap_canvas, proposal, stats.entropy)
             gap_canvas = sampler.renoise_canvas(accepted, remaining)
-            self_cond = tempered.to(embed_dtype)
+            self_cond = temperature(None, logits, cur_step=remaining).to(embed_dtype)  # [1, G+S, V]
             if left_to_right:
                 argmax = accepted  # the committed tokens are the answer
                 done = sampler.finished(accepted, stop_tensor)
             else:
-                done = bool(stopping(argmax, gap_logits)[0])
+                done = bool(stopping(argmax, token_entropy=stats.entropy)[0])
             if on_step is not None:
                 on_step(
                     StepView(

@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     lsp.add_argument("--files", type=Path, nargs="*", help="files to complete in (default: the fixtures)")
     lsp.add_argument("--out", type=Path, help="JSON report path")
 
+    sampler = benches.add_parser("sampler", help="per-step sampler time, torch vs the fused Triton kernel")
+    sampler.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    sampler.add_argument("--steps", type=int, default=20)
+    sampler.add_argument("--out", type=Path, help="JSON report path")
+
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
@@ -149,7 +154,21 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    return _bench_lsp(args) if args.bench == "lsp" else _bench_infill(args)
+    return {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler}[args.bench](args)
+
+
+def _bench_sampler(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.bench import format_sampler, run_sampler
+
+    report = run_sampler(args.device, steps=args.steps)
+    out = args.out or _cache_dir() / f"bench-sampler-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(format_sampler(report))
+    print(f"\nreport: {out}")
+    return 0
 
 
 def _bench_lsp(args: argparse.Namespace) -> int:

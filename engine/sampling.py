@@ -1,0 +1,137 @@
+"""One denoising step's statistics over the canvas logits: sample, argmax, entropy, in one pass on the GPU.
+
+Per canvas position, from logits [N, V] and the step's temperature T:
+    sample  : a draw from softmax(logits / T) (Gumbel-max in the kernel, multinomial in torch)
+    argmax  : argmax(logits)
+    entropy : H(softmax(logits / T))          (what entropy-bound acceptance and adaptive stopping read)
+    lse     : logsumexp(logits / T)
+
+With DiffusionGemma's 262,144-token vocabulary the logits of a 256-slot canvas are 256 MiB in fp32; the torch
+path reads them five or six times per step (scale, softmax, sample, argmax, entropy twice). The Triton kernel reads
+them once: one program per position, an online (rescaled) pass over the vocabulary in blocks. The torch function
+is the reference, and the CPU path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # triton is a Linux x86_64 dependency; elsewhere the torch path serves
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+@dataclass
+class StepStats:
+    sample: torch.Tensor  # [N] int64
+    argmax: torch.Tensor  # [N] int64
+    entropy: torch.Tensor  # [N] float32
+    lse: torch.Tensor  # [N] float32
+
+
+def step_stats_torch(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> StepStats:
+    """Reference: logits [N, V] -> StepStats, with torch ops."""
+    scaled = logits.float() / temperature
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    probs = log_probs.exp()
+    entropy = -(probs * log_probs).sum(dim=-1)
+    sample = torch.multinomial(probs, num_samples=1, generator=generator)[:, 0]
+    return StepStats(sample, logits.argmax(dim=-1), entropy, torch.logsumexp(scaled, dim=-1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_stats_kernel(
+        logits_ptr,
+        row_stride,
+        vocab,
+        inv_temperature,
+        seed,
+        sample_ptr,
+        argmax_ptr,
+        entropy_ptr,
+        lse_ptr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * row_stride
+        running_max = -float("inf")  # max of logits / T so far
+        total = 0.0  # sum of exp(x - running_max)
+        weighted = 0.0  # sum of exp(x - running_max) * x, for the entropy
+        best = -float("inf")  # argmax of the raw logits
+        best_index = 0
+        drawn = -float("inf")  # Gumbel-max: argmax of x + g
+        drawn_index = 0
+        for start in range(0, vocab, BLOCK):
+            columns = start + tl.arange(0, BLOCK)
+            inside = columns < vocab
+            raw = tl.load(base + columns, mask=inside, other=-float("inf")).to(tl.float32)
+            x = raw * inv_temperature
+            # argmax (first index on ties, like torch)
+            block_best = tl.max(raw, axis=0)
+            block_index = start + tl.argmax(raw, axis=0)
+            take = block_best > best
+            best_index = tl.where(take, block_index, best_index)
+            best = tl.where(take, block_best, best)
+            # online logsumexp and sum(p * x)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            rescale = tl.exp(running_max - new_max)
+            e = tl.where(inside, tl.exp(x - new_max), 0.0)
+            total = total * rescale + tl.sum(e, axis=0)
+            weighted = weighted * rescale + tl.sum(e * tl.where(inside, x, 0.0), axis=0)
+            running_max = new_max
+            # Gumbel-max sample: argmax(x + g), g = -log(-log(u))
+            u = tl.rand(seed, (row * vocab + columns).to(tl.int32))
+            u = tl.minimum(tl.maximum(u, 1e-20), 1.0 - 1e-7)
+            gumbel = -tl.log(-tl.log(u))
+            noisy = tl.where(inside, x + gumbel, -float("inf"))
+            block_drawn = tl.max(noisy, axis=0)
+            block_drawn_index = start + tl.argmax(noisy, axis=0)
+            take = block_drawn > drawn
+            drawn_index = tl.where(take, block_drawn_index, drawn_index)
+            drawn = tl.where(take, block_drawn, drawn)
+        lse = running_max + tl.log(total)
+        tl.store(lse_ptr + row, lse)
+        tl.store(entropy_ptr + row, lse - weighted / total)
+        tl.store(argmax_ptr + row, best_index.to(tl.int64))
+        tl.store(sample_ptr + row, drawn_index.to(tl.int64))
+
+
+def step_stats_fused(logits: torch.Tensor, temperature: float, generator: torch.Generator,
+                     block: int = 2048) -> StepStats:  # fmt: skip
+    """The Triton kernel: logits [N, V] (any float dtype, last dim contiguous) -> StepStats, one read."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows, vocab = logits.shape
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item())
+    sample = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    argmax = torch.empty_like(sample)
+    entropy = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(entropy)
+    _step_stats_kernel[(rows,)](
+        logits, logits.stride(0), vocab, 1.0 / temperature, seed, sample, argmax, entropy, lse, BLOCK=block
+    )
+    return StepStats(sample, argmax, entropy, lse)
+
+
+def fused_available(device: torch.device) -> bool:
+    """The kernel runs on CUDA with triton (or anywhere under TRITON_INTERPRET=1, for tests)."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def step_stats(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> StepStats:
+    """logits [..., V] -> StepStats with [...]-shaped fields: the fused kernel on CUDA, torch elsewhere."""
+    shape = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    use_fused = logits.device.type == "cuda" and fused_available(logits.device)
+    stats = (step_stats_fused if use_fused else step_stats_torch)(flat, temperature, generator)
+    return StepStats(*(t.view(shape) for t in (stats.sample, stats.argmax, stats.entropy, stats.lse)))

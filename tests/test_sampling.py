@@ -1,0 +1,100 @@
+"""The fused sampler step (Triton, run by its interpreter on the CPU) against the torch reference, and the
+small-tensor acceptance and stopping rules against transformers' own classes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+    EntropyBoundSampler,
+    EntropyBoundSamplerConfig,
+    StableAndConfidentStoppingCriteria,
+)
+
+from engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
+from engine.sampling import step_stats_fused, step_stats_torch
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "block", "dtype"),
+    [
+        (1, 1000, 256, torch.float32),  # a canvas of 1, vocab not a multiple of the block
+        (7, 5003, 1024, torch.float32),
+        (16, 4096, 1024, torch.bfloat16),  # the model's dtype on GPU
+    ],
+)
+@pytest.mark.parametrize("temperature", [0.4, 1.0, 1.7])
+def test_fused_matches_the_torch_reference(rows: int, vocab: int, block: int, dtype: torch.dtype,
+                                           temperature: float) -> None:  # fmt: skip
+    logits = (torch.randn(rows, vocab, generator=generator(rows)) * 4).to(dtype)
+    fused = step_stats_fused(logits, temperature, generator(), block=block)
+    reference = step_stats_torch(logits, temperature, generator())
+    assert torch.equal(fused.argmax, reference.argmax)
+    torch.testing.assert_close(fused.entropy, reference.entropy, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused.lse, reference.lse, atol=1e-4, rtol=1e-5)
+    assert fused.sample.min() >= 0 and fused.sample.max() < vocab
+
+
+def test_fused_samples_follow_the_softmax() -> None:
+    """400 independent draws from one distribution (11 tokens, blocks of 4): a chi-square goodness-of-fit.
+    (Each row is one program in Triton's interpreter, which runs them one by one: hence a small vocabulary.)"""
+    vocab, draws, temperature = 11, 400, 0.8
+    logits = torch.randn(vocab, generator=generator(3)) * 0.8
+    stats = step_stats_fused(logits.expand(draws, vocab).contiguous(), temperature, generator(11), block=4)
+    counts = torch.bincount(stats.sample, minlength=vocab).double()
+    expected = torch.softmax(logits.double() / temperature, dim=-1) * draws
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    dof = vocab - 1
+    assert chi_square < dof + 6 * math.sqrt(2 * dof), chi_square  # p well below 1e-3 for a wrong distribution
+    # ...and the test has power: the same counts are far from a distribution at another temperature.
+    wrong = torch.softmax(logits.double() / (2 * temperature), dim=-1) * draws
+    assert float(((counts - wrong) ** 2 / wrong).sum()) > chi_square
+
+
+def test_fused_sampling_is_deterministic_under_a_seed() -> None:
+    logits = torch.randn(8, 300, generator=generator(5))
+    first = step_stats_fused(logits, 1.0, generator(9), block=128).sample
+    again = step_stats_fused(logits, 1.0, generator(9), block=128).sample
+    assert torch.equal(first, again)
+
+
+def test_entropy_acceptance_matches_transformers_sampler() -> None:
+    config = EntropyBoundSamplerConfig(entropy_bound=0.7)
+    ours = SeededEntropyBoundSampler(config, 24, 500, 8, generator())
+    theirs = EntropyBoundSampler(config, 24, 500, 8)
+    for seed in range(5):
+        logits = torch.randn(2, 24, 500, generator=generator(seed)) * (seed + 1)
+        current = torch.randint(0, 500, (2, 24), generator=generator(seed + 100))
+        proposal = torch.randint(0, 500, (2, 24), generator=generator(seed + 200))
+        entropy = step_stats_torch(logits.view(-1, 500), 1.0, generator()).entropy.view(2, 24)
+        assert torch.equal(ours.accept_entropy(current, proposal, entropy),
+                           theirs.accept_canvas(current, proposal, logits, 1))  # fmt: skip
+        assert torch.equal(ours.accepted_token_mask, theirs.accepted_token_mask)
+
+
+def test_entropy_stopping_matches_transformers_criterion() -> None:
+    ours = EntropyStableAndConfident(stability_threshold=2, confidence_threshold=0.5)
+    theirs = StableAndConfidentStoppingCriteria(stability_threshold=2, confidence_threshold=0.5)
+    canvas = torch.randint(0, 50, (1, 6), generator=generator(1))
+    for step in range(8):
+        sharp = step >= 3  # confident from step 3, the argmax canvas stable from step 2
+        logits = torch.randn(1, 6, 50, generator=generator(step)) * (40 if sharp else 1)
+        logits[0, torch.arange(6), canvas[0]] += 60 if sharp else 0
+        argmax = canvas if step >= 2 else torch.randint(0, 50, (1, 6), generator=generator(step + 30))
+        entropy = step_stats_torch(logits.view(-1, 50), 1.0, generator()).entropy.view(1, 6)
+        assert torch.equal(ours(argmax, token_entropy=entropy), theirs(argmax, logits)), step
+
+
+def test_bench_sampler_reports_torch_and_leaves_fused_to_cuda() -> None:
+    from engine.bench import format_sampler, run_sampler
+
+    report = run_sampler("cpu", canvases=(4,), vocabs=(100,), steps=2)
+    [row] = report["rows"]
+    assert row["torch_ms"] > 0 and row["fused_ms"] is None
+    assert "runs on CUDA only" in format_sampler(report)
