@@ -36,6 +36,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
+from engine.prefix_cache import PrefixCache
 from engine.sampling import step_stats
 
 
@@ -91,6 +92,7 @@ class CanvasOutput:
     canvas_stops: list[str] = field(default_factory=list)  # per canvas: "converged" or "step_cap"
     encode_seconds: float = 0.0
     denoise_seconds: float = 0.0
+    prefix_reused: int = 0  # prefix tokens whose encoder KV came from the prefix cache
 
 
 class SeededEntropyBoundSampler(EntropyBoundSampler):
@@ -184,8 +186,11 @@ def fill(
     stop_ids: Sequence[int],
     cancel: CancelToken | None = None,
     on_step: Callable[[StepView], None] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> CanvasOutput:
-    """Fill the gap after `prefix_ids` (non-empty) and before `suffix_head_ids` (may be empty)."""
+    """Fill the gap after `prefix_ids` (non-empty) and before `suffix_head_ids` (may be empty).
+
+    With a `prefix_cache`, the encoder KV of an earlier request's prefix is reused and only the new tail encoded."""
     device = model.device
     vocab_size = model.config.text_config.vocab_size
     gap, head_len = params.gap_tokens, len(suffix_head_ids)
@@ -194,14 +199,21 @@ def fill(
     suffix_head = torch.tensor([list(suffix_head_ids)], dtype=torch.long, device=device)  # [1, S]
     embed_dtype = model.model.decoder.embed_tokens.weight.dtype
 
-    # 1. The prefix goes through the causal encoder once, into the KV cache.
+    # 1. The prefix goes through the causal encoder once, into the KV cache (reusing a snapshot when one fits).
     t0 = time.perf_counter()
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    prefix = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)  # [1, P]
-    encode(model, prefix, cache, start=0)
-    cursor = prefix.shape[1]  # position of the first gap slot
-    encode_seconds = time.perf_counter() - t0
 
+    def new_cache() -> DynamicCache:
+        return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+    def encode_ids(cache: DynamicCache, ids: Sequence[int], start: int) -> None:
+        encode(model, torch.tensor([list(ids)], dtype=torch.long, device=device), cache, start)  # [1, n]
+
+    if prefix_cache is not None:
+        cache, reused = prefix_cache.encode(prefix_ids, new_cache, encode_ids)
+    else:
+        cache, reused = new_cache(), 0
+        encode_ids(cache, prefix_ids, 0)
+    cursor = len(prefix_ids)  # position of the first gap slot
     out = CanvasOutput(
         tokens=[],
         confidence=[],
@@ -209,7 +221,8 @@ def fill(
         steps=0,
         forward_passes=0,
         canvases=0,
-        encode_seconds=encode_seconds,
+        encode_seconds=time.perf_counter() - t0,
+        prefix_reused=reused,
     )
     t_denoise = time.perf_counter()
     while len(out.tokens) < params.max_new_tokens:

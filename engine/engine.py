@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.canvas import CancelToken, DenoiseParams, InfillCancelled, StepView, fill
 from engine.loading import LoadedModel, load_model
+from engine.prefix_cache import PrefixCache
 from engine.settings import InfillSettings, model_settings
 
 __all__ = ["Engine", "InfillCancelled", "InfillResult"]
@@ -41,6 +42,7 @@ class InfillResult:
     encode_ms: float
     denoise_ms: float
     prefix_tokens: int
+    prefix_reused_tokens: int  # of those, how many came from the prefix KV cache (not re-encoded)
     suffix_head_tokens: int
     layout: str
     model: str
@@ -53,8 +55,10 @@ class InfillResult:
 class Engine:
     """One model, ready to fill gaps. Thread-safe: requests run one at a time on the model."""
 
-    def __init__(self, loaded: LoadedModel, overrides: dict[str, Any] | None = None):
+    def __init__(self, loaded: LoadedModel, overrides: dict[str, Any] | None = None, prefix_cache_mb: int = 256):
         self.loaded = loaded
+        # Encoder KV of recent prefixes: a keystroke re-encodes only the tail. 0 turns it off.
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         self.tokenizer = loaded.tokenizer
         generation_config = getattr(loaded.model, "generation_config", None)
         self.settings = InfillSettings().merged(model_settings(loaded.folder, generation_config)).merged(overrides)
@@ -63,9 +67,13 @@ class Engine:
 
     @classmethod
     def load(
-        cls, model: str | None = None, device: str | None = None, overrides: dict[str, Any] | None = None
+        cls,
+        model: str | None = None,
+        device: str | None = None,
+        overrides: dict[str, Any] | None = None,
+        prefix_cache_mb: int = 256,
     ) -> Engine:
-        return cls(load_model(model, device), overrides)
+        return cls(load_model(model, device), overrides, prefix_cache_mb)
 
     @property
     def name(self) -> str:
@@ -100,7 +108,8 @@ class Engine:
             order=settings.order,
         )
         with self._lock:
-            out = fill(self.loaded.model, encoder_ids, head_ids, params, self._stop_ids, cancel, on_step)
+            out = fill(self.loaded.model, encoder_ids, head_ids, params, self._stop_ids, cancel, on_step,
+                       self.prefix_cache)  # fmt: skip
         produced = len(out.tokens) + (1 if out.ended_with_eos else 0)
         return InfillResult(
             text=self.tokenizer.decode(out.tokens, skip_special_tokens=True),
@@ -116,6 +125,7 @@ class Engine:
             encode_ms=round(out.encode_seconds * 1000, 2),
             denoise_ms=round(out.denoise_seconds * 1000, 2),
             prefix_tokens=len(encoder_ids),
+            prefix_reused_tokens=out.prefix_reused,
             suffix_head_tokens=len(head_ids),
             layout=settings.layout,
             model=self.name,

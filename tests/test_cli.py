@@ -25,6 +25,7 @@ RESULT_FIELDS = {
     "encode_ms",
     "denoise_ms",
     "prefix_tokens",
+    "prefix_reused_tokens",
     "suffix_head_tokens",
     "layout",
     "model",

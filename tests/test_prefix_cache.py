@@ -1,0 +1,68 @@
+"""Prefix KV reuse: a keystroke re-encodes only the tail, and the answer is the one a fresh encode gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine import Engine
+from engine.prefix_cache import GRID, TAIL, PrefixCache
+
+
+class ListCache(list):
+    """A stand-in cache: the token ids it holds, in order."""
+
+
+def encoder(log: list[tuple[int, int]]):
+    def encode(cache: ListCache, ids, start: int) -> None:
+        assert len(cache) == start
+        cache.extend(ids)
+        log.append((start, start + len(ids)))
+
+    return encode
+
+
+def test_a_keystroke_reencodes_only_the_tail() -> None:
+    cache = PrefixCache(max_bytes=1 << 20)
+    log: list[tuple[int, int]] = []
+    ids = list(range(300))
+    held, reused = cache.encode(ids, ListCache, encoder(log))
+    snapshot = ((300 - TAIL) // GRID) * GRID
+    assert held == ids and reused == 0 and log == [(0, snapshot), (snapshot, 300)]
+
+    log.clear()
+    typed = [*ids[:-1], 999, 1000]  # the last token re-merged, one more after it
+    held, reused = cache.encode(typed, ListCache, encoder(log))
+    assert held == typed and reused == snapshot and log == [(snapshot, 301)]
+    assert cache.hits == 1 and cache.misses == 1
+
+
+def test_an_edit_before_the_snapshot_misses() -> None:
+    cache = PrefixCache(max_bytes=1 << 20)
+    cache.encode(list(range(300)), ListCache, encoder([]))
+    log: list[tuple[int, int]] = []
+    edited = [7, *range(1, 300)]
+    held, reused = cache.encode(edited, ListCache, encoder(log))
+    assert held == edited and reused == 0 and log[0][0] == 0
+
+
+def test_reuse_gives_the_fresh_answer(tiny_model_dir: Path) -> None:
+    body = "".join(f"    total += values[{i}] * {i}\n" for i in range(40))
+    prefix = "def weighted(values):\n    total = 0\n" + body + "    return tot"
+    suffix = "\n"
+    settings = {"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 4}
+    cached = Engine.load(str(tiny_model_dir), "cpu")
+    fresh = Engine.load(str(tiny_model_dir), "cpu", prefix_cache_mb=0)
+    first = cached.infill(prefix, suffix, settings)
+    second = cached.infill(prefix + "a", suffix, settings)  # a keystroke
+    assert first.prefix_reused_tokens == 0
+    assert second.prefix_reused_tokens >= second.prefix_tokens - TAIL - GRID
+    assert second.tokens == fresh.infill(prefix + "a", suffix, settings).tokens
+    assert cached.prefix_cache.nbytes > 0
+
+
+def test_memory_stays_bounded(tiny_model_dir: Path) -> None:
+    engine = Engine.load(str(tiny_model_dir), "cpu", prefix_cache_mb=1)
+    engine.prefix_cache.max_bytes = 60_000  # a few snapshots of the tiny model
+    for n in range(12):
+        engine.infill(f"# file {n}\n" + "x = 1\n" * 120, "", {"gap_tokens": 4, "max_new_tokens": 4, "max_steps": 2})
+        assert engine.prefix_cache.nbytes <= 60_000
