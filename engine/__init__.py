@@ -1,22 +1,28 @@
 """canvas-ls engine: fills a gap in code by denoising a canvas with a DiffusionGemma-architecture model.
 
-Public names (everything else is internal):
+Public names (everything else is internal), loaded on first use so that light modules such as
+`engine.paths` import without torch:
   Engine, InfillResult, InfillCancelled -- text in, result out (engine.engine)
   InfillSettings, SettingsError         -- the knobs (engine.settings)
   ModelLoadError, DEFAULT_MODEL_DIR     -- loading (engine.loading)
 """
 
-from engine.canvas import InfillCancelled
-from engine.engine import Engine, InfillResult
-from engine.loading import DEFAULT_MODEL_DIR, ModelLoadError
-from engine.settings import InfillSettings, SettingsError
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "DEFAULT_MODEL_DIR",
-    "Engine",
-    "InfillCancelled",
-    "InfillResult",
-    "InfillSettings",
-    "ModelLoadError",
-    "SettingsError",
-]
+_PUBLIC = {
+    "DEFAULT_MODEL_DIR": "engine.loading",
+    "Engine": "engine.engine",
+    "InfillCancelled": "engine.canvas",
+    "InfillResult": "engine.engine",
+    "InfillSettings": "engine.settings",
+    "ModelLoadError": "engine.loading",
+    "SettingsError": "engine.settings",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -79,6 +79,11 @@ class Engine:
     def name(self) -> str:
         return self.loaded.name
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """Token ids that end a gap (EOS ids and pad)."""
+        return list(self._stop_ids)
+
     def infill(
         self,
         prefix: str,

@@ -1,22 +1,28 @@
 """Where the model runs, seen from the server: off the event loop, cancellable, never fatal.
 
 `LocalBackend` loads the engine in this process on one worker thread and runs every infill there, so the event
-loop that answers the editor never waits on the model. (The resident-engine issue adds a backend that talks to a
-shared engine process over HTTP; it has the same three methods.)
+loop that answers the editor never waits on the model. `ResidentBackend` talks to `canvas-ls engine`, one shared
+process per user, over its unix socket, and starts or restarts it as needed. Both have the same methods.
 
-Only this module imports `engine`, and only inside the worker: the server starts answering before torch is even
-imported.
+Only this module imports `engine`, and only inside the worker (or `engine.paths`, which needs no torch): the
+server starts answering before torch is even imported.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +64,8 @@ class LocalBackend:
 
         self._loading = self._executor.submit(work)
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event) -> dict | None:
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event,
+                     document: str | None = None) -> dict | None:  # fmt: skip
         """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed."""
         if self.state != "ready":
             raise BackendNotReady(
@@ -87,3 +94,130 @@ class LocalBackend:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class ResidentBackend:
+    """The model in `canvas-ls engine`, one process per user, shared by every editor: reached over its unix
+    socket, started (under a lock file) when none answers, restarted when it dies. Same methods as LocalBackend.
+    """
+
+    def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0):
+        from engine.paths import default_socket, runtime_dir
+
+        self.socket = Path(socket) if socket else default_socket()
+        self.folder = runtime_dir()
+        self.idle_exit_s = idle_exit_s
+        self.state = "idle"
+        self.error: str | None = None
+        self.model_name: str | None = None
+        self.load_seconds: float | None = None
+        self.cancelled_after_steps: list[int] = []
+        self.restarts = 0
+        self._model: str | None = None
+        self._device = "auto"
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine-start")
+        self._client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=str(self.socket)), base_url="http://canvas-ls", timeout=None
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None:
+        self._model, self._device = model, device
+        self.state, self.error = "loading", None
+
+        def work() -> None:
+            started = time.perf_counter()
+            try:
+                health = self._ensure_engine()
+                self.model_name, self.state = health["model"], "ready"
+            except Exception as exc:  # reported to the user, never raised into the server
+                self.error, self.state = str(exc).splitlines()[0] or type(exc).__name__, "failed"
+                log.error("resident engine: %s", self.error)
+            self.load_seconds = time.perf_counter() - started
+            if on_done is not None:
+                on_done(self)
+
+        self._starter.submit(work)
+
+    def _health(self) -> dict[str, Any] | None:
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), timeout=2.0) as client:
+                response = client.get("http://canvas-ls/health")
+                return response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _ensure_engine(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Connect to the running engine, or start one; one starter at a time per user (flock)."""
+        health = self._health()
+        if health is not None:
+            return health
+        with open(self.folder / "engine.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another editor may be starting it right now: wait for it
+            health = self._health()
+            if health is not None:
+                return health
+            command = [sys.executable, "-m", "server.cli", "engine", "--socket", str(self.socket),
+                       "--idle-exit", str(self.idle_exit_s)]  # fmt: skip
+            if self._model:
+                command += ["--model", self._model]
+            if self._device and self._device != "auto":
+                command += ["--device", self._device]
+            with open(self.folder / "engine.log", "ab") as sink:
+                process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
+                                           start_new_session=True)  # fmt: skip
+            log.info("started the resident engine (pid %d): %s", process.pid, " ".join(command))
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                health = self._health()
+                if health is not None:
+                    return health
+                if process.poll() is not None:
+                    raise RuntimeError(f"the engine exited with status {process.returncode}; see "
+                                       f"{self.folder / 'engine.log'}")  # fmt: skip
+                time.sleep(0.1)
+            raise RuntimeError(f"the engine did not answer within {timeout_s:.0f} s")
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event,
+                     document: str | None = None) -> dict | None:  # fmt: skip
+        if self.state != "ready":
+            raise BackendNotReady(
+                f"the model failed to load: {self.error}" if self.state == "failed" else "the model is still loading"
+            )
+        body = {"prefix": prefix, "suffix": suffix, "document": document,
+                "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
+        request = asyncio.ensure_future(self._client.post("/v1/infill", json=body))
+        stop = asyncio.ensure_future(_wait_for(cancel))
+        try:
+            done, _ = await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if request not in done:  # superseded: dropping the connection stops the engine's denoising
+                request.cancel()
+                return None
+            response = request.result()
+        except asyncio.CancelledError:
+            request.cancel()
+            raise
+        except httpx.HTTPError as exc:  # the engine died (or was killed): answer empty, start a new one
+            log.warning("resident engine unreachable (%s); restarting it", exc)
+            self.restarts += 1
+            self.load(self._model, self._device)
+            return None
+        finally:
+            stop.cancel()
+        if response.status_code == 499:
+            return None
+        if response.status_code != 200:
+            log.error("engine answered %d: %s", response.status_code, response.text[:200])
+            return None
+        return response.json()
+
+    def shutdown(self) -> None:
+        self._starter.shutdown(wait=False, cancel_futures=True)
+
+
+async def _wait_for(event: threading.Event) -> None:
+    while not event.is_set():
+        await asyncio.sleep(0.01)

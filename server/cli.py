@@ -39,6 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-file", type=Path, help="write logs here instead of stderr")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
+    engine = commands.add_parser("engine", help="run the resident engine: one model for every editor")
+    engine.add_argument("--socket", type=Path, help="unix socket path (default: in the user's runtime folder)")
+    engine.add_argument("--tcp", metavar="HOST:PORT", help="listen on TCP instead (needs --token)")
+    engine.add_argument("--token", help="bearer token for TCP (default: $CANVAS_LS_TOKEN)")
+    engine.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --tcp address")
+    engine.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    engine.add_argument("--device")
+    engine.add_argument("--idle-exit", type=float, default=1800.0, help="exit after this many idle seconds (0: never)")
+    engine.add_argument("--max-body", type=int, default=4 << 20, help="largest request body, in bytes")
+    engine.add_argument("--prefix-cache-mb", type=int, default=256, help="prefix KV cache bound (0: off)")
+
     train = commands.add_parser("train", help="train the default model on source code already on this machine")
     train.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
     train.add_argument("--out", type=Path, default=_cache_dir() / "train", help="work folder (resumable)")
@@ -130,6 +141,34 @@ def _serve(args: argparse.Namespace) -> int:
         server.start_tcp(host, int(port))
     else:
         server.start_io()
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    import ipaddress
+    import os
+
+    from engine import Engine
+    from engine.service import EngineService, default_socket, serve
+
+    token = args.token or os.environ.get("CANVAS_LS_TOKEN")
+    host = port = None
+    if args.tcp:
+        host, _, port_text = args.tcp.rpartition(":")
+        if not host or not port_text.isdigit():
+            raise CliError(f"--tcp wants HOST:PORT, got '{args.tcp}'")
+        port = int(port_text)
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+        if not token:
+            raise CliError("--tcp needs a bearer token (--token or $CANVAS_LS_TOKEN)")
+        if not loopback and not args.allow_remote:
+            raise CliError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
+    engine = Engine.load(args.model, args.device, prefix_cache_mb=args.prefix_cache_mb)
+    service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None)
+    socket = None if args.tcp else (args.socket or default_socket())
+    print(f"canvas-ls engine: {engine.name} on {engine.loaded.device}, listening on {socket or args.tcp}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    serve(service, socket, host, port)
     return 0
 
 
@@ -230,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "complete": _complete,
         "serve": _serve,
+        "engine": _engine,
         "train": _train,
         "bench": _bench,
         "make-tiny-model": _make_tiny_model,

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.backend import BackendNotReady, LocalBackend
+from server.backend import BackendNotReady, LocalBackend, ResidentBackend
 from server.config import ServerConfig
 from server.context import CompletionContext, Skip, build_context
 from server.documents import Document
@@ -60,7 +60,7 @@ class Stats:
 
 
 class Completer:
-    def __init__(self, backend: LocalBackend, config: ServerConfig):
+    def __init__(self, backend: LocalBackend | ResidentBackend, config: ServerConfig):
         self.backend = backend
         self.config = config
         self.cache: OrderedDict[str, str] = OrderedDict()  # context key -> model text (before shaping)
@@ -127,7 +127,9 @@ class Completer:
                 if cancel.is_set():
                     return nothing("superseded")
             self.stats.model_calls += 1
-            result = await self.backend.infill(context.prefix, context.suffix, self._overrides(context), cancel)
+            result = await self.backend.infill(
+                context.prefix, context.suffix, self._overrides(context), cancel, document.uri
+            )
         except BackendNotReady as exc:
             return nothing(f"not ready:{exc}")
         finally:

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import cattrs
 
@@ -18,6 +18,12 @@ class EngineOptions:
     model: str | None = None
     # "auto" takes CUDA when there is a GPU, else the CPU.
     device: str = "auto"
+    # "local": the model runs inside this server. "resident": in `canvas-ls engine`, one process shared by every
+    # editor of this user (started when none runs).
+    backend: Literal["local", "resident"] = "local"
+    # The resident engine's unix socket (None: the user's runtime folder) and its idle timeout.
+    socket: str | None = None
+    idle_exit_s: float = 1800.0
 
 
 @dataclass

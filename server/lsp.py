@@ -14,7 +14,7 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
-from server.backend import LocalBackend
+from server.backend import LocalBackend, ResidentBackend
 from server.completion import Completer, Outcome
 from server.config import ServerConfig, parse_config
 from server.documents import DocumentStore
@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"
 STATS_METHOD = "canvas/stats"
 VERSION = "0.1.0"
+
+
+def make_backend(config: ServerConfig) -> LocalBackend | ResidentBackend:
+    if config.engine.backend == "resident":
+        return ResidentBackend(config.engine.socket, config.engine.idle_exit_s)
+    return LocalBackend()
 
 
 class CanvasServer(LanguageServer):
@@ -44,6 +50,10 @@ class CanvasServer(LanguageServer):
         if error is not None:
             self.pending_messages.append(error)
         reload = (config.engine != self.config.engine) or self.backend.state == "idle"
+        if config.engine.backend != self.config.engine.backend or config.engine.socket != self.config.engine.socket:
+            self.backend.shutdown()
+            self.backend = make_backend(config)
+            self.completer.backend = self.backend
         self.config = config
         self.completer.config = config
         if reload and self.loop is not None:
@@ -194,6 +204,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "typingHits": counters.typing_hits,
         "bySource": counters.by_source,
         "cancelledAfterSteps": ls.backend.cancelled_after_steps,
+        "engineRestarts": getattr(ls.backend, "restarts", 0),
     }
 
 

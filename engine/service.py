@@ -1,0 +1,306 @@
+"""`canvas-ls engine`: one long-lived process holds the model for every editor on the machine.
+
+HTTP on a unix socket (mode 0600, in a 0700 folder of the user's runtime directory) by default, or on TCP with a
+bearer token (loopback unless told otherwise, and never a non-loopback address without a token).
+
+    POST /v1/completions   OpenAI-compatible: prompt (= prefix), suffix, max_tokens, temperature, stream (drafts
+                           as server-sent events), so the client side can also talk to vLLM or SGLang
+    POST /v1/infill        the engine's whole result (InfillResult) for {prefix, suffix, settings, document}
+    GET  /health           model, device, queue depth
+    GET  /metrics          Prometheus text: requests, latency, steps, tokens per forward, prefix-cache hits, queue
+
+Requests run one at a time on a worker thread, each with a cancel flag the denoising loop checks every step: a
+client that disconnects, or a newer request for the same `document`, stops the older one at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.canvas import InfillCancelled, StepView
+from engine.engine import Engine
+from engine.paths import default_socket
+
+__all__ = ["EngineService", "default_socket", "serve"]
+
+DEFAULT_MAX_BODY = 4 << 20  # bytes; a 1k-token prefix is ~4 KB, so this only stops abuse and accidents
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class EngineService:
+    def __init__(self, engine: Engine, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
+                 idle_exit_s: float | None = None):  # fmt: skip
+        self.engine = engine
+        self.token = token
+        self.max_body = max_body
+        self.idle_exit_s = idle_exit_s
+        self.last_activity = time.monotonic()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
+        self.in_flight: dict[str, threading.Event] = {}  # document -> cancel flag of its newest request
+        self.queue = 0
+        registry = self.registry = CollectorRegistry()
+        self.m_requests = Counter("canvas_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
+                                  registry=registry)  # fmt: skip
+        self.m_latency = Histogram("canvas_latency_seconds", "Infill latency", registry=registry,
+                                   buckets=(0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10))  # fmt: skip
+        self.m_steps = Histogram("canvas_denoising_steps", "Denoising steps per request", registry=registry,
+                                 buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64, 128))  # fmt: skip
+        self.m_tpf = Histogram("canvas_tokens_per_forward", "Tokens per decoder forward", registry=registry,
+                               buckets=(0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16))  # fmt: skip
+        self.m_prefix_hits = Counter("canvas_prefix_cache_hits", "Requests whose prefix KV came from the cache",
+                                     registry=registry)  # fmt: skip
+        self.m_prefix_reused = Counter("canvas_prefix_reused_tokens", "Prefix tokens not re-encoded",
+                                       registry=registry)  # fmt: skip
+        self.m_queue = Gauge("canvas_queue_depth", "Requests waiting or running", registry=registry)
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/v1/infill", self.infill, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+            ],
+            exception_handlers={BadRequest: _bad_request},
+        )
+        self.app.add_middleware(_BearerToken, token=token)
+
+    # -- endpoints ---------------------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> JSONResponse:
+        device = str(self.engine.loaded.device)
+        return JSONResponse({"status": "ok", "model": self.engine.name, "device": device, "queue": self.queue,
+                             "pid": os.getpid()})  # fmt: skip
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def infill(self, request: Request) -> Response:
+        body = await self._json(request)
+        prefix, suffix = _text(body, "prefix"), _text(body, "suffix", "")
+        settings = body.get("settings") or {}
+        if not isinstance(settings, dict):
+            raise BadRequest(400, "'settings' must be an object")
+        result = await self._run(request, "infill", prefix, suffix, settings, body.get("document"))
+        if result is None:
+            return JSONResponse({"cancelled": True}, status_code=499)
+        return JSONResponse(result)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._json(request)
+        prefix, suffix = _text(body, "prompt"), _text(body, "suffix", "")
+        settings: dict[str, Any] = {}
+        if body.get("max_tokens") is not None:
+            settings["max_new_tokens"] = _int(body, "max_tokens")
+        if body.get("temperature") is not None:
+            temperature = float(body["temperature"])
+            settings.update(t_min=temperature / 2, t_max=max(temperature, 1e-3))
+        if body.get("seed") is not None:
+            settings["seed"] = _int(body, "seed")
+        created, ident = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
+
+        def chunk(text: str, finish: str | None, **extra: Any) -> dict[str, Any]:
+            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish, **extra}
+            return {"id": ident, "object": "text_completion", "created": created, "model": self.engine.name,
+                    "choices": [choice]}  # fmt: skip
+
+        if not body.get("stream"):
+            result = await self._run(request, "completions", prefix, suffix, settings, body.get("document"))
+            if result is None:
+                return JSONResponse({"cancelled": True}, status_code=499)
+            response = chunk(result["text"], _finish(result))
+            produced = len(result["tokens"])
+            response["usage"] = {"prompt_tokens": result["prefix_tokens"], "completion_tokens": produced,
+                                 "total_tokens": result["prefix_tokens"] + produced}  # fmt: skip
+            return JSONResponse(response)
+
+        # Streaming: every denoising step's draft (the whole current text), then the final text.
+        drafts: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        tokenizer = self.engine.tokenizer
+
+        stops = set(self.engine.stop_ids)
+
+        def on_step(view: StepView) -> None:
+            ids = view.argmax.tolist()
+            ids = ids[: next((i for i, t in enumerate(ids) if t in stops), len(ids))]  # the draft ends at its EOS
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            loop.call_soon_threadsafe(drafts.put_nowait, chunk(text, None, draft=True, step=view.step))
+
+        async def events():
+            task = asyncio.ensure_future(
+                self._run(request, "completions", prefix, suffix, settings, body.get("document"), on_step)
+            )
+            task.add_done_callback(lambda _: drafts.put_nowait(None))
+            while (item := await drafts.get()) is not None:
+                yield {"data": json.dumps(item)}
+            result = await task
+            if result is not None:
+                yield {"data": json.dumps(chunk(result["text"], _finish(result)))}
+            yield {"data": "[DONE]"}
+
+        return EventSourceResponse(events())
+
+    # -- the work ----------------------------------------------------------------------------------------------
+
+    async def _json(self, request: Request) -> dict[str, Any]:
+        body = await request.body()
+        if len(body) > self.max_body:
+            raise BadRequest(413, f"request body of {len(body)} bytes is over the limit of {self.max_body}")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(400, f"malformed JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise BadRequest(400, "the body must be a JSON object")
+        return data
+
+    async def _run(
+        self,
+        request: Request,
+        endpoint: str,
+        prefix: str,
+        suffix: str,
+        settings: dict[str, Any],
+        document: Any,
+        on_step: Callable[[StepView], None] | None = None,
+    ) -> dict[str, Any] | None:
+        """Run one infill on the worker; None when it was cancelled (client gone, or superseded)."""
+        cancel = threading.Event()
+        if isinstance(document, str):
+            older = self.in_flight.get(document)
+            if older is not None:
+                older.set()  # a newer request for the same document supersedes the older one
+            self.in_flight[document] = cancel
+        self.queue += 1
+        self.m_queue.set(self.queue)
+        self.last_activity = time.monotonic()
+        started = time.perf_counter()
+
+        def work() -> dict[str, Any] | None:
+            if cancel.is_set():
+                return None
+            try:
+                return self.engine.infill(prefix, suffix, settings, cancel=cancel, on_step=on_step).to_dict()
+            except InfillCancelled:
+                return None
+
+        job = asyncio.get_running_loop().run_in_executor(self.worker, work)
+        watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
+        try:
+            result = await job
+        finally:
+            watcher.cancel()
+            self.queue -= 1
+            self.m_queue.set(self.queue)
+            self.last_activity = time.monotonic()
+            if isinstance(document, str) and self.in_flight.get(document) is cancel:
+                del self.in_flight[document]
+        outcome = "cancelled" if result is None else "ok"
+        self.m_requests.labels(endpoint, outcome).inc()
+        if result is not None:
+            self.m_latency.observe(time.perf_counter() - started)
+            self.m_steps.observe(result["steps"])
+            self.m_tpf.observe(result["tokens_per_forward"])
+            if result["prefix_reused_tokens"]:
+                self.m_prefix_hits.inc()
+                self.m_prefix_reused.inc(result["prefix_reused_tokens"])
+        return result
+
+    async def idle_watch(self, server: Any) -> None:
+        """Ask uvicorn to exit after `idle_exit_s` without requests."""
+        while self.idle_exit_s:
+            await asyncio.sleep(min(5.0, self.idle_exit_s / 4))
+            if self.queue == 0 and time.monotonic() - self.last_activity > self.idle_exit_s:
+                server.should_exit = True
+                return
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    while not cancel.is_set():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(0.02)
+
+
+async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": str(exc)}, getattr(exc, "status", 400))
+
+
+class _BearerToken:
+    """ASGI middleware: with a token set, every request must carry `Authorization: Bearer <token>`."""
+
+    def __init__(self, app: Any, token: str | None):
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        headers = dict(scope.get("headers") or [])
+        if scope["type"] == "http" and self.expected is not None and headers.get(b"authorization") != self.expected:
+            return await JSONResponse({"error": "missing or wrong bearer token"}, 401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _text(body: dict[str, Any], key: str, default: str | None = None) -> str:
+    value = body.get(key, default)
+    if not isinstance(value, str):
+        raise BadRequest(400, f"'{key}' must be a string")
+    return value
+
+
+def _int(body: dict[str, Any], key: str) -> int:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(400, f"'{key}' must be an integer")
+    return value
+
+
+def _finish(result: dict[str, Any]) -> str:
+    return "stop" if result["stop_reason"] == "eos" else "length"
+
+
+def serve(service: EngineService, socket: Path | None = None, host: str | None = None, port: int | None = None,
+          log_level: str = "warning") -> None:  # fmt: skip
+    """Run until stopped (or idle): on a unix socket (0600) or TCP."""
+    import uvicorn
+
+    if socket is not None:
+        socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if socket.exists():
+            socket.unlink()
+        config = uvicorn.Config(service.app, uds=str(socket), log_level=log_level, timeout_graceful_shutdown=2)
+    else:
+        config = uvicorn.Config(service.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        watch = asyncio.ensure_future(service.idle_watch(server))
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if socket is not None and socket.exists():
+            os.chmod(socket, 0o600)  # uvicorn creates it 0666; the folder is 0700 in any case
+        await serving
+        watch.cancel()
+
+    asyncio.run(main())

@@ -1,0 +1,227 @@
+"""The resident engine: a real `canvas-ls engine` process on a unix socket or TCP, and LSP servers sharing it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket as sockets
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from lsprotocol import types
+from pygls.lsp.client import LanguageClient
+
+ENGINE = [sys.executable, "-m", "server.cli", "engine"]
+BODY = {"prefix": "def add(a, b):\n    return ", "suffix": "\n", "settings": {"max_new_tokens": 8, "max_steps": 3}}
+
+
+def wait_health(client: httpx.Client, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            response = client.get("/health")
+            if response.status_code == 200:
+                return response.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the engine did not come up")
+
+
+@pytest.fixture
+def unix_engine(tiny_model_dir: Path, tmp_path: Path) -> Iterator[httpx.Client]:
+    path = tmp_path / "run" / "engine.sock"
+    process = subprocess.Popen([*ENGINE, "--model", str(tiny_model_dir), "--socket", str(path), "--max-body", "20000"],
+                               stdin=subprocess.DEVNULL)  # fmt: skip
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine", timeout=60)
+    wait_health(client)
+    client.socket_path = path  # type: ignore[attr-defined]
+    yield client
+    process.kill()
+    process.wait()
+
+
+def test_socket_is_private(unix_engine: httpx.Client) -> None:
+    mode = stat.S_IMODE(os.stat(unix_engine.socket_path).st_mode)  # type: ignore[attr-defined]
+    assert mode == 0o600
+
+
+def test_infill_returns_the_whole_result(unix_engine: httpx.Client) -> None:
+    result = unix_engine.post("/v1/infill", json=BODY).json()
+    assert result["steps"] >= 1 and result["layout"] == "canvas" and len(result["tokens"]) <= 8
+
+
+def test_completions_are_openai_shaped(unix_engine: httpx.Client) -> None:
+    body = {"prompt": BODY["prefix"], "suffix": "\n", "max_tokens": 6, "temperature": 0.5}
+    response = unix_engine.post("/v1/completions", json=body).json()
+    assert response["object"] == "text_completion"
+    assert response["choices"][0]["finish_reason"] in ("stop", "length")
+    assert response["usage"]["completion_tokens"] <= 6
+
+
+def test_streaming_sends_drafts_then_done(unix_engine: httpx.Client) -> None:
+    body = {"prompt": BODY["prefix"], "max_tokens": 6, "stream": True}
+    with unix_engine.stream("POST", "/v1/completions", json=body) as response:
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert any(c["choices"][0].get("draft") for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_malformed_json_is_400_and_the_engine_stays_up(unix_engine: httpx.Client) -> None:
+    response = unix_engine.post("/v1/infill", content=b"{not json")
+    assert response.status_code == 400 and "malformed JSON" in response.json()["error"]
+    assert unix_engine.post("/v1/infill", json={"prefix": 3}).status_code == 400
+    assert unix_engine.get("/health").status_code == 200
+
+
+def test_a_body_over_the_limit_is_413(unix_engine: httpx.Client) -> None:
+    response = unix_engine.post("/v1/infill", json={"prefix": "x" * 30000, "suffix": ""})
+    assert response.status_code == 413
+    assert unix_engine.get("/health").status_code == 200
+
+
+def test_metrics_count_requests(unix_engine: httpx.Client) -> None:
+    unix_engine.post("/v1/infill", json=BODY)
+    text = unix_engine.get("/metrics").text
+    assert 'canvas_requests_total{endpoint="infill",outcome="ok"} 1.0' in text
+    assert "canvas_latency_seconds_bucket" in text and "canvas_queue_depth" in text
+
+
+def free_port() -> int:
+    with sockets.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_tcp_needs_the_bearer_token(tiny_model_dir: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen([*ENGINE, "--model", str(tiny_model_dir), "--tcp", f"127.0.0.1:{port}",
+                                "--token", "s3cret"], stdin=subprocess.DEVNULL)  # fmt: skip
+    try:
+        authorised = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer s3cret"})
+        wait_health(authorised)
+        anonymous = httpx.get(f"http://127.0.0.1:{port}/health")
+        assert anonymous.status_code == 401
+        wrong = httpx.post(f"http://127.0.0.1:{port}/v1/infill", json=BODY, headers={"Authorization": "Bearer x"})
+        assert wrong.status_code == 401
+        assert authorised.post("/v1/infill", json=BODY).status_code == 200
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tcp", "127.0.0.1:9"], "--tcp needs a bearer token"),
+        (["--tcp", "0.0.0.0:9", "--token", "t"], "0.0.0.0 is not a loopback address"),
+    ],
+)
+def test_unsafe_tcp_is_refused(args: list[str], message: str) -> None:
+    done = subprocess.run([*ENGINE, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "CANVAS_LS_TOKEN": ""})  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr
+
+
+# -- LSP servers on the resident engine ----------------------------------------------------------------------------
+
+COMMENT_DOC = "import os\n\n\ndef main():\n    # TODO: \n    return os.getcwd()\n"
+
+
+async def lsp_session(init: dict[str, Any], uri: str = "file:///w/a.py") -> LanguageClient:
+    client = LanguageClient("test", "1")
+    for method in (types.WINDOW_LOG_MESSAGE, types.WINDOW_SHOW_MESSAGE, types.PROGRESS):
+        client.feature(method)(lambda *args: None)
+    client.feature(types.WINDOW_WORK_DONE_PROGRESS_CREATE)(lambda *args: None)
+    await client.start_io(sys.executable, "-m", "server.cli", "serve", "--log-level", "WARNING")
+    await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(),
+                                                         initialization_options=init))  # fmt: skip
+    client.initialized(types.InitializedParams())
+    client.text_document_did_open(
+        types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", 1, COMMENT_DOC))
+    )
+    return client
+
+
+async def stats(client: LanguageClient) -> Any:
+    return await client.protocol.send_request_async("canvas/stats", {})
+
+
+async def wait_ready(client: LanguageClient, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while (await stats(client)).engine.state != "ready":
+        assert time.monotonic() < deadline, "the resident engine did not become ready"
+        await asyncio.sleep(0.1)
+
+
+async def fill(client: LanguageClient, character: int = 12, uri: str = "file:///w/a.py") -> Any:
+    params = {"textDocument": {"uri": uri}, "position": {"line": 4, "character": character}}
+    return await client.protocol.send_request_async("canvas/fill", params)
+
+
+async def close(client: LanguageClient) -> None:
+    await client.shutdown_async(None)
+    client.exit(None)
+
+
+def engine_health(path: Path) -> dict[str, Any]:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine") as client:
+        return client.get("/health").json()
+
+
+def resident(tiny_model_dir: Path, path: Path, **completion: Any) -> dict[str, Any]:
+    engine = {"backend": "resident", "socket": str(path), "model": str(tiny_model_dir), "device": "cpu"}
+    return {"engine": engine, "completion": {"max_steps": 3, **completion}}
+
+
+async def test_two_editors_share_one_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "run" / "engine.sock"
+    first, second = await asyncio.gather(lsp_session(resident(tiny_model_dir, path)),
+                                         lsp_session(resident(tiny_model_dir, path), "file:///w/b.py"))  # fmt: skip
+    try:
+        await asyncio.gather(wait_ready(first), wait_ready(second))
+        one, two = await asyncio.gather(fill(first), fill(second, 11, "file:///w/b.py"))
+        assert one.result is not None and two.result is not None
+        pid = engine_health(path)["pid"]
+        engines = subprocess.run(
+            ["pgrep", "-f", "--", f"engine --socket {path}"], capture_output=True, text=True
+        ).stdout.split()
+        assert engines == [str(pid)]  # both editors started or found the same single engine (the lock)
+    finally:
+        await asyncio.gather(close(first), close(second))
+        os.kill(engine_health(path)["pid"], signal.SIGKILL)
+
+
+async def test_kill_9_mid_request_answers_empty_then_recovers(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "run" / "engine.sock"
+    client = await lsp_session(resident(tiny_model_dir, path, max_steps=3000, gap_tokens_single_line=32))
+    try:
+        await wait_ready(client)
+        victim = engine_health(path)["pid"]
+        pending = asyncio.ensure_future(fill(client))
+        await asyncio.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        answer = await asyncio.wait_for(pending, 60)
+        assert answer.edit is None and answer.source == "cancelled"  # the editor gets an empty result
+        await wait_ready(client)  # ...the server starts a new engine...
+        assert engine_health(path)["pid"] != victim
+        assert (await stats(client)).engineRestarts == 1
+        client.workspace_did_change_configuration(
+            types.DidChangeConfigurationParams(settings={"canvas-ls": resident(tiny_model_dir, path)})
+        )
+        after = await fill(client, 11)
+        assert after.result is not None  # ...and the next request succeeds
+    finally:
+        await close(client)
+        os.kill(engine_health(path)["pid"], signal.SIGKILL)
