@@ -31,6 +31,10 @@ class BackendNotReady(Exception):
     """The model is still loading, or failed to load; the message says which."""
 
 
+class BackendError(Exception):
+    """The model's server answered with an error; the message says what it said."""
+
+
 class LocalBackend:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
@@ -221,3 +225,65 @@ class ResidentBackend:
 async def _wait_for(event: threading.Event) -> None:
     while not event.is_set():
         await asyncio.sleep(0.01)
+
+
+def completion_request(prefix: str, suffix: str, overrides: dict[str, Any], model: str | None, suffix_mode: str,
+                       template: str) -> dict[str, Any]:  # fmt: skip
+    """An OpenAI `/v1/completions` body. Servers that take `suffix` get it as a field; for the others (vLLM and
+    SGLang have not accepted it) the suffix goes into the prompt through the model's FIM template ("prompt")."""
+    body: dict[str, Any] = {"max_tokens": overrides.get("max_new_tokens") or 64, "temperature": 0, "stream": False}
+    if model:
+        body["model"] = model
+    if suffix_mode == "field":
+        body.update(prompt=prefix, suffix=suffix)
+    else:
+        body["prompt"] = template.format(prefix=prefix, suffix=suffix)
+    return body
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible completions server (our own engine over TCP, vLLM, SGLang...). Same methods."""
+
+    def __init__(self, url: str, api_key: str | None, model: str | None, suffix_mode: str, template: str):
+        self.url = url.rstrip("/")
+        self.model, self.suffix_mode, self.template = model, suffix_mode, template
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=None)
+        self.state, self.error = "idle", None
+        self.model_name: str | None = model or self.url
+        self.load_seconds: float | None = 0.0
+        self.cancelled_after_steps: list[int] = []
+        self.restarts = 0
+
+    def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None:
+        self.state = "ready"  # nothing to load here; a server that does not answer shows in the requests' logs
+        if on_done is not None:
+            on_done(self)
+
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event,
+                     document: str | None = None) -> dict | None:  # fmt: skip
+        body = completion_request(prefix, suffix, overrides, self.model, self.suffix_mode, self.template)
+        request = asyncio.ensure_future(self._client.post("/v1/completions", json=body))
+        stop = asyncio.ensure_future(_wait_for(cancel))
+        try:
+            done, _ = await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if request not in done:
+                request.cancel()
+                return None
+            response = request.result()
+        except asyncio.CancelledError:
+            request.cancel()
+            raise
+        except httpx.HTTPError as exc:
+            raise BackendError(f"{self.url} is unreachable: {exc}") from exc
+        finally:
+            stop.cancel()
+        if response.status_code != 200:
+            raise BackendError(f"{self.url} answered {response.status_code}: {response.text[:200]}")
+        data = response.json()
+        choice = (data.get("choices") or [{}])[0]
+        return {"text": choice.get("text") or "", "finish_reason": choice.get("finish_reason"),
+                "usage": data.get("usage"), "model": data.get("model")}  # fmt: skip
+
+    def shutdown(self) -> None:
+        pass

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.backend import BackendNotReady, LocalBackend, ResidentBackend
+from server.backend import BackendError, BackendNotReady, LocalBackend, OpenAIBackend, ResidentBackend
 from server.config import ServerConfig
 from server.context import CompletionContext, Skip, build_context
 from server.documents import Document
@@ -60,7 +60,7 @@ class Stats:
 
 
 class Completer:
-    def __init__(self, backend: LocalBackend | ResidentBackend, config: ServerConfig):
+    def __init__(self, backend: LocalBackend | ResidentBackend | OpenAIBackend, config: ServerConfig):
         self.backend = backend
         self.config = config
         self.cache: OrderedDict[str, str] = OrderedDict()  # context key -> model text (before shaping)
@@ -132,6 +132,9 @@ class Completer:
             )
         except BackendNotReady as exc:
             return nothing(f"not ready:{exc}")
+        except BackendError as exc:
+            log.error("request %d: %s", request_id, exc)
+            return nothing(f"error:{exc}")
         finally:
             if self.in_flight.get(document.uri) is cancel:
                 del self.in_flight[document.uri]

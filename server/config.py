@@ -19,11 +19,19 @@ class EngineOptions:
     # "auto" takes CUDA when there is a GPU, else the CPU.
     device: str = "auto"
     # "local": the model runs inside this server. "resident": in `canvas-ls engine`, one process shared by every
-    # editor of this user (started when none runs).
-    backend: Literal["local", "resident"] = "local"
+    # editor of this user (started when none runs). "openai": any OpenAI-compatible completions server at `url`.
+    backend: Literal["local", "resident", "openai"] = "local"
     # The resident engine's unix socket (None: the user's runtime folder) and its idle timeout.
     socket: str | None = None
     idle_exit_s: float = 1800.0
+    # "openai" backend: the server's base URL, key (None: $CANVAS_LS_API_KEY), and model name.
+    url: str | None = None
+    api_key: str | None = None
+    remote_model: str | None = None
+    # How the suffix reaches that server: "field" (its `suffix` parameter) or "prompt" (through `fim_template`),
+    # since vLLM and SGLang have not accepted `suffix`.
+    suffix_mode: Literal["field", "prompt"] = "prompt"
+    fim_template: str = "<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
 
 
 @dataclass

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
-from server.backend import LocalBackend, ResidentBackend
+from server.backend import LocalBackend, OpenAIBackend, ResidentBackend
 from server.completion import Completer, Outcome
 from server.config import ServerConfig, parse_config
 from server.documents import DocumentStore
@@ -25,9 +26,14 @@ STATS_METHOD = "canvas/stats"
 VERSION = "0.1.0"
 
 
-def make_backend(config: ServerConfig) -> LocalBackend | ResidentBackend:
-    if config.engine.backend == "resident":
-        return ResidentBackend(config.engine.socket, config.engine.idle_exit_s)
+def make_backend(config: ServerConfig) -> LocalBackend | ResidentBackend | OpenAIBackend:
+    options = config.engine
+    if options.backend == "resident":
+        return ResidentBackend(options.socket, options.idle_exit_s)
+    if options.backend == "openai":
+        key = options.api_key or os.environ.get("CANVAS_LS_API_KEY")
+        return OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
+                             options.fim_template)  # fmt: skip
     return LocalBackend()
 
 
@@ -35,7 +41,8 @@ class CanvasServer(LanguageServer):
     def __init__(self) -> None:
         super().__init__("canvas-ls", VERSION)
         self.documents = DocumentStore()
-        self.backend = LocalBackend()
+        self.backend: LocalBackend | ResidentBackend | OpenAIBackend = LocalBackend()
+        self.backend_kind = "local"
         self.config = ServerConfig()
         self.completer = Completer(self.backend, self.config)
         self.pending_messages: list[str] = []
@@ -50,9 +57,10 @@ class CanvasServer(LanguageServer):
         if error is not None:
             self.pending_messages.append(error)
         reload = (config.engine != self.config.engine) or self.backend.state == "idle"
-        if config.engine.backend != self.config.engine.backend or config.engine.socket != self.config.engine.socket:
+        if config.engine != self.config.engine and (config.engine.backend != "local" or self.backend_kind != "local"):
             self.backend.shutdown()
             self.backend = make_backend(config)
+            self.backend_kind = config.engine.backend
             self.completer.backend = self.backend
         self.config = config
         self.completer.config = config

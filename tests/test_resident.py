@@ -225,3 +225,37 @@ async def test_kill_9_mid_request_answers_empty_then_recovers(tiny_model_dir: Pa
     finally:
         await close(client)
         os.kill(engine_health(path)["pid"], signal.SIGKILL)
+
+
+# -- the "openai" backend: any OpenAI-compatible server, tested against our own engine's /v1/completions ----------
+
+
+def test_completion_request_places_the_suffix_as_the_server_takes_it() -> None:
+    from server.backend import completion_request
+
+    template = "<PRE>{prefix}<SUF>{suffix}<MID>"
+    as_field = completion_request("a = ", "\nb", {"max_new_tokens": 9}, "m", "field", template)
+    assert as_field == {"max_tokens": 9, "temperature": 0, "stream": False, "model": "m", "prompt": "a = ",
+                        "suffix": "\nb"}  # fmt: skip
+    in_prompt = completion_request("a = ", "\nb", {}, None, "prompt", template)
+    assert in_prompt["prompt"] == "<PRE>a = <SUF>\nb<MID>" and "suffix" not in in_prompt
+
+
+async def test_openai_backend_against_our_engine(tiny_model_dir: Path) -> None:
+    port = free_port()
+    engine = subprocess.Popen([*ENGINE, "--model", str(tiny_model_dir), "--tcp", f"127.0.0.1:{port}",
+                               "--token", "k3y"], stdin=subprocess.DEVNULL)  # fmt: skip
+    wait_health(httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k3y"}))
+    base = {"backend": "openai", "url": f"http://127.0.0.1:{port}", "suffix_mode": "field"}
+    good = await lsp_session({"engine": {**base, "api_key": "k3y"}, "completion": {"max_new_tokens_single_line": 8}})
+    bad = await lsp_session({"engine": {**base, "api_key": "wrong"}}, "file:///w/b.py")
+    try:
+        await asyncio.gather(wait_ready(good), wait_ready(bad))
+        answer = await fill(good)
+        assert answer.source in ("model", "rejected") and isinstance(answer.result.text, str)
+        refused = await fill(bad, uri="file:///w/b.py")
+        assert refused.source.startswith("error:") and "401" in refused.source
+    finally:
+        await asyncio.gather(close(good), close(bad))
+        engine.kill()
+        engine.wait()
