@@ -293,3 +293,97 @@ def format_sampler(report: dict[str, Any]) -> str:
     if any(row["fused_ms"] is None for row in report["rows"]):
         lines.append("\nfused: the Triton kernel runs on CUDA only (its CPU interpreter is for tests, not timing)")
     return "\n".join(lines)
+
+
+# -- `canvas-ls bench engine`: the resident engine over its socket: prefix reuse and concurrency ------------------
+
+
+def run_engine_bench(
+    model: str | None,
+    prefixes: tuple[int, ...] = (256, 1024, 4096),
+    clients: tuple[int, ...] = (1, 4, 8),
+    runs: int = 5,
+    per_client: int = 4,
+) -> dict[str, Any]:
+    """Start `canvas-ls engine` on a private socket and measure it as editors would use it."""
+    import concurrent.futures
+
+    import httpx
+
+    filler = (Path(__file__).resolve().parent.parent / "fixtures" / "python" / "stats.py").read_text()
+    folder = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-"))
+    socket = folder / "engine.sock"
+    command = [sys.executable, "-m", "server.cli", "engine", "--socket", str(socket), "--idle-exit", "0"]
+    process = subprocess.Popen(command + (["--model", model] if model else []), stdin=subprocess.DEVNULL)
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=600)
+    try:
+        for _ in range(3000):
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        tokenizer_ratio = 3.3  # characters per token, for sizing the prefixes (the result reports exact counts)
+
+        def prefix_of(tokens: int, tag: str) -> str:
+            text = filler * (1 + int(tokens * tokenizer_ratio) // len(filler))
+            return f"# {tag}\n" + text[-int(tokens * tokenizer_ratio) :] + "\n    "
+
+        def infill(prefix: str, http: httpx.Client = client) -> tuple[float, dict[str, Any]]:
+            settings = {"max_prefix_tokens": 8192, "max_new_tokens": 16, "gap_tokens": 16}
+            started = time.perf_counter()
+            result = http.post("/v1/infill", json={"prefix": prefix, "suffix": "\n", "settings": settings}).json()
+            return (time.perf_counter() - started) * 1000, result
+
+        infill(prefix_of(64, "warm-up"))
+        prefix_rows = []
+        for size in prefixes:
+            cold, warm, reused, tokens = [], [], [], 0
+            for run in range(runs):
+                base = prefix_of(size, f"cold {size} {run}")  # a first line never seen: nothing to reuse
+                ms, result = infill(base)
+                cold.append(ms)
+                tokens = result["prefix_tokens"]
+                ms, result = infill(base + "x")  # the next keystroke
+                warm.append(ms)
+                reused.append(result["prefix_reused_tokens"])
+            cold_ms, warm_ms = statistics.median(cold), statistics.median(warm)
+            row = {"prefix_tokens": tokens, "cold_ms": cold_ms, "warm_ms": warm_ms}
+            prefix_rows.append({**row, "warm_over_cold": warm_ms / cold_ms, "reused_tokens": statistics.median(reused)})
+        throughput_rows = []
+        for count in clients:
+
+            def one_client(index: int, count: int = count) -> int:
+                with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine",
+                                  timeout=600) as http:  # fmt: skip
+                    for request in range(per_client):
+                        infill(prefix_of(256, f"client {count} {index} {request}"), http)
+                return per_client
+
+            started = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(count) as pool:
+                done = sum(pool.map(one_client, range(count)))
+            seconds = time.perf_counter() - started
+            throughput_rows.append({"clients": count, "requests": done, "seconds": seconds,
+                                    "requests_per_s": done / seconds})  # fmt: skip
+        single = throughput_rows[0]["requests_per_s"]
+        for row in throughput_rows:
+            row["vs_one_client"] = row["requests_per_s"] / single
+        return {"machine": machine(), "model": model or "(default)", "prefix": prefix_rows,
+                "throughput": throughput_rows}  # fmt: skip
+    finally:
+        client.close()
+        process.kill()
+        process.wait()
+
+
+def format_engine(report: dict[str, Any]) -> str:
+    lines = [f"model {report['model']}", report["machine"], "", "prefix reuse (median ms per request):"]
+    lines.append(f"{'tokens':>8}{'cold':>10}{'warm':>10}{'warm/cold':>11}{'reused':>9}")
+    for row in report["prefix"]:
+        lines.append(f"{row['prefix_tokens']:>8}{row['cold_ms']:>10.1f}{row['warm_ms']:>10.1f}"
+                     f"{row['warm_over_cold']:>11.2f}{row['reused_tokens']:>9.0f}")  # fmt: skip
+    lines += ["", "throughput (256-token prefixes):", f"{'clients':>8}{'req/s':>9}{'vs 1':>7}"]
+    for row in report["throughput"]:
+        lines.append(f"{row['clients']:>8}{row['requests_per_s']:>9.2f}{row['vs_one_client']:>7.2f}")
+    return "\n".join(lines)

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     sampler.add_argument("--steps", type=int, default=20)
     sampler.add_argument("--out", type=Path, help="JSON report path")
 
+    engine_bench = benches.add_parser("engine", help="the resident engine: cold vs warm prefix, 1/4/8 clients")
+    engine_bench.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    engine_bench.add_argument("--prefixes", default="256,1024,4096", help="prefix sizes in tokens")
+    engine_bench.add_argument("--clients", default="1,4,8", help="concurrent client counts")
+    engine_bench.add_argument("--runs", type=int, default=5, help="cold/warm pairs per prefix size")
+    engine_bench.add_argument("--out", type=Path, help="JSON report path")
+
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
@@ -193,7 +200,24 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    return {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler}[args.bench](args)
+    handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine}
+    return handlers[args.bench](args)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.bench import format_engine, run_engine_bench
+
+    prefixes = tuple(int(x) for x in args.prefixes.split(","))
+    clients = tuple(int(x) for x in args.clients.split(","))
+    report = run_engine_bench(args.model, prefixes, clients, args.runs)
+    out = args.out or _cache_dir() / f"bench-engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(format_engine(report))
+    print(f"\nreport: {out}")
+    return 0
 
 
 def _bench_sampler(args: argparse.Namespace) -> int:
