@@ -1,0 +1,81 @@
+"""Training pieces: corpus rules, tokenizer, the in-canvas examples, and a short run that lowers the loss."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import torch
+from transformers import DiffusionGemmaForBlockDiffusion
+
+from engine.architecture import small_config
+from engine.corpus import CorpusFile, decontamination_report, is_permissive
+from engine.tokenizer import train_tokenizer
+from engine.training import ExampleSampler, TrainConfig, collate, evaluate, train
+from tests.conftest import tokenizer_texts
+
+
+def corpus_files() -> list[CorpusFile]:
+    return [CorpusFile(f"f{i}.py", "python", "test", text) for i, text in enumerate(tokenizer_texts())]
+
+
+def test_licences() -> None:
+    assert is_permissive("MIT")
+    assert is_permissive("BSD-3-Clause | License :: OSI Approved :: BSD License")
+    assert not is_permissive("MPL-2.0")
+    assert not is_permissive("public domain, Python, 2-Clause BSD, GPL 3 (see COPYING.txt)")
+    assert not is_permissive("UNKNOWN")
+
+
+def test_tokenizer_round_trips_code(tmp_path: Path) -> None:
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path)
+    samples = ["def f(x):\n\treturn x  # café ✓\r\n", "", "   \n\n", "naïve = '日本語'\x00\x7f"]
+    for text in samples:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) == (0, 1, 2)
+
+
+def test_decontamination_finds_a_copied_solution(tmp_path: Path) -> None:
+    task = {"task_id": "SingleLineInfilling/HumanEval/7/L0", "entry_point": "f", "test": "",
+            "prompt": "def below_zero(operations):\n    balance = 0\n    for op in operations:\n",
+            "canonical_solution": "        balance += op\n        if balance < 0:\n            return True\n",
+            "suffix": "    return False\n"}  # fmt: skip
+    path = tmp_path / "eval.jsonl.gz"
+    with gzip.open(path, "wt") as sink:
+        sink.write(json.dumps(task) + "\n")
+    clean = decontamination_report(corpus_files(), [path])
+    assert clean["problems_with_overlap"] == 0
+    copied = [*corpus_files(), CorpusFile("x.py", "python", "t", task["prompt"] + task["canonical_solution"])]
+    assert decontamination_report(copied, [path])["overlapping_problem_ids"] == ["7"]
+
+
+def test_examples_cut_the_text_as_the_engine_will_see_it(tmp_path: Path) -> None:
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path)
+    sampler = ExampleSampler(corpus_files(), tokenizer, seed=0, prefix_tokens=64, head_tokens=8)
+    for _ in range(50):
+        example = sampler.example(gap_tokens=16)
+        assert example.prefix[0] == tokenizer.bos_token_id and len(example.prefix) <= 64
+        assert len(example.gap) == 16 and len(example.head) <= 8
+        if example.middle_len == 16:
+            continue  # a middle longer than the gap: the gap holds its start and no EOS (the answer goes on)
+        assert example.gap[example.middle_len :] == [tokenizer.eos_token_id] * (16 - example.middle_len)
+        joined = tokenizer.decode(example.prefix[1:] + example.gap[: example.middle_len] + example.head)
+        assert any(joined in f.text for f in corpus_files()), joined  # one contiguous span of one file
+
+
+def test_a_short_run_lowers_the_loss(tmp_path: Path) -> None:
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path / "tok")
+    torch.manual_seed(0)
+    model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer)))
+    files = corpus_files()
+    cfg = TrainConfig(minutes=0.25, batch_size=8, prefix_tokens=64, head_tokens=8, gap_choices=(16,), lr=3e-3,
+                      warmup_steps=5, eval_every=1000, log_every=5, threads=0)  # fmt: skip
+    held_out = ExampleSampler(files, tokenizer, 7, 64, 8)
+    batches = [collate([held_out.example(16) for _ in range(8)], tokenizer.pad_token_id) for _ in range(3)]
+    before = evaluate(model, batches, cfg.bf16)
+    summary = train(model, tokenizer, files, files, cfg, tmp_path / "run")
+    after = evaluate(model, batches, cfg.bf16)
+    assert summary["step"] > 5
+    assert after["diffusion"] < before["diffusion"] and after["ar"] < before["ar"]
+    assert (tmp_path / "run" / "checkpoint.pt").is_file() and (tmp_path / "run" / "log.jsonl").is_file()
