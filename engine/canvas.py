@@ -177,6 +177,130 @@ def encode(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int) -> No
     model.model.encoder(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
 
 
+class CanvasJob:
+    """One request's denoising state: its KV cache, its current canvas, its sampler and its answer so far.
+
+    `fill` drives one job; `fill_batch` drives several through shared decoder forwards. Both call the same
+    `inputs()` -> forward -> `advance(logits)` cycle, so a batched request takes exactly the single path's steps.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        prefix_ids: Sequence[int],
+        suffix_head_ids: Sequence[int],
+        params: DenoiseParams,
+        stop_ids: Sequence[int],
+        cancel: CancelToken | None = None,
+        on_step: Callable[[StepView], None] | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ):
+        self.model, self.params, self.cancel, self.on_step = model, params, cancel, on_step
+        self.device = device = model.device
+        self.vocab_size = model.config.text_config.vocab_size
+        self.gap = params.gap_tokens
+        self.generator = make_generator(params.seed, device)
+        self.stop_tensor = torch.tensor(sorted(set(stop_ids)), device=device)
+        self.suffix_head = torch.tensor([list(suffix_head_ids)], dtype=torch.long, device=device)  # [1, S]
+        self.embed_dtype = model.model.decoder.embed_tokens.weight.dtype
+        self.left_to_right = params.order == "left_to_right"
+        self.steps_cap = self.gap if self.left_to_right else params.max_steps
+
+        # 1. The prefix goes through the causal encoder once, into the KV cache (reusing a snapshot when one fits).
+        t0 = time.perf_counter()
+        if prefix_cache is not None:
+            self.cache, reused = prefix_cache.encode(prefix_ids, self._new_cache, self._encode_ids)
+        else:
+            self.cache, reused = self._new_cache(), 0
+            self._encode_ids(self.cache, prefix_ids, 0)
+        self.cursor = len(prefix_ids)  # position of the first gap slot
+        self.out = CanvasOutput(tokens=[], confidence=[], ended_with_eos=False, steps=0, forward_passes=0,
+                                canvases=0, encode_seconds=time.perf_counter() - t0, prefix_reused=reused)  # fmt: skip
+        self.started = time.perf_counter()
+        self.done = False
+        self.error: InfillCancelled | None = None  # set by fill_batch when this job was cancelled
+        self._open_canvas()
+
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config.get_text_config(decoder=True))
+
+    def _encode_ids(self, cache: DynamicCache, ids: Sequence[int], start: int) -> None:
+        encode(self.model, torch.tensor([list(ids)], dtype=torch.long, device=self.device), cache, start)  # [1, n]
+
+    def _open_canvas(self) -> None:
+        """2. A fresh canvas: G noise slots after the cursor, then the clamped suffix head."""
+        params = self.params
+        sampler_class = LeftToRightSampler if self.left_to_right else SeededEntropyBoundSampler
+        config = EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound)
+        self.sampler = sampler_class(config, self.gap, self.vocab_size, self.steps_cap, self.generator)
+        self.temperature = LinearTemperatureScheduleLogitsProcessor(params.t_min, params.t_max, self.steps_cap)
+        self.stopping = EntropyStableAndConfident(params.stability_threshold, params.confidence_threshold)
+        length = self.gap + self.suffix_head.shape[1]
+        self.positions = torch.arange(self.cursor, self.cursor + length, device=self.device).unsqueeze(0)  # [1, G+S]
+        self.gap_canvas = self.sampler.initialize_canvas(1, self.device)  # [1, G] uniform noise
+        self.argmax = self.gap_canvas
+        self.self_cond: torch.Tensor | None = None  # [1, G+S, V] last step's tempered logits
+        self.raw_gap_logits: torch.Tensor | None = None
+        self.step = 0
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The canvas to denoise next ([1, G+S]; the suffix head written back every step) and its positions."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise InfillCancelled(self.out.steps)
+        return torch.cat([self.gap_canvas, self.suffix_head], dim=1), self.positions
+
+    def advance(self, logits: torch.Tensor) -> None:
+        """3-6. One denoising step from this canvas's logits [1, G+S, V]."""
+        self.step += 1
+        remaining = self.steps_cap - self.step + 1  # transformers counts steps down, N..1
+        self.out.steps += 1
+        self.out.forward_passes += 1
+        # One pass over the gap logits: sample, argmax and entropy at this step's temperature (fused on GPU).
+        step_temperature = 1.0 / float(self.temperature(None, torch.ones(()), cur_step=remaining))
+        self.raw_gap_logits = logits[:, : self.gap]
+        stats = step_stats(self.raw_gap_logits, step_temperature, self.generator)  # fields [1, G]
+        self.argmax = stats.argmax
+        proposal = stats.argmax if self.left_to_right else stats.sample
+        accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
+        self.gap_canvas = self.sampler.renoise_canvas(accepted, remaining)
+        self.self_cond = self.temperature(None, logits, cur_step=remaining).to(self.embed_dtype)  # [1, G+S, V]
+        if self.left_to_right:
+            self.argmax = accepted  # the committed tokens are the answer
+            converged = self.sampler.finished(accepted, self.stop_tensor)
+        else:
+            converged = bool(self.stopping(self.argmax, token_entropy=stats.entropy)[0])
+        if self.on_step is not None:
+            canvas = torch.cat([self.gap_canvas, self.suffix_head], dim=1)[0]
+            self.on_step(StepView(self.out.canvases, self.step, canvas, self.argmax[0],
+                                  self.sampler.accepted_token_mask[0]))  # fmt: skip
+        if converged or self.step >= self.steps_cap:
+            self._close_canvas("converged" if converged else "step_cap")
+
+    def _close_canvas(self, stop: str) -> None:
+        """The answer is the gap's argmax up to the first EOS/pad; with no EOS, the next canvas continues it."""
+        out, gap = self.out, self.gap
+        out.canvases += 1
+        out.canvas_stops.append(stop)
+        block = self.argmax[0]
+        is_stop = torch.isin(block, self.stop_tensor)
+        probs = torch.softmax(self.raw_gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
+        end = int(is_stop.float().argmax()) if bool(is_stop.any()) else gap
+        out.tokens.extend(block[:end].tolist())
+        out.confidence.extend(probs[:end].tolist())
+        if end < gap:
+            out.ended_with_eos = True
+        if end < gap or len(out.tokens) >= self.params.max_new_tokens:
+            del out.tokens[self.params.max_new_tokens :]
+            del out.confidence[self.params.max_new_tokens :]
+            out.denoise_seconds = time.perf_counter() - self.started
+            self.done = True
+            return
+        # No EOS: the gap is all answer and the answer goes on. Encode it and open the next canvas after it.
+        encode(self.model, block[None, :], self.cache, start=self.cursor)
+        self.cursor += gap
+        self._open_canvas()
+
+
 @torch.inference_mode()
 def fill(
     model: Any,
@@ -191,114 +315,119 @@ def fill(
     """Fill the gap after `prefix_ids` (non-empty) and before `suffix_head_ids` (may be empty).
 
     With a `prefix_cache`, the encoder KV of an earlier request's prefix is reused and only the new tail encoded."""
-    device = model.device
-    vocab_size = model.config.text_config.vocab_size
-    gap, head_len = params.gap_tokens, len(suffix_head_ids)
-    generator = make_generator(params.seed, device)
-    stop_tensor = torch.tensor(sorted(set(stop_ids)), device=device)
-    suffix_head = torch.tensor([list(suffix_head_ids)], dtype=torch.long, device=device)  # [1, S]
-    embed_dtype = model.model.decoder.embed_tokens.weight.dtype
+    job = CanvasJob(model, prefix_ids, suffix_head_ids, params, stop_ids, cancel, on_step, prefix_cache)
+    while not job.done:
+        canvas, positions = job.inputs()
+        logits = model(
+            decoder_input_ids=canvas, past_key_values=job.cache, self_conditioning_logits=job.self_cond,
+            decoder_position_ids=positions,
+        ).logits  # [1, G+S, V]  # fmt: skip
+        job.advance(logits)
+    return job.out
 
-    # 1. The prefix goes through the causal encoder once, into the KV cache (reusing a snapshot when one fits).
-    t0 = time.perf_counter()
 
-    def new_cache() -> DynamicCache:
-        return DynamicCache(config=model.config.get_text_config(decoder=True))
+class BatchedKV:
+    """Several jobs' encoder caches, left-padded to one length per layer, read by one batched decoder forward.
 
-    def encode_ids(cache: DynamicCache, ids: Sequence[int], start: int) -> None:
-        encode(model, torch.tensor([list(ids)], dtype=torch.long, device=device), cache, start)  # [1, n]
+    The decoder only reads `layers[i].keys/values` (it appends the canvas without writing back), so padded copies
+    serve; the masks below hide the padding. Layers of one type (full or sliding) hold the same lengths.
+    """
 
-    if prefix_cache is not None:
-        cache, reused = prefix_cache.encode(prefix_ids, new_cache, encode_ids)
-    else:
-        cache, reused = new_cache(), 0
-        encode_ids(cache, prefix_ids, 0)
-    cursor = len(prefix_ids)  # position of the first gap slot
-    out = CanvasOutput(
-        tokens=[],
-        confidence=[],
-        ended_with_eos=False,
-        steps=0,
-        forward_passes=0,
-        canvases=0,
-        encode_seconds=time.perf_counter() - t0,
-        prefix_reused=reused,
-    )
-    t_denoise = time.perf_counter()
-    while len(out.tokens) < params.max_new_tokens:
-        left_to_right = params.order == "left_to_right"
-        sampler_class = LeftToRightSampler if left_to_right else SeededEntropyBoundSampler
-        steps_cap = gap if left_to_right else params.max_steps
-        sampler = sampler_class(
-            EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound), gap, vocab_size, steps_cap, generator
-        )
-        temperature = LinearTemperatureScheduleLogitsProcessor(params.t_min, params.t_max, steps_cap)
-        stopping = EntropyStableAndConfident(params.stability_threshold, params.confidence_threshold)
-        positions = torch.arange(cursor, cursor + gap + head_len, device=device).unsqueeze(0)  # [1, G+S]
+    is_compileable = False
 
-        gap_canvas = sampler.initialize_canvas(1, device)  # [1, G] uniform noise
-        argmax = gap_canvas
-        self_cond: torch.Tensor | None = None  # [1, G+S, V] last step's tempered logits
-        raw_gap_logits: torch.Tensor | None = None
-        stop = "step_cap"
-        for step, remaining in enumerate(range(steps_cap, 0, -1), start=1):
-            if cancel is not None and cancel.is_set():
-                raise InfillCancelled(out.steps)
-            canvas = torch.cat([gap_canvas, suffix_head], dim=1)  # [1, G+S]; the head is written back every step
-            logits = model(
-                decoder_input_ids=canvas,
-                past_key_values=cache,
-                self_conditioning_logits=self_cond,
-                decoder_position_ids=positions,
-            ).logits  # [1, G+S, V]
-            out.steps += 1
-            out.forward_passes += 1
+    def __init__(self, caches: list[DynamicCache], layer_types: list[str]):
+        self.layers = []
+        self.lengths: dict[str, torch.Tensor] = {}  # layer type -> [B] cached tokens per row
+        for index, kind in enumerate(layer_types):
+            keys = [c.layers[index].keys for c in caches]  # each [1, H, L_b, D]
+            values = [c.layers[index].values for c in caches]
+            width = max(k.shape[2] for k in keys)
+            self.layers.append(_PaddedLayer(_left_pad(keys, width), _left_pad(values, width)))
+            self.lengths.setdefault(kind, torch.tensor([k.shape[2] for k in keys], device=keys[0].device))
 
-            # One pass over the gap logits: sample, argmax and entropy at this step's temperature (fused on GPU).
-            step_temperature = 1.0 / float(temperature(None, torch.ones(()), cur_step=remaining))
-            raw_gap_logits = logits[:, :gap]
-            stats = step_stats(raw_gap_logits, step_temperature, generator)  # fields [1, G]
-            argmax = stats.argmax
-            proposal = stats.argmax if left_to_right else stats.sample
-            accepted = sampler.accept_entropy(gap_canvas, proposal, stats.entropy)
-            gap_canvas = sampler.renoise_canvas(accepted, remaining)
-            self_cond = temperature(None, logits, cur_step=remaining).to(embed_dtype)  # [1, G+S, V]
-            if left_to_right:
-                argmax = accepted  # the committed tokens are the answer
-                done = sampler.finished(accepted, stop_tensor)
-            else:
-                done = bool(stopping(argmax, token_entropy=stats.entropy)[0])
-            if on_step is not None:
-                on_step(
-                    StepView(
-                        out.canvases,
-                        step,
-                        torch.cat([gap_canvas, suffix_head], dim=1)[0],
-                        argmax[0],
-                        sampler.accepted_token_mask[0],
-                    )
-                )
-            if done:
-                stop = "converged"
-                break
-        out.canvases += 1
-        out.canvas_stops.append(stop)
+    def masks(self, canvas_lengths: list[int], width: int) -> dict[str, torch.Tensor]:
+        """Boolean [B, 1, Lc, L + Lc] masks per layer type: real cache entries and real canvas slots only."""
+        canvas = torch.tensor(canvas_lengths, device=next(iter(self.lengths.values())).device)
+        columns = torch.arange(width, device=canvas.device)
+        masks = {}
+        for kind, lengths in self.lengths.items():
+            cached = int(lengths.max())
+            keys = torch.arange(cached, device=canvas.device)
+            cache_ok = keys[None, :] >= (cached - lengths)[:, None]  # [B, L] left padding off
+            canvas_ok = columns[None, :] < canvas[:, None]  # [B, Lc]
+            row = torch.cat([cache_ok, canvas_ok], dim=1)  # [B, L + Lc]
+            masks[kind] = row[:, None, None, :].expand(-1, 1, width, -1)
+        return masks
 
-        # The answer is the gap's argmax up to the first EOS/pad.
-        block = argmax[0]
-        is_stop = torch.isin(block, stop_tensor)
-        probs = torch.softmax(raw_gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
-        end = int(is_stop.float().argmax()) if bool(is_stop.any()) else gap
-        out.tokens.extend(block[:end].tolist())
-        out.confidence.extend(probs[:end].tolist())
-        if end < gap:
-            out.ended_with_eos = True
-            break
-        # No EOS: the gap is all answer and the answer goes on. Encode it and open the next canvas after it.
-        encode(model, block[None, :], cache, start=cursor)
-        cursor += gap
 
-    del out.tokens[params.max_new_tokens :]
-    del out.confidence[params.max_new_tokens :]
-    out.denoise_seconds = time.perf_counter() - t_denoise
-    return out
+@dataclass
+class _PaddedLayer:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _left_pad(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+    return torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors], dim=0)
+
+
+@torch.inference_mode()
+def fill_batch(model: Any, jobs: list[CanvasJob], pad_id: int = 0) -> None:
+    """Run every job to its end; the jobs still denoising share one decoder forward per step.
+
+    A cancelled job gets `job.error` and leaves the batch; the others go on."""
+    layer_types = list(model.config.text_config.layer_types)
+    batched: tuple[tuple[int, ...], BatchedKV] | None = None
+    while True:
+        ready = []
+        for job in jobs:
+            if job.done or job.error is not None:
+                continue
+            try:
+                ready.append((job, *job.inputs()))
+            except InfillCancelled as cancelled:
+                job.error = cancelled
+        if not ready:
+            return
+        width = max(canvas.shape[1] for _, canvas, _ in ready)
+        canvases = torch.cat([_right_pad(canvas, width, pad_id) for _, canvas, _ in ready])  # [B, Lc]
+        positions = torch.cat([_right_pad_positions(p, width) for _, _, p in ready])  # [B, Lc]
+        # The batched cache is rebuilt only when a job joins, leaves, or extends its cache (a next canvas).
+        key = tuple((id(job), job.cursor) for job, _, _ in ready)
+        if batched is None or batched[0] != key:
+            batched = (key, BatchedKV([job.cache for job, _, _ in ready], layer_types))
+        kv = batched[1]
+        conditioned = [job.self_cond is not None for job, _, _ in ready]
+        self_cond = None
+        if any(conditioned):
+            vocab = next(job.self_cond for job, _, _ in ready if job.self_cond is not None).shape[-1]
+            self_cond = torch.cat([
+                _right_pad_logits(job.self_cond, width) if job.self_cond is not None
+                else torch.zeros((1, width, vocab), dtype=job.embed_dtype, device=job.device)
+                for job, _, _ in ready
+            ])  # fmt: skip
+        logits = model(
+            decoder_input_ids=canvases,
+            past_key_values=kv,
+            self_conditioning_logits=self_cond,
+            self_conditioning_mask=torch.tensor(conditioned, device=canvases.device) if self_cond is not None else None,
+            decoder_attention_mask=kv.masks([canvas.shape[1] for _, canvas, _ in ready], width),
+            decoder_position_ids=positions,
+        ).logits  # [B, Lc, V]
+        for row, (job, canvas, _) in enumerate(ready):
+            job.advance(logits[row : row + 1, : canvas.shape[1]])
+
+
+def _right_pad(ids: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+    return torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=pad_id)
+
+
+def _right_pad_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
+    extra = width - positions.shape[1]
+    if extra == 0:
+        return positions
+    tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)[None, :]
+    return torch.cat([positions, tail], dim=1)
+
+
+def _right_pad_logits(logits: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(logits, (0, 0, 0, width - logits.shape[1]))

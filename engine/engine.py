@@ -13,18 +13,36 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine.canvas import CancelToken, DenoiseParams, InfillCancelled, StepView, fill
+from engine.canvas import (
+    CancelToken,
+    CanvasJob,
+    CanvasOutput,
+    DenoiseParams,
+    InfillCancelled,
+    StepView,
+    fill,
+    fill_batch,
+)
 from engine.loading import LoadedModel, load_model
 from engine.prefix_cache import PrefixCache
 from engine.settings import InfillSettings, model_settings
 
-__all__ = ["Engine", "InfillCancelled", "InfillResult"]
+__all__ = ["Engine", "InfillCancelled", "InfillRequest", "InfillResult"]
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 INSTRUCTION = (
     "Complete the code at <CURSOR>. Answer with only the code that goes there, nothing else.\n\n"
     "{prefix}<CURSOR>{suffix}"
 )
+
+
+@dataclass
+class InfillRequest:
+    prefix: str
+    suffix: str
+    overrides: dict[str, Any] | None = None
+    cancel: CancelToken | None = None
+    on_step: Callable[[StepView], None] | None = None
 
 
 @dataclass
@@ -93,12 +111,36 @@ class Engine:
         on_step: Callable[[StepView], None] | None = None,
     ) -> InfillResult:
         """Fill the gap between `prefix` and `suffix`. Raises InfillCancelled when `cancel` is set mid-way."""
-        settings = self.settings.merged(overrides)
+        request = InfillRequest(prefix, suffix, overrides, cancel, on_step)
+        settings, encoder_ids, head_ids, params = self._prepare(request)
+        with self._lock:
+            out = fill(self.loaded.model, encoder_ids, head_ids, params, self._stop_ids, cancel, on_step,
+                       self.prefix_cache)  # fmt: skip
+        return self._result(settings, encoder_ids, head_ids, out)
+
+    def infill_batch(self, requests: list[InfillRequest]) -> list[InfillResult | InfillCancelled]:
+        """Fill several gaps at once: their canvases share each decoder forward. A cancelled request's slot holds
+        its InfillCancelled; the others complete."""
+        prepared = [self._prepare(request) for request in requests]
+        with self._lock:
+            model = self.loaded.model
+            jobs = [
+                CanvasJob(model, ids, head, params, self._stop_ids, r.cancel, r.on_step, self.prefix_cache)
+                for r, (_, ids, head, params) in zip(requests, prepared, strict=True)
+            ]
+            fill_batch(model, jobs, pad_id=self._stop_ids[-1])
+        return [
+            job.error if job.error is not None else self._result(settings, ids, head, job.out)
+            for job, (settings, ids, head, _) in zip(jobs, prepared, strict=True)
+        ]
+
+    def _prepare(self, request: InfillRequest) -> tuple[InfillSettings, list[int], list[int], DenoiseParams]:
+        settings = self.settings.merged(request.overrides)
         if settings.layout == "canvas":
-            encoder_ids = self._with_bos(self._encode(prefix)[-settings.max_prefix_tokens :])
-            head_ids = self._encode(suffix)[: settings.suffix_head_tokens]
+            encoder_ids = self._with_bos(self._encode(request.prefix)[-settings.max_prefix_tokens :])
+            head_ids = self._encode(request.suffix)[: settings.suffix_head_tokens]
         else:
-            encoder_ids = self._prompt_ids(prefix, suffix, settings)
+            encoder_ids = self._prompt_ids(request.prefix, request.suffix, settings)
             head_ids = []
         params = DenoiseParams(
             gap_tokens=settings.gap_tokens,
@@ -112,9 +154,10 @@ class Engine:
             seed=settings.seed,
             order=settings.order,
         )
-        with self._lock:
-            out = fill(self.loaded.model, encoder_ids, head_ids, params, self._stop_ids, cancel, on_step,
-                       self.prefix_cache)  # fmt: skip
+        return settings, encoder_ids, head_ids, params
+
+    def _result(self, settings: InfillSettings, encoder_ids: list[int], head_ids: list[int],
+                out: CanvasOutput) -> InfillResult:  # fmt: skip
         produced = len(out.tokens) + (1 if out.ended_with_eos else 0)
         return InfillResult(
             text=self.tokenizer.decode(out.tokens, skip_special_tokens=True),

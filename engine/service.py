@@ -9,8 +9,9 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
     GET  /health           model, device, queue depth
     GET  /metrics          Prometheus text: requests, latency, steps, tokens per forward, prefix-cache hits, queue
 
-Requests run one at a time on a worker thread, each with a cancel flag the denoising loop checks every step: a
-client that disconnects, or a newer request for the same `document`, stops the older one at its next step.
+Requests run on one scheduler thread (`Batcher`): the requests waiting when a batch starts denoise together,
+their canvases sharing each decoder forward. Each has a cancel flag the denoising loop checks every step: a client
+that disconnects, or a newer request for the same `document`, stops it at its next step; the others go on.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.canvas import InfillCancelled, StepView
-from engine.engine import Engine
+from engine.engine import Engine, InfillRequest
 from engine.paths import default_socket
+from engine.settings import SettingsError
 
 __all__ = ["EngineService", "default_socket", "serve"]
 
@@ -50,13 +53,12 @@ class BadRequest(Exception):
 
 class EngineService:
     def __init__(self, engine: Engine, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-                 idle_exit_s: float | None = None):  # fmt: skip
+                 idle_exit_s: float | None = None, max_batch: int = 8):  # fmt: skip
         self.engine = engine
         self.token = token
         self.max_body = max_body
         self.idle_exit_s = idle_exit_s
         self.last_activity = time.monotonic()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
         self.in_flight: dict[str, threading.Event] = {}  # document -> cancel flag of its newest request
         self.queue = 0
         registry = self.registry = CollectorRegistry()
@@ -73,6 +75,9 @@ class EngineService:
         self.m_prefix_reused = Counter("canvas_prefix_reused_tokens", "Prefix tokens not re-encoded",
                                        registry=registry)  # fmt: skip
         self.m_queue = Gauge("canvas_queue_depth", "Requests waiting or running", registry=registry)
+        self.m_batch = Histogram("canvas_batch_size", "Requests sharing decoder forwards", registry=registry,
+                                 buckets=(1, 2, 3, 4, 6, 8, 12, 16))  # fmt: skip
+        self.batcher = Batcher(engine, max_batch, self.m_batch.observe)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -185,6 +190,10 @@ class EngineService:
         on_step: Callable[[StepView], None] | None = None,
     ) -> dict[str, Any] | None:
         """Run one infill on the worker; None when it was cancelled (client gone, or superseded)."""
+        try:
+            self.engine.settings.merged(settings)  # a bad setting is this request's 400, not its batch's failure
+        except SettingsError as exc:
+            raise BadRequest(400, str(exc)) from exc
         cancel = threading.Event()
         if isinstance(document, str):
             older = self.in_flight.get(document)
@@ -196,18 +205,11 @@ class EngineService:
         self.last_activity = time.monotonic()
         started = time.perf_counter()
 
-        def work() -> dict[str, Any] | None:
-            if cancel.is_set():
-                return None
-            try:
-                return self.engine.infill(prefix, suffix, settings, cancel=cancel, on_step=on_step).to_dict()
-            except InfillCancelled:
-                return None
-
-        job = asyncio.get_running_loop().run_in_executor(self.worker, work)
+        job = asyncio.wrap_future(self.batcher.submit(InfillRequest(prefix, suffix, settings, cancel, on_step)))
         watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
         try:
-            result = await job
+            outcome = await job
+            result = None if isinstance(outcome, InfillCancelled) else outcome.to_dict()
         finally:
             watcher.cancel()
             self.queue -= 1
@@ -233,6 +235,52 @@ class EngineService:
             if self.queue == 0 and time.monotonic() - self.last_activity > self.idle_exit_s:
                 server.should_exit = True
                 return
+
+
+class Batcher:
+    """The scheduler: one thread takes every request waiting (up to `max_batch`) and runs them together, their
+    canvases sharing each decoder forward; requests that arrive meanwhile make the next batch."""
+
+    def __init__(self, engine: Engine, max_batch: int, on_batch: Callable[[int], None] | None = None):
+        self.engine = engine
+        self.max_batch = max_batch
+        self.on_batch = on_batch
+        self.waiting: queue.Queue[tuple[InfillRequest, Future]] = queue.Queue()
+        self.batches: list[int] = []  # sizes of the last batches, for tests and metrics
+        threading.Thread(target=self._loop, name="canvas-batcher", daemon=True).start()
+
+    def submit(self, request: InfillRequest) -> Future:
+        future: Future = Future()
+        self.waiting.put((request, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            batch = [self.waiting.get()]
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(self.waiting.get_nowait())
+                except queue.Empty:
+                    break
+            self.batches = [*self.batches[-99:], len(batch)]
+            if self.on_batch is not None:
+                self.on_batch(len(batch))
+            live = []
+            for request, future in batch:
+                if request.cancel is not None and request.cancel.is_set():
+                    future.set_result(InfillCancelled(0))  # gone before it started
+                else:
+                    live.append((request, future))
+            if not live:
+                continue
+            try:
+                results = self.engine.infill_batch([request for request, _ in live])
+            except Exception as exc:  # a bad request must not take the scheduler down
+                for _, future in live:
+                    future.set_exception(exc)
+                continue
+            for (_, future), result in zip(live, results, strict=True):
+                future.set_result(result)
 
 
 async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:

@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--device")
     engine.add_argument("--idle-exit", type=float, default=1800.0, help="exit after this many idle seconds (0: never)")
     engine.add_argument("--max-body", type=int, default=4 << 20, help="largest request body, in bytes")
+    engine.add_argument("--max-batch", type=int, default=8, help="requests that may share decoder forwards")
     engine.add_argument("--prefix-cache-mb", type=int, default=256, help="prefix KV cache bound (0: off)")
 
     train = commands.add_parser("train", help="train the default model on source code already on this machine")
@@ -171,7 +172,7 @@ def _engine(args: argparse.Namespace) -> int:
         if not loopback and not args.allow_remote:
             raise CliError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
     engine = Engine.load(args.model, args.device, prefix_cache_mb=args.prefix_cache_mb)
-    service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None)
+    service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
     socket = None if args.tcp else (args.socket or default_socket())
     print(f"canvas-ls engine: {engine.name} on {engine.loaded.device}, listening on {socket or args.tcp}",
           file=sys.stderr, flush=True)  # fmt: skip

@@ -259,3 +259,27 @@ async def test_openai_backend_against_our_engine(tiny_model_dir: Path) -> None:
         await asyncio.gather(close(good), close(bad))
         engine.kill()
         engine.wait()
+
+
+def test_concurrent_requests_share_decoder_forwards(unix_engine: httpx.Client) -> None:
+    import concurrent.futures
+
+    path = unix_engine.socket_path  # type: ignore[attr-defined]
+    slow = {"max_new_tokens": 16, "max_steps": 40, "gap_tokens": 16}
+
+    def one(index: int) -> int:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine", timeout=120) as c:
+            body = {"prefix": f"# client {index}\n" + BODY["prefix"], "suffix": "\n", "settings": slow}
+            return c.post("/v1/infill", json=body).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(one, range(4))) == [200] * 4
+    metrics = unix_engine.get("/metrics").text
+    batched = [line for line in metrics.splitlines() if line.startswith('canvas_batch_size_bucket{le="1.0"}')]
+    count = [line for line in metrics.splitlines() if line.startswith("canvas_batch_size_count")]
+    assert float(batched[0].split()[-1]) < float(count[0].split()[-1])  # at least one batch held 2+ requests
+
+
+def test_a_bad_setting_is_that_request_s_400(unix_engine: httpx.Client) -> None:
+    response = unix_engine.post("/v1/infill", json={**BODY, "settings": {"gap_tokens": "many"}})
+    assert response.status_code == 400 and "gap_tokens" in response.json()["error"]
