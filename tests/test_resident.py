@@ -283,3 +283,13 @@ def test_concurrent_requests_share_decoder_forwards(unix_engine: httpx.Client) -
 def test_a_bad_setting_is_that_request_s_400(unix_engine: httpx.Client) -> None:
     response = unix_engine.post("/v1/infill", json={**BODY, "settings": {"gap_tokens": "many"}})
     assert response.status_code == 400 and "gap_tokens" in response.json()["error"]
+
+
+def test_the_engine_exits_when_idle(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "engine.sock"
+    process = subprocess.Popen([*ENGINE, "--model", str(tiny_model_dir), "--socket", str(path), "--idle-exit", "1"],
+                               stdin=subprocess.DEVNULL)  # fmt: skip
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine", timeout=60)
+    wait_health(client)
+    assert client.post("/v1/infill", json=BODY).status_code == 200
+    assert process.wait(timeout=60) == 0  # no request for a second: it leaves by itself
