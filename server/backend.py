@@ -193,25 +193,14 @@ class ResidentBackend:
             )
         body = {"prefix": prefix, "suffix": suffix, "document": document,
                 "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
-        request = asyncio.ensure_future(self._client.post("/v1/infill", json=body))
-        stop = asyncio.ensure_future(_wait_for(cancel))
         try:
-            done, _ = await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if request not in done:  # superseded: dropping the connection stops the engine's denoising
-                request.cancel()
-                return None
-            response = request.result()
-        except asyncio.CancelledError:
-            request.cancel()
-            raise
+            response = await post_cancellable(self._client, "/v1/infill", body, cancel)
         except httpx.HTTPError as exc:  # the engine died (or was killed): answer empty, start a new one
             log.warning("resident engine unreachable (%s); restarting it", exc)
             self.restarts += 1
             self.load(self._model, self._device)
             return None
-        finally:
-            stop.cancel()
-        if response.status_code == 499:
+        if response is None or response.status_code == 499:
             return None
         if response.status_code != 200:
             log.error("engine answered %d: %s", response.status_code, response.text[:200])
@@ -220,6 +209,25 @@ class ResidentBackend:
 
     def shutdown(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
+
+
+async def post_cancellable(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                           cancel: threading.Event) -> httpx.Response | None:  # fmt: skip
+    """POST, racing the response against `cancel`: None when the cancel wins. Dropping the connection is how the
+    server learns it: our engine stops denoising at its next step."""
+    request = asyncio.ensure_future(client.post(path, json=body))
+    stop = asyncio.ensure_future(_wait_for(cancel))
+    try:
+        done, _ = await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if request not in done:
+            request.cancel()
+            return None
+        return request.result()
+    except asyncio.CancelledError:
+        request.cancel()
+        raise
+    finally:
+        stop.cancel()
 
 
 async def _wait_for(event: threading.Event) -> None:
@@ -263,21 +271,12 @@ class OpenAIBackend:
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event,
                      document: str | None = None) -> dict | None:  # fmt: skip
         body = completion_request(prefix, suffix, overrides, self.model, self.suffix_mode, self.template)
-        request = asyncio.ensure_future(self._client.post("/v1/completions", json=body))
-        stop = asyncio.ensure_future(_wait_for(cancel))
         try:
-            done, _ = await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if request not in done:
-                request.cancel()
-                return None
-            response = request.result()
-        except asyncio.CancelledError:
-            request.cancel()
-            raise
+            response = await post_cancellable(self._client, "/v1/completions", body, cancel)
         except httpx.HTTPError as exc:
             raise BackendError(f"{self.url} is unreachable: {exc}") from exc
-        finally:
-            stop.cancel()
+        if response is None:
+            return None
         if response.status_code != 200:
             raise BackendError(f"{self.url} answered {response.status_code}: {response.text[:200]}")
         data = response.json()

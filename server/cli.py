@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from server.positions import PositionError, offset_at
@@ -206,54 +207,28 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    import time
-
     from engine.bench import format_engine, run_engine_bench
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     clients = tuple(int(x) for x in args.clients.split(","))
-    report = run_engine_bench(args.model, prefixes, clients, args.runs)
-    out = args.out or _cache_dir() / f"bench-engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(format_engine(report))
-    print(f"\nreport: {out}")
-    return 0
+    return _report("engine", run_engine_bench(args.model, prefixes, clients, args.runs), format_engine, args.out)
 
 
 def _bench_sampler(args: argparse.Namespace) -> int:
-    import time
-
     from engine.bench import format_sampler, run_sampler
 
-    report = run_sampler(args.device, steps=args.steps)
-    out = args.out or _cache_dir() / f"bench-sampler-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(format_sampler(report))
-    print(f"\nreport: {out}")
-    return 0
+    return _report("sampler", run_sampler(args.device, steps=args.steps), format_sampler, args.out)
 
 
 def _bench_lsp(args: argparse.Namespace) -> int:
-    import time
-
     from server.bench_lsp import LANGUAGES, format_report, run_lsp_bench
 
     fixtures = Path(__file__).resolve().parent.parent / "fixtures"
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
-    report = run_lsp_bench(files, args.requests, args.model, args.device)
-    out = args.out or _cache_dir() / f"bench-lsp-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(format_report(report))
-    print(f"\nreport: {out}")
-    return 0
+    return _report("lsp", run_lsp_bench(files, args.requests, args.model, args.device), format_report, args.out)
 
 
 def _bench_infill(args: argparse.Namespace) -> int:
-    import time
-
     from engine import Engine
     from engine.bench import format_table, prefix_latency, run_infill
 
@@ -269,10 +244,17 @@ def _bench_infill(args: argparse.Namespace) -> int:
     if args.prefix_latency:
         filler = (Path(__file__).resolve().parent.parent / "fixtures" / "python" / "stats.py").read_text()
         report["prefix_latency"] = prefix_latency(engine, filler, args.prefix_latency)
-    out = args.out or _cache_dir() / f"bench-infill-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return _report("infill", report, format_table, args.out)
+
+
+def _report(name: str, report: dict, formatter: Callable[[dict], str], out: Path | None) -> int:
+    """Every benchmark: the table on stdout, the whole report as JSON (its path printed last)."""
+    import time
+
+    out = out or _cache_dir() / f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print(format_table(report))
+    print(formatter(report))
     print(f"\nreport: {out}")
     return 0
 
