@@ -329,26 +329,28 @@ def _finish(result: dict[str, Any]) -> str:
 
 def serve(service: EngineService, socket: Path | None = None, host: str | None = None, port: int | None = None,
           log_level: str = "warning") -> None:  # fmt: skip
-    """Run until stopped (or idle): on a unix socket (0600) or TCP."""
+    """Run until stopped (or idle): on a unix socket created 0600, or on TCP."""
+    import socket as sockets
+
     import uvicorn
 
+    config = uvicorn.Config(service.app, host=host or "127.0.0.1", port=port or 0, log_level=log_level,
+                            timeout_graceful_shutdown=2)  # fmt: skip
+    server = uvicorn.Server(config)
+    bound = None
     if socket is not None:
         socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if socket.exists():
-            socket.unlink()
-        config = uvicorn.Config(service.app, uds=str(socket), log_level=log_level, timeout_graceful_shutdown=2)
-    else:
-        config = uvicorn.Config(service.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+        socket.unlink(missing_ok=True)
+        bound = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+        previous = os.umask(0o177)  # the socket file is born 0600: no window where others could connect
+        try:
+            bound.bind(str(socket))
+        finally:
+            os.umask(previous)
 
     async def main() -> None:
         watch = asyncio.ensure_future(service.idle_watch(server))
-        serving = asyncio.ensure_future(server.serve())
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.01)
-        if socket is not None and socket.exists():
-            os.chmod(socket, 0o600)  # uvicorn creates it 0666; the folder is 0700 in any case
-        await serving
+        await server.serve(sockets=[bound] if bound is not None else None)
         watch.cancel()
 
     asyncio.run(main())
