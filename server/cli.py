@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     infill.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     infill.add_argument("--device")
     infill.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the tasks' tests)")
+    infill.add_argument("--max-new-tokens", type=int, default=48, help="answer bound (the server's single-line one)")
     infill.add_argument("--prefix-latency", type=int, default=1024, help="also time a prefix of N tokens (0: skip)")
     infill.add_argument("--out", type=Path, help="JSON report path (default: bench-infill-<time>.json in the cache)")
 
@@ -234,7 +235,7 @@ def _bench_infill(args: argparse.Namespace) -> int:
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
-    engine = Engine.load(args.model, args.device)
+    engine = Engine.load(args.model, args.device, {"max_new_tokens": args.max_new_tokens})
 
     def progress(done: int, total: int) -> None:
         print(f"\r{done}/{total} tasks", end="", file=sys.stderr, flush=True)
