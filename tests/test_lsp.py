@@ -360,3 +360,45 @@ async def test_shutdown_during_a_request(slow_client: LanguageClient) -> None:
     assert await asyncio.wait_for(slow_client._server.wait(), 60) == 0
     assert pending.done()
     slow_client.capabilities = None  # the session is over; nothing left for the fixture to shut down
+
+
+async def test_a_disabled_language_is_skipped(raw_client: LanguageClient, tiny_model_dir: Path) -> None:
+    init = {**options(tiny_model_dir), "languages": {"python": False}}
+    await raw_client.initialize_session(
+        types.InitializeParams(capabilities=pytest_lsp.client_capabilities("neovim"), initialization_options=init)
+    )
+    open_doc(raw_client, "a.py", COMMENT_DOC)
+    assert (await fill(raw_client, "a.py", COMMENT_POS))["source"] == "skip:language disabled"
+    open_doc(raw_client, "b.go", "package main\n\n// note: \n", language="go")
+    assert (await fill(raw_client, "b.go", types.Position(2, 9)))["source"] != "skip:language disabled"
+    await raw_client.shutdown_session()
+
+
+async def test_serve_over_tcp(tiny_model_dir: Path) -> None:
+    import socket
+    import subprocess
+
+    from pygls.lsp.client import LanguageClient as PlainClient
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([*SERVE, "--tcp", f"127.0.0.1:{port}"], stdin=subprocess.DEVNULL)
+    client = PlainClient("tcp-test", "1")
+    try:
+        for _ in range(200):
+            try:
+                await client.start_tcp("127.0.0.1", port)
+                break
+            except OSError:
+                await asyncio.sleep(0.1)
+        result = await client.initialize_async(
+            types.InitializeParams(
+                capabilities=types.ClientCapabilities(), initialization_options=options(tiny_model_dir)
+            )
+        )
+        assert result.capabilities.inline_completion_provider is not None
+        await client.shutdown_async(None)
+    finally:
+        server.kill()
+        server.wait()
