@@ -68,6 +68,9 @@ class DenoiseParams:
     # "diffusion": entropy-bound parallel acceptance. "left_to_right": the autoregressive-equivalent baseline on the
     # same model and canvas: each step commits the leftmost open slot's argmax, one token per forward.
     order: str = "diffusion"
+    # Token ids that hold a line break. When set, the answer ends at the canvas that writes one (the caller
+    # keeps only the first line), instead of continuing canvas after canvas.
+    line_end_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -289,7 +292,8 @@ class CanvasJob:
         out.confidence.extend(probs[:end].tolist())
         if end < gap:
             out.ended_with_eos = True
-        if end < gap or len(out.tokens) >= self.params.max_new_tokens:
+        line_ended = any(token in self.params.line_end_ids for token in out.tokens)
+        if end < gap or line_ended or len(out.tokens) >= self.params.max_new_tokens:
             del out.tokens[self.params.max_new_tokens :]
             del out.confidence[self.params.max_new_tokens :]
             out.denoise_seconds = time.perf_counter() - self.started

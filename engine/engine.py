@@ -82,6 +82,7 @@ class Engine:
         self.settings = InfillSettings().merged(model_settings(loaded.folder, generation_config)).merged(overrides)
         self._stop_ids = _stop_ids(loaded.model, self.tokenizer)
         self._lock = threading.Lock()
+        self._newline_ids: frozenset[int] | None = None
 
     @classmethod
     def load(
@@ -153,8 +154,16 @@ class Engine:
             confidence_threshold=settings.confidence_threshold,
             seed=settings.seed,
             order=settings.order,
+            line_end_ids=self._line_end_ids() if settings.single_line else frozenset(),
         )
         return settings, encoder_ids, head_ids, params
+
+    def _line_end_ids(self) -> frozenset[int]:
+        """Vocabulary ids whose text holds a line break (computed once)."""
+        if self._newline_ids is None:
+            vocab = self.tokenizer.get_vocab().values()
+            self._newline_ids = frozenset(i for i in vocab if "\n" in self.tokenizer.decode([i]))
+        return self._newline_ids
 
     def _result(self, settings: InfillSettings, encoder_ids: list[int], head_ids: list[int],
                 out: CanvasOutput) -> InfillResult:  # fmt: skip

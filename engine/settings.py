@@ -63,6 +63,8 @@ class InfillSettings:
     # "diffusion": parallel entropy-bound decoding. "left_to_right": one token per forward, the autoregressive-
     # equivalent baseline that `canvas-ls bench infill` measures the parallel decode against.
     order: Literal["diffusion", "left_to_right"] = "diffusion"
+    # The caller keeps only the first line (an LSP single-line completion): stop once the answer has a line break.
+    single_line: bool = False
     # "prompt" layout template, with {prefix} and {suffix}. "auto": the tokenizer's FIM tokens if it has them,
     # else its chat template with an instruction, else a plain instruction.
     prompt_template: str = "auto"

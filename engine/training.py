@@ -360,7 +360,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Tokenizer vocabulary, measured on 300 held-out Python files (bytes per token): 4k 3.23, 8k 3.52, 16k 3.71.
 # 8k -> 16k saves 5% of tokens but doubles the LM-head matmul, a third of this model's per-token compute.
 # What the engine should use with the trained model ("canvas" layout: the objective above).
-TRAINED_INFILL = {"layout": "canvas", "gap_tokens": 16, "suffix_head_tokens": 16, "max_steps": 12}
+TRAINED_INFILL = {"layout": "canvas", "gap_tokens": 16, "suffix_head_tokens": 16, "max_steps": 8}
 
 
 def run(

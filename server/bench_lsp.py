@@ -95,7 +95,7 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         "cache_hits": stats.cacheHits,
         "typing_hits": stats.typingHits,
         "hit_rate": (stats.cacheHits + stats.typingHits) / max(stats.requests, 1),
-        "by_source": dict(stats.bySource._asdict()) if hasattr(stats.bySource, "_asdict") else stats.bySource,
+        "by_source": {row.source: row.count for row in stats.bySource},
     }
 
 

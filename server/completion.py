@@ -160,6 +160,7 @@ class Completer:
             "max_suffix_tokens": options.suffix_tokens,
             "max_steps": options.max_steps,
             "entropy_bound": options.entropy_bound,
+            "single_line": context.mode == "single_line",
         }
 
     def _key(self, document: Document, context: CompletionContext) -> str:

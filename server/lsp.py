@@ -210,7 +210,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "modelCalls": counters.model_calls,
         "cacheHits": counters.cache_hits,
         "typingHits": counters.typing_hits,
-        "bySource": counters.by_source,
+        "bySource": [{"source": k, "count": v} for k, v in counters.by_source.items()],
         "cancelledAfterSteps": ls.backend.cancelled_after_steps,
         "engineRestarts": getattr(ls.backend, "restarts", 0),
     }

@@ -155,3 +155,14 @@ def test_left_to_right_baseline_commits_one_token_per_forward(tiny_engine: Engin
     assert baseline.tokens == parallel.tokens == list(range(80, 85))
     assert baseline.forward_passes == 6  # five tokens and the EOS, one per forward
     assert parallel.forward_passes < baseline.forward_passes
+
+
+def test_single_line_stops_at_the_canvas_that_breaks_the_line(tiny_engine: Engine) -> None:
+    start = prefix_len(tiny_engine)
+    newline = next(i for i in range(6, 300) if "\n" in tiny_engine.tokenizer.decode([i]))
+    # No EOS ever; a line break at gap offset 10 (in the second 8-slot canvas).
+    with confident(tiny_engine, lambda p: newline if p - start == 10 else 70):
+        multi = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_new_tokens": 40})
+        single = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_new_tokens": 40, "single_line": True})
+    assert multi.canvases == 5 and multi.stop_reason == "max_tokens"
+    assert single.canvases == 2 and newline in single.tokens

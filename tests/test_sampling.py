@@ -98,3 +98,13 @@ def test_bench_sampler_reports_torch_and_leaves_fused_to_cuda() -> None:
     [row] = report["rows"]
     assert row["torch_ms"] > 0 and row["fused_ms"] is None
     assert "runs on CUDA only" in format_sampler(report)
+
+
+def test_torch_samples_follow_the_softmax() -> None:
+    vocab, draws, temperature = 11, 4000, 0.8
+    logits = torch.randn(vocab, generator=generator(3)) * 0.8
+    stats = step_stats_torch(logits.expand(draws, vocab).contiguous(), temperature, generator(12))
+    counts = torch.bincount(stats.sample, minlength=vocab).double()
+    expected = torch.softmax(logits.double() / temperature, dim=-1) * draws
+    dof = vocab - 1
+    assert float(((counts - expected) ** 2 / expected).sum()) < dof + 6 * math.sqrt(2 * dof)
