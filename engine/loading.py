@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,9 @@ def quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # 5.24 deprecates `past_key_values` for `cache` (removal announced for 5.40, hence the upper bound in
+    # pyproject.toml); the warning is for us, not for the user's terminal.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 
 
