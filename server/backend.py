@@ -39,7 +39,6 @@ class LocalBackend:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
         self._engine: Any = None
-        self._loading: Future[Any] | None = None
         self.state = "idle"  # idle -> loading -> ready | failed
         self.error: str | None = None
         self.model_name: str | None = None
@@ -66,7 +65,7 @@ class LocalBackend:
             if on_done is not None:
                 on_done(self)
 
-        self._loading = self._executor.submit(work)
+        self._executor.submit(work)
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event,
                      document: str | None = None) -> dict | None:  # fmt: skip

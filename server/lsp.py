@@ -42,7 +42,6 @@ class CanvasServer(LanguageServer):
         super().__init__("canvas-ls", VERSION)
         self.documents = DocumentStore()
         self.backend: LocalBackend | ResidentBackend | OpenAIBackend = LocalBackend()
-        self.backend_kind = "local"
         self.config = ServerConfig()
         self.completer = Completer(self.backend, self.config)
         self.pending_messages: list[str] = []
@@ -56,11 +55,12 @@ class CanvasServer(LanguageServer):
         config, error = parse_config(options)
         if error is not None:
             self.pending_messages.append(error)
-        reload = (config.engine != self.config.engine) or self.backend.state == "idle"
-        if config.engine != self.config.engine and (config.engine.backend != "local" or self.backend_kind != "local"):
+        reload = config.engine != self.config.engine or self.backend.state == "idle"
+        # A local backend reloads in place; any change that involves another backend gets a new backend object.
+        changed = config.engine != self.config.engine
+        if changed and {config.engine.backend, self.config.engine.backend} != {"local"}:
             self.backend.shutdown()
             self.backend = make_backend(config)
-            self.backend_kind = config.engine.backend
             self.completer.backend = self.backend
         self.config = config
         self.completer.config = config
