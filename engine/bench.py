@@ -129,6 +129,7 @@ def run_infill(
         "dataset": str(dataset),
         "tasks": len(tasks),
         "model": engine.name,
+        "dtype": engine.dtype,
         "settings": engine.settings.to_dict(),
         "machine": machine(),
     }
@@ -197,7 +198,8 @@ def machine() -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"{report['tasks']} tasks from {report['dataset']}", f"model {report['model']}", report["machine"], ""]
+    model = f"model {report['model']} ({report.get('dtype', '?')})"
+    lines = [f"{report['tasks']} tasks from {report['dataset']}", model, report["machine"], ""]
     header = f"{'':<16}{'exact':>8}{'edit sim':>10}{'pass@1':>8}{'p50 ms':>9}{'p95 ms':>9}{'steps':>7}"
     header += f"{'tok/fwd':>9}{'empty':>7}"
     lines.append(header)
@@ -304,6 +306,7 @@ def run_engine_bench(
     clients: tuple[int, ...] = (1, 4, 8),
     runs: int = 5,
     per_client: int = 4,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Start `canvas-ls engine` on a private socket and measure it as editors would use it."""
     import concurrent.futures
@@ -313,7 +316,8 @@ def run_engine_bench(
     filler = (Path(__file__).resolve().parent.parent / "fixtures" / "python" / "stats.py").read_text()
     folder = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-"))
     socket = folder / "engine.sock"
-    command = [sys.executable, "-m", "server.cli", "engine", "--socket", str(socket), "--idle-exit", "0"]
+    command = [sys.executable, "-m", "server.cli", "engine", "--socket", str(socket), "--idle-exit", "0",
+               "--dtype", dtype]  # fmt: skip
     process = subprocess.Popen(command + (["--model", model] if model else []), stdin=subprocess.DEVNULL)
     client = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=600)
     try:
@@ -369,7 +373,8 @@ def run_engine_bench(
         single = throughput_rows[0]["requests_per_s"]
         for row in throughput_rows:
             row["vs_one_client"] = row["requests_per_s"] / single
-        return {"machine": machine(), "model": model or "(default)", "prefix": prefix_rows,
+        health = client.get("/health").json()
+        return {"machine": machine(), "model": model or "(default)", "dtype": health["dtype"], "prefix": prefix_rows,
                 "throughput": throughput_rows}  # fmt: skip
     finally:
         client.close()
@@ -378,7 +383,12 @@ def run_engine_bench(
 
 
 def format_engine(report: dict[str, Any]) -> str:
-    lines = [f"model {report['model']}", report["machine"], "", "prefix reuse (median ms per request):"]
+    lines = [
+        f"model {report['model']} ({report.get('dtype', '?')})",
+        report["machine"],
+        "",
+        "prefix reuse (median ms per request):",
+    ]
     lines.append(f"{'tokens':>8}{'cold':>10}{'warm':>10}{'warm/cold':>11}{'reused':>9}")
     for row in report["prefix"]:
         lines.append(f"{row['prefix_tokens']:>8}{row['cold_ms']:>10.1f}{row['warm_ms']:>10.1f}"

@@ -21,6 +21,7 @@ only subclass adds a torch.Generator so that one request's noise is reproducible
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -180,10 +181,13 @@ def encode(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int) -> No
     model.model.encoder(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
 
 
+_SERIALS = itertools.count()
+
+
 class CanvasJob:
     """One request's denoising state: its KV cache, its current canvas, its sampler and its answer so far.
 
-    `fill` drives one job; `fill_batch` drives several through shared decoder forwards. Both call the same
+    `fill` drives one job; `DenoisingBatch` drives several through shared decoder forwards. Both call the same
     `inputs()` -> forward -> `advance(logits)` cycle, so a batched request takes exactly the single path's steps.
     """
 
@@ -199,6 +203,7 @@ class CanvasJob:
         prefix_cache: PrefixCache | None = None,
     ):
         self.model, self.params, self.cancel, self.on_step = model, params, cancel, on_step
+        self.serial = next(_SERIALS)  # identifies the job in a batch (an id() can be reused once a job is freed)
         self.device = device = model.device
         self.vocab_size = model.config.text_config.vocab_size
         self.gap = params.gap_tokens
@@ -374,32 +379,49 @@ def _left_pad(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors], dim=0)
 
 
-@torch.inference_mode()
-def fill_batch(model: Any, jobs: list[CanvasJob], pad_id: int = 0) -> None:
-    """Run every job to its end; the jobs still denoising share one decoder forward per step.
+class DenoisingBatch:
+    """Jobs denoising together: one shared decoder forward per step. Jobs join and leave between steps
+    (iteration-level scheduling), so a new request does not wait for the longest one in flight, and a finished one
+    does not wait for the others."""
 
-    A cancelled job gets `job.error` and leaves the batch; the others go on."""
-    layer_types = list(model.config.text_config.layer_types)
-    batched: tuple[tuple[int, ...], BatchedKV] | None = None
-    while True:
-        ready = []
-        for job in jobs:
-            if job.done or job.error is not None:
-                continue
+    def __init__(self, model: Any, pad_id: int = 0):
+        self.model, self.pad_id = model, pad_id
+        self.layer_types = list(model.config.text_config.layer_types)
+        self.jobs: list[CanvasJob] = []
+        self._kv: tuple[tuple[tuple[int, int], ...], BatchedKV] | None = None
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def add(self, job: CanvasJob) -> None:
+        self.jobs.append(job)
+
+    @torch.inference_mode()
+    def step(self) -> list[CanvasJob]:
+        """One denoising step for every job; returns (and drops) the jobs that ended: done, or cancelled with
+        `job.error` set."""
+        ready, ended = [], []
+        for job in self.jobs:
             try:
                 ready.append((job, *job.inputs()))
             except InfillCancelled as cancelled:
                 job.error = cancelled
-        if not ready:
-            return
+                ended.append(job)
+        if ready:
+            self._forward(ready)
+        ended += [job for job, _, _ in ready if job.done]
+        self.jobs = [job for job in self.jobs if job not in ended]
+        return ended
+
+    def _forward(self, ready: list[tuple[CanvasJob, torch.Tensor, torch.Tensor]]) -> None:
         width = max(canvas.shape[1] for _, canvas, _ in ready)
-        canvases = torch.cat([_right_pad(canvas, width, pad_id) for _, canvas, _ in ready])  # [B, Lc]
+        canvases = torch.cat([_right_pad(canvas, width, self.pad_id) for _, canvas, _ in ready])  # [B, Lc]
         positions = torch.cat([_right_pad_positions(p, width) for _, _, p in ready])  # [B, Lc]
         # The batched cache is rebuilt only when a job joins, leaves, or extends its cache (a next canvas).
-        key = tuple((id(job), job.cursor) for job, _, _ in ready)
-        if batched is None or batched[0] != key:
-            batched = (key, BatchedKV([job.cache for job, _, _ in ready], layer_types))
-        kv = batched[1]
+        key = tuple((job.serial, job.cursor) for job, _, _ in ready)
+        if self._kv is None or self._kv[0] != key:
+            self._kv = (key, BatchedKV([job.cache for job, _, _ in ready], self.layer_types))
+        kv = self._kv[1]
         conditioned = [job.self_cond is not None for job, _, _ in ready]
         self_cond = None
         if any(conditioned):
@@ -409,7 +431,7 @@ def fill_batch(model: Any, jobs: list[CanvasJob], pad_id: int = 0) -> None:
                 else torch.zeros((1, width, vocab), dtype=job.embed_dtype, device=job.device)
                 for job, _, _ in ready
             ])  # fmt: skip
-        logits = model(
+        logits = self.model(
             decoder_input_ids=canvases,
             past_key_values=kv,
             self_conditioning_logits=self_cond,

@@ -18,16 +18,16 @@ from engine.canvas import (
     CanvasJob,
     CanvasOutput,
     DenoiseParams,
+    DenoisingBatch,
     InfillCancelled,
     StepView,
     fill,
-    fill_batch,
 )
 from engine.loading import LoadedModel, load_model
 from engine.prefix_cache import PrefixCache
 from engine.settings import InfillSettings, model_settings
 
-__all__ = ["Engine", "InfillCancelled", "InfillRequest", "InfillResult"]
+__all__ = ["Engine", "EngineBatch", "InfillCancelled", "InfillRequest", "InfillResult"]
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 INSTRUCTION = (
@@ -64,6 +64,7 @@ class InfillResult:
     suffix_head_tokens: int
     layout: str
     model: str
+    dtype: str  # what the model computed in ("bfloat16", "float32")
     settings: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,12 +92,18 @@ class Engine:
         device: str | None = None,
         overrides: dict[str, Any] | None = None,
         prefix_cache_mb: int = 256,
+        dtype: str | None = None,
     ) -> Engine:
-        return cls(load_model(model, device), overrides, prefix_cache_mb)
+        return cls(load_model(model, device, dtype), overrides, prefix_cache_mb)
 
     @property
     def name(self) -> str:
         return self.loaded.name
+
+    @property
+    def dtype(self) -> str:
+        """The model's compute dtype, e.g. "bfloat16"."""
+        return str(self.loaded.model.dtype).removeprefix("torch.")
 
     @property
     def stop_ids(self) -> list[int]:
@@ -122,18 +129,17 @@ class Engine:
     def infill_batch(self, requests: list[InfillRequest]) -> list[InfillResult | InfillCancelled]:
         """Fill several gaps at once: their canvases share each decoder forward. A cancelled request's slot holds
         its InfillCancelled; the others complete."""
-        prepared = [self._prepare(request) for request in requests]
-        with self._lock:
-            model = self.loaded.model
-            jobs = [
-                CanvasJob(model, ids, head, params, self._stop_ids, r.cancel, r.on_step, self.prefix_cache)
-                for r, (_, ids, head, params) in zip(requests, prepared, strict=True)
-            ]
-            fill_batch(model, jobs, pad_id=self._stop_ids[-1])
-        return [
-            job.error if job.error is not None else self._result(settings, ids, head, job.out)
-            for job, (settings, ids, head, _) in zip(jobs, prepared, strict=True)
-        ]
+        batch = self.batch()
+        for request in requests:
+            batch.add(request)
+        outcomes: dict[int, InfillResult | InfillCancelled] = {}
+        while batch:
+            outcomes.update((id(request), outcome) for request, outcome in batch.step())
+        return [outcomes[id(request)] for request in requests]
+
+    def batch(self) -> EngineBatch:
+        """An empty batch that requests can join between denoising steps (the resident engine's scheduler)."""
+        return EngineBatch(self)
 
     def _prepare(self, request: InfillRequest) -> tuple[InfillSettings, list[int], list[int], DenoiseParams]:
         settings = self.settings.merged(request.overrides)
@@ -186,6 +192,7 @@ class Engine:
             suffix_head_tokens=len(head_ids),
             layout=settings.layout,
             model=self.name,
+            dtype=self.dtype,
             settings=settings.to_dict(),
         )
 
@@ -218,6 +225,38 @@ class Engine:
         elif template == "auto":
             template = INSTRUCTION
         return self._with_bos(self._encode(template.format(prefix=prefix, suffix=suffix)))
+
+
+class EngineBatch:
+    """Requests denoising together. `add` encodes a request's prefix; each `step` runs one decoder forward shared
+    by every request in the batch and returns the requests that ended, with their outcomes."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._batch = DenoisingBatch(engine.loaded.model, pad_id=engine.stop_ids[-1])
+        self._requests: dict[int, tuple[InfillRequest, InfillSettings, list[int], list[int]]] = {}  # by job serial
+
+    def __len__(self) -> int:
+        return len(self._batch)
+
+    def add(self, request: InfillRequest) -> None:
+        engine = self.engine
+        settings, ids, head, params = engine._prepare(request)
+        with engine._lock:
+            job = CanvasJob(engine.loaded.model, ids, head, params, engine._stop_ids, request.cancel,
+                            request.on_step, engine.prefix_cache)  # fmt: skip
+        self._requests[job.serial] = (request, settings, ids, head)
+        self._batch.add(job)
+
+    def step(self) -> list[tuple[InfillRequest, InfillResult | InfillCancelled]]:
+        with self.engine._lock:
+            ended = self._batch.step()
+        outcomes: list[tuple[InfillRequest, InfillResult | InfillCancelled]] = []
+        for job in ended:
+            request, settings, ids, head = self._requests.pop(job.serial)
+            outcome = job.error if job.error is not None else self.engine._result(settings, ids, head, job.out)
+            outcomes.append((request, outcome))
+        return outcomes
 
 
 def _stop_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -9,9 +9,10 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
     GET  /health           model, device, queue depth
     GET  /metrics          Prometheus text: requests, latency, steps, tokens per forward, prefix-cache hits, queue
 
-Requests run on one scheduler thread (`Batcher`): the requests waiting when a batch starts denoise together,
-their canvases sharing each decoder forward. Each has a cancel flag the denoising loop checks every step: a client
-that disconnects, or a newer request for the same `document`, stops it at its next step; the others go on.
+Requests run on one scheduler thread (`Batcher`): every request in flight denoises in one batch, their canvases
+sharing each decoder forward; requests join and leave between steps. Each has a cancel flag the denoising loop
+checks every step: a client that disconnects, or a newer request for the same `document`, stops it at its next
+step; the others go on.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class EngineService:
         self.m_prefix_reused = Counter("canvas_prefix_reused_tokens", "Prefix tokens not re-encoded",
                                        registry=registry)  # fmt: skip
         self.m_queue = Gauge("canvas_queue_depth", "Requests waiting or running", registry=registry)
-        self.m_batch = Histogram("canvas_batch_size", "Requests sharing decoder forwards", registry=registry,
+        self.m_batch = Histogram("canvas_batch_size", "Requests sharing a decoder forward", registry=registry,
                                  buckets=(1, 2, 3, 4, 6, 8, 12, 16))  # fmt: skip
         self.batcher = Batcher(engine, max_batch, self.m_batch.observe)
         self.app = Starlette(
@@ -93,8 +94,8 @@ class EngineService:
 
     async def health(self, request: Request) -> JSONResponse:
         device = str(self.engine.loaded.device)
-        return JSONResponse({"status": "ok", "model": self.engine.name, "device": device, "queue": self.queue,
-                             "pid": os.getpid()})  # fmt: skip
+        return JSONResponse({"status": "ok", "model": self.engine.name, "device": device, "dtype": self.engine.dtype,
+                             "queue": self.queue, "pid": os.getpid()})  # fmt: skip
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -238,15 +239,16 @@ class EngineService:
 
 
 class Batcher:
-    """The scheduler: one thread takes every request waiting (up to `max_batch`) and runs them together, their
-    canvases sharing each decoder forward; requests that arrive meanwhile make the next batch."""
+    """The scheduler: one thread runs every request in flight (up to `max_batch`) one denoising step at a time,
+    their canvases sharing each decoder forward. Between steps, requests that arrived join the batch and the ones
+    that ended leave it (iteration-level scheduling): nobody waits for a whole batch to finish."""
 
-    def __init__(self, engine: Engine, max_batch: int, on_batch: Callable[[int], None] | None = None):
+    def __init__(self, engine: Engine, max_batch: int, on_step: Callable[[int], None] | None = None):
         self.engine = engine
         self.max_batch = max_batch
-        self.on_batch = on_batch
+        self.on_step = on_step
         self.waiting: queue.Queue[tuple[InfillRequest, Future]] = queue.Queue()
-        self.batches: list[int] = []  # sizes of the last batches, for tests and metrics
+        self.batches: list[int] = []  # rows of the last decoder forwards, for tests and metrics
         threading.Thread(target=self._loop, name="canvas-batcher", daemon=True).start()
 
     def submit(self, request: InfillRequest) -> Future:
@@ -255,32 +257,42 @@ class Batcher:
         return future
 
     def _loop(self) -> None:
+        batch = self.engine.batch()
+        futures: dict[int, Future] = {}  # id(request) -> its future, for the requests in `batch`
         while True:
-            batch = [self.waiting.get()]
-            while len(batch) < self.max_batch:
-                try:
-                    batch.append(self.waiting.get_nowait())
-                except queue.Empty:
-                    break
-            self.batches = [*self.batches[-99:], len(batch)]
-            if self.on_batch is not None:
-                self.on_batch(len(batch))
-            live = []
-            for request, future in batch:
-                if request.cancel is not None and request.cancel.is_set():
-                    future.set_result(InfillCancelled(0))  # gone before it started
-                else:
-                    live.append((request, future))
-            if not live:
+            self._admit(batch, futures)
+            if not batch:
+                continue
+            rows = len(batch)
+            try:
+                ended = batch.step()
+            except Exception as exc:  # a failing step fails the requests in it, not the scheduler
+                for future in futures.values():
+                    future.set_exception(exc)
+                batch, futures = self.engine.batch(), {}
+                continue
+            self.batches = [*self.batches[-99:], rows]
+            if self.on_step is not None:
+                self.on_step(rows)
+            for request, outcome in ended:
+                futures.pop(id(request)).set_result(outcome)
+
+    def _admit(self, batch: Any, futures: dict[int, Future]) -> None:
+        """Take waiting requests into the batch (blocking only when it is empty)."""
+        while len(batch) < self.max_batch:
+            try:
+                request, future = self.waiting.get(block=not batch)
+            except queue.Empty:
+                return
+            if request.cancel is not None and request.cancel.is_set():
+                future.set_result(InfillCancelled(0))  # gone before it started
                 continue
             try:
-                results = self.engine.infill_batch([request for request, _ in live])
+                batch.add(request)  # encodes its prefix
             except Exception as exc:  # a bad request must not take the scheduler down
-                for _, future in live:
-                    future.set_exception(exc)
+                future.set_exception(exc)
                 continue
-            for (_, future), result in zip(live, results, strict=True):
-                future.set_result(result)
+            futures[id(request)] = future
 
 
 async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:

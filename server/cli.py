@@ -25,8 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     complete.add_argument("file", type=Path)
     complete.add_argument("--line", type=int, required=True, help="0-based line (LSP)")
     complete.add_argument("--character", type=int, required=True, help="0-based UTF-16 column (LSP)")
-    complete.add_argument("--model", help="model folder or hub id (default: the shipped model)")
-    complete.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
+    _model_arguments(complete)
     complete.add_argument("--layout", choices=("canvas", "prompt"), help="override the model's layout")
     complete.add_argument("--gap-tokens", type=int)
     complete.add_argument("--max-steps", type=int)
@@ -45,8 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--tcp", metavar="HOST:PORT", help="listen on TCP instead (needs --token)")
     engine.add_argument("--token", help="bearer token for TCP (default: $CANVAS_LS_TOKEN)")
     engine.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --tcp address")
-    engine.add_argument("--model", help="model folder or hub id (default: the shipped model)")
-    engine.add_argument("--device")
+    _model_arguments(engine)
     engine.add_argument("--idle-exit", type=float, default=1800.0, help="exit after this many idle seconds (0: never)")
     engine.add_argument("--max-body", type=int, default=4 << 20, help="largest request body, in bytes")
     engine.add_argument("--max-batch", type=int, default=8, help="requests that may share decoder forwards")
@@ -66,8 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     infill.add_argument("--dataset", type=Path, required=True, help="jsonl or jsonl.gz")
     infill.add_argument("--limit", type=int, help="this many tasks, spread over the set")
-    infill.add_argument("--model", help="model folder or hub id (default: the shipped model)")
-    infill.add_argument("--device")
+    _model_arguments(infill)
     infill.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the tasks' tests)")
     infill.add_argument("--max-new-tokens", type=int, default=48, help="answer bound (the server's single-line one)")
     infill.add_argument("--prefix-latency", type=int, default=1024, help="also time a prefix of N tokens (0: skip)")
@@ -86,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     sampler.add_argument("--out", type=Path, help="JSON report path")
 
     engine_bench = benches.add_parser("engine", help="the resident engine: cold vs warm prefix, 1/4/8 clients")
-    engine_bench.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    _model_arguments(engine_bench, device=False)
     engine_bench.add_argument("--prefixes", default="256,1024,4096", help="prefix sizes in tokens")
     engine_bench.add_argument("--clients", default="1,4,8", help="concurrent client counts")
     engine_bench.add_argument("--runs", type=int, default=5, help="cold/warm pairs per prefix size")
@@ -96,6 +93,14 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
     return parser
+
+
+def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    parser.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    if device:
+        parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="auto: bf16 on GPUs and on CPUs with native bf16, else fp32")  # fmt: skip
 
 
 def _complete(args: argparse.Namespace) -> int:
@@ -116,7 +121,7 @@ def _complete(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
     }
-    engine = Engine.load(args.model, args.device, overrides)
+    engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype)
     result = engine.infill(text[:offset], text[offset:])
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
@@ -173,11 +178,11 @@ def _engine(args: argparse.Namespace) -> int:
             raise CliError("--tcp needs a bearer token (--token or $CANVAS_LS_TOKEN)")
         if not loopback and not args.allow_remote:
             raise CliError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
-    engine = Engine.load(args.model, args.device, prefix_cache_mb=args.prefix_cache_mb)
+    engine = Engine.load(args.model, args.device, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype)
     service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
     socket = None if args.tcp else (args.socket or default_socket())
-    print(f"canvas-ls engine: {engine.name} on {engine.loaded.device}, listening on {socket or args.tcp}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    where = f"{engine.name} on {engine.loaded.device} ({engine.dtype})"
+    print(f"canvas-ls engine: {where}, listening on {socket or args.tcp}", file=sys.stderr, flush=True)
     serve(service, socket, host, port)
     return 0
 
@@ -212,7 +217,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     clients = tuple(int(x) for x in args.clients.split(","))
-    return _report("engine", run_engine_bench(args.model, prefixes, clients, args.runs), format_engine, args.out)
+    report = run_engine_bench(args.model, prefixes, clients, args.runs, dtype=args.dtype)
+    return _report("engine", report, format_engine, args.out)
 
 
 def _bench_sampler(args: argparse.Namespace) -> int:
@@ -235,7 +241,7 @@ def _bench_infill(args: argparse.Namespace) -> int:
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
-    engine = Engine.load(args.model, args.device, {"max_new_tokens": args.max_new_tokens})
+    engine = Engine.load(args.model, args.device, {"max_new_tokens": args.max_new_tokens}, dtype=args.dtype)
 
     def progress(done: int, total: int) -> None:
         print(f"\r{done}/{total} tasks", end="", file=sys.stderr, flush=True)

@@ -58,3 +58,24 @@ def test_a_cancelled_row_leaves_the_batch_and_the_others_finish(tiny_engine: Eng
     ])  # fmt: skip
     assert isinstance(results[1], InfillCancelled) and results[1].steps == 2
     assert results[0].steps > 2 and results[2].steps > 2
+
+
+def test_a_request_joins_a_running_batch_between_steps(tiny_engine: Engine) -> None:
+    """Iteration-level scheduling: B joins while A is denoising, A leaves when it ends; each gets its solo answer."""
+    settings = [{"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 6, "seed": s} for s in (4, 5)]
+    first, second = (InfillRequest(p, s, o) for p, s, o in zip(PREFIXES, SUFFIXES, settings, strict=False))
+    alone = [tiny_engine.infill(r.prefix, r.suffix, r.overrides) for r in (first, second)]
+    batch = tiny_engine.batch()
+    batch.add(first)
+    ended = batch.step() + batch.step()
+    assert ended == [] and len(batch) == 1  # A is two steps in
+    batch.add(second)
+    rows = []
+    while batch:
+        rows.append(len(batch))
+        ended += batch.step()
+    outcomes = {id(request): outcome for request, outcome in ended}
+    assert rows[0] == 2  # the next forward carried both
+    for request, single in zip((first, second), alone, strict=True):
+        result = outcomes[id(request)]
+        assert result.tokens == single.tokens and result.steps == single.steps

@@ -29,6 +29,7 @@ RESULT_FIELDS = {
     "suffix_head_tokens",
     "layout",
     "model",
+    "dtype",
     "settings",
 }
 
@@ -128,3 +129,30 @@ def test_hub_id_while_offline_is_one_clear_line() -> None:
 def test_position_past_the_end_is_one_clear_line(tiny_model_dir: Path) -> None:
     done = canvas_ls("complete", str(STATS), "--line", "500", "--character", "0", "--model", str(tiny_model_dir))
     assert "line 500 is past the end" in one_line_error(done)
+
+
+def test_dtype_follows_the_cpu(tmp_path: Path) -> None:
+    import pytest
+    import torch
+
+    from engine.loading import ModelLoadError, cpu_has_native_bf16, resolve_dtype
+
+    with_bf16, without = tmp_path / "bf16", tmp_path / "plain"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n")
+    without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert cpu_has_native_bf16(with_bf16) and not cpu_has_native_bf16(without)
+    assert not cpu_has_native_bf16(tmp_path / "missing")
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype(None, torch.device("cpu")) == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    with pytest.raises(ModelLoadError, match="unknown dtype 'half'"):
+        resolve_dtype("half", torch.device("cpu"))
+
+
+def test_complete_runs_in_the_dtype_asked_for(tiny_model_dir: Path) -> None:
+    for dtype in ("float32", "bfloat16"):
+        done = canvas_ls("complete", str(STATS), "--line", "19", "--character", "11",
+                         "--model", str(tiny_model_dir), "--dtype", dtype, "--json")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["dtype"] == dtype and result["steps"] >= 1
