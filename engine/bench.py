@@ -305,11 +305,10 @@ def run_engine_bench(
     prefixes: tuple[int, ...] = (256, 1024, 4096),
     clients: tuple[int, ...] = (1, 4, 8),
     runs: int = 5,
-    per_client: int = 4,
+    per_client: int = 8,
     dtype: str = "auto",
 ) -> dict[str, Any]:
     """Start `canvas-ls engine` on a private socket and measure it as editors would use it."""
-    import concurrent.futures
 
     import httpx
 
@@ -354,25 +353,14 @@ def run_engine_bench(
             cold_ms, warm_ms = statistics.median(cold), statistics.median(warm)
             row = {"prefix_tokens": tokens, "cold_ms": cold_ms, "warm_ms": warm_ms}
             prefix_rows.append({**row, "warm_over_cold": warm_ms / cold_ms, "reused_tokens": statistics.median(reused)})
-        throughput_rows = []
-        for count in clients:
-
-            def one_client(index: int, count: int = count) -> int:
-                with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine",
-                                  timeout=600) as http:  # fmt: skip
-                    for request in range(per_client):
-                        infill(prefix_of(256, f"client {count} {index} {request}"), http)
-                return per_client
-
-            started = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(count) as pool:
-                done = sum(pool.map(one_client, range(count)))
-            seconds = time.perf_counter() - started
-            throughput_rows.append({"clients": count, "requests": done, "seconds": seconds,
-                                    "requests_per_s": done / seconds})  # fmt: skip
-        single = throughput_rows[0]["requests_per_s"]
+        throughput_rows = [
+            {"mode": mode, "clients": count, **_throughput(socket, count, per_client, mode, prefix_of, infill)}
+            for mode in ("new", "typing")
+            for count in clients
+        ]
         for row in throughput_rows:
-            row["vs_one_client"] = row["requests_per_s"] / single
+            single = next(r for r in throughput_rows if r["mode"] == row["mode"] and r["clients"] == clients[0])
+            row["vs_one_client"] = row["requests_per_s"] / single["requests_per_s"]
         health = client.get("/health").json()
         return {"machine": machine(), "model": model or "(default)", "dtype": health["dtype"], "prefix": prefix_rows,
                 "throughput": throughput_rows}  # fmt: skip
@@ -380,6 +368,46 @@ def run_engine_bench(
         client.close()
         process.kill()
         process.wait()
+
+
+TYPED = "total = compute(values, weights)"
+
+
+def _throughput(socket: Path, count: int, per_client: int, mode: str, prefix_of: Callable[[int, str], str],
+                infill: Callable[..., tuple[float, dict[str, Any]]]) -> dict[str, Any]:  # fmt: skip
+    """`count` clients, each sending `per_client` requests back to back on 256-token prefixes. "new": every request
+    a document never seen (the whole prefix encoded). "typing": each client types into its own document, one
+    character per request (its first, cold request is sent before the clock starts)."""
+    import concurrent.futures
+
+    import httpx
+
+    def session() -> httpx.Client:
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=600)
+
+    def document(index: int) -> str:
+        return prefix_of(256, f"{mode} {count} {index}")
+
+    def warm(index: int) -> None:
+        with session() as http:
+            infill(document(index), http)
+
+    def one_client(index: int) -> int:
+        with session() as http:
+            for request in range(per_client):
+                if mode == "typing":
+                    infill(document(index) + TYPED[: request + 1], http)
+                else:
+                    infill(prefix_of(256, f"{mode} {count} {index} {request}"), http)
+        return per_client
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        if mode == "typing":
+            list(pool.map(warm, range(count)))
+        started = time.perf_counter()
+        done = sum(pool.map(one_client, range(count)))
+        seconds = time.perf_counter() - started
+    return {"requests": done, "seconds": seconds, "requests_per_s": done / seconds}
 
 
 def format_engine(report: dict[str, Any]) -> str:
@@ -393,7 +421,8 @@ def format_engine(report: dict[str, Any]) -> str:
     for row in report["prefix"]:
         lines.append(f"{row['prefix_tokens']:>8}{row['cold_ms']:>10.1f}{row['warm_ms']:>10.1f}"
                      f"{row['warm_over_cold']:>11.2f}{row['reused_tokens']:>9.0f}")  # fmt: skip
-    lines += ["", "throughput (256-token prefixes):", f"{'clients':>8}{'req/s':>9}{'vs 1':>7}"]
+    lines += ["", "throughput (256-token prefixes; new: a new document per request, typing: a keystroke each):"]
+    lines.append(f"{'mode':>8}{'clients':>9}{'req/s':>9}{'vs 1':>7}")
     for row in report["throughput"]:
-        lines.append(f"{row['clients']:>8}{row['requests_per_s']:>9.2f}{row['vs_one_client']:>7.2f}")
+        lines.append(f"{row['mode']:>8}{row['clients']:>9}{row['requests_per_s']:>9.2f}{row['vs_one_client']:>7.2f}")
     return "\n".join(lines)

@@ -38,7 +38,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 
 from engine.prefix_cache import PrefixCache
-from engine.sampling import step_stats
+from engine.sampling import StepStats, step_stats_rows
 
 
 class CancelToken(Protocol):
@@ -257,16 +257,18 @@ class CanvasJob:
             raise InfillCancelled(self.out.steps)
         return torch.cat([self.gap_canvas, self.suffix_head], dim=1), self.positions
 
-    def advance(self, logits: torch.Tensor) -> None:
-        """3-6. One denoising step from this canvas's logits [1, G+S, V]."""
+    def temperature_now(self) -> float:
+        """The temperature of the step about to run (transformers counts steps down, N..1)."""
+        return float(self.temperature(None, torch.ones(()), cur_step=self.steps_cap - self.step)) ** -1
+
+    def advance(self, logits: torch.Tensor, stats: StepStats) -> None:
+        """3-6. One denoising step from this canvas's logits [1, G+S, V] and its gap's stats at `temperature_now()`
+        (sample, argmax and entropy in one pass over the gap logits, batched across jobs; fused on GPU)."""
         self.step += 1
-        remaining = self.steps_cap - self.step + 1  # transformers counts steps down, N..1
+        remaining = self.steps_cap - self.step + 1
         self.out.steps += 1
         self.out.forward_passes += 1
-        # One pass over the gap logits: sample, argmax and entropy at this step's temperature (fused on GPU).
-        step_temperature = 1.0 / float(self.temperature(None, torch.ones(()), cur_step=remaining))
         self.raw_gap_logits = logits[:, : self.gap]
-        stats = step_stats(self.raw_gap_logits, step_temperature, self.generator)  # fields [1, G]
         self.argmax = stats.argmax
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
@@ -331,8 +333,16 @@ def fill(
             decoder_input_ids=canvas, past_key_values=job.cache, self_conditioning_logits=job.self_cond,
             decoder_position_ids=positions,
         ).logits  # [1, G+S, V]  # fmt: skip
-        job.advance(logits)
+        advance([job], logits)
     return job.out
+
+
+def advance(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
+    """One step for each job from its row of a (shared) decoder forward's logits [B, Lc, V]."""
+    gaps = [job.gap for job in jobs]
+    stats = step_stats_rows(logits, [job.temperature_now() for job in jobs], [job.generator for job in jobs], gaps)
+    for row, job in enumerate(jobs):
+        job.advance(logits[row : row + 1, : job.gap + job.suffix_head.shape[1]], stats[row])
 
 
 class BatchedKV:
@@ -439,8 +449,7 @@ class DenoisingBatch:
             decoder_attention_mask=kv.masks([canvas.shape[1] for _, canvas, _ in ready], width),
             decoder_position_ids=positions,
         ).logits  # [B, Lc, V]
-        for row, (job, canvas, _) in enumerate(ready):
-            job.advance(logits[row : row + 1, : canvas.shape[1]])
+        advance([job for job, _, _ in ready], logits)
 
 
 def _right_pad(ids: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:

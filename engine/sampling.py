@@ -15,6 +15,7 @@ is the reference, and the CPU path.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +37,18 @@ class StepStats:
 
 def step_stats_torch(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> StepStats:
     """Reference: logits [N, V] -> StepStats, with torch ops."""
-    scaled = logits.float() / temperature
+    uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
+    return _torch_stats(logits, logits.float() / temperature, uniform)
+
+
+def _torch_stats(logits: torch.Tensor, scaled: torch.Tensor, uniform: torch.Tensor) -> StepStats:
+    """logits [..., V], scaled = logits / T in fp32, uniform draws of the same shape -> StepStats [...]."""
     log_probs = torch.log_softmax(scaled, dim=-1)
-    probs = log_probs.exp()
-    entropy = -(probs * log_probs).sum(dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
     # Gumbel-max, as the kernel does: argmax(x + g) is a draw from softmax(x), and on the CPU it is an order of
     # magnitude faster than torch.multinomial over a vocabulary-wide distribution.
-    uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device).clamp_(1e-20, 1.0 - 1e-7)
-    sample = (scaled - torch.log(-torch.log(uniform))).argmax(dim=-1)
+    gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
+    sample = (scaled + gumbel).argmax(dim=-1)
     return StepStats(sample, logits.argmax(dim=-1), entropy, torch.logsumexp(scaled, dim=-1))
 
 
@@ -131,10 +136,28 @@ def fused_available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def step_stats(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> StepStats:
-    """logits [..., V] -> StepStats with [...]-shaped fields: the fused kernel on CUDA, torch elsewhere."""
-    shape = logits.shape[:-1]
-    flat = logits.reshape(-1, logits.shape[-1])
-    use_fused = logits.device.type == "cuda" and fused_available(logits.device)
-    stats = (step_stats_fused if use_fused else step_stats_torch)(flat, temperature, generator)
-    return StepStats(*(t.view(shape) for t in (stats.sample, stats.argmax, stats.entropy, stats.lse)))
+def step_stats_rows(logits: torch.Tensor, temperatures: Sequence[float], generators: Sequence[torch.Generator],
+                    lengths: Sequence[int]) -> list[StepStats]:  # fmt: skip
+    """One step's stats for several canvases at once: row r reads logits[r, :lengths[r]] ([B, G, V] in all) at
+    temperatures[r], drawing its noise from generators[r] exactly as it would alone. Returns per-row StepStats with
+    [1, lengths[r]] fields. The fused kernel per row on CUDA; on the CPU one set of batched torch ops."""
+    if logits.device.type == "cuda" and fused_available(logits.device):
+        return [
+            _unflatten(step_stats_fused(logits[row, :n], temperature, generator))
+            for row, (temperature, generator, n) in enumerate(zip(temperatures, generators, lengths, strict=True))
+        ]  # fmt: skip
+    width = max(lengths)
+    logits = logits[:, :width]
+    inverse = torch.tensor([1.0 / t for t in temperatures], device=logits.device)[:, None, None]
+    uniform = torch.full(logits.shape, 0.5, device=logits.device)
+    for row, (generator, n) in enumerate(zip(generators, lengths, strict=True)):
+        uniform[row, :n] = torch.rand((n, logits.shape[-1]), generator=generator, device=logits.device)
+    stats = _torch_stats(logits, logits.float() * inverse, uniform)
+    return [
+        StepStats(*(t[row : row + 1, :n] for t in (stats.sample, stats.argmax, stats.entropy, stats.lse)))
+        for row, n in enumerate(lengths)
+    ]
+
+
+def _unflatten(stats: StepStats) -> StepStats:
+    return StepStats(*(t[None, :] for t in (stats.sample, stats.argmax, stats.entropy, stats.lse)))

@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     engine_bench.add_argument("--prefixes", default="256,1024,4096", help="prefix sizes in tokens")
     engine_bench.add_argument("--clients", default="1,4,8", help="concurrent client counts")
     engine_bench.add_argument("--runs", type=int, default=5, help="cold/warm pairs per prefix size")
+    engine_bench.add_argument("--per-client", type=int, default=8, help="requests per client in the throughput runs")
     engine_bench.add_argument("--out", type=Path, help="JSON report path")
 
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
@@ -217,7 +218,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     clients = tuple(int(x) for x in args.clients.split(","))
-    report = run_engine_bench(args.model, prefixes, clients, args.runs, dtype=args.dtype)
+    report = run_engine_bench(args.model, prefixes, clients, args.runs, args.per_client, args.dtype)
     return _report("engine", report, format_engine, args.out)
 
 

@@ -65,3 +65,19 @@ def test_bench_infill_prints_the_table_and_writes_the_report(tiny_model_dir: Pat
     # The baseline commits one token per forward: at most one (the EOS may be the one).
     assert report["left_to_right"]["tokens_per_forward"] <= 1.0
     assert report["prefix_latency"]["prefix_tokens"] == 64
+
+
+def test_bench_engine_measures_prefix_reuse_and_both_throughput_modes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    done = canvas_ls("bench", "engine", "--model", str(tiny_model_dir), "--prefixes", "128", "--clients", "1,2",
+                     "--runs", "1", "--per-client", "2", "--dtype", "float32", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "float32"
+    (row,) = report["prefix"]
+    assert row["cold_ms"] > 0 and row["warm_ms"] > 0 and row["reused_tokens"] > 0  # the keystroke reused the KV
+    modes = {(r["mode"], r["clients"]): r for r in report["throughput"]}
+    assert set(modes) == {("new", 1), ("new", 2), ("typing", 1), ("typing", 2)}
+    assert all(r["requests"] == r["clients"] * 2 and r["requests_per_s"] > 0 for r in modes.values())
+    assert modes[("typing", 1)]["vs_one_client"] == 1.0
+    assert "typing" in done.stdout

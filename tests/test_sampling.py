@@ -108,3 +108,18 @@ def test_torch_samples_follow_the_softmax() -> None:
     expected = torch.softmax(logits.double() / temperature, dim=-1) * draws
     dof = vocab - 1
     assert float(((counts - expected) ** 2 / expected).sum()) < dof + 6 * math.sqrt(2 * dof)
+
+
+def test_rows_batched_match_rows_alone() -> None:
+    """step_stats_rows on a padded batch gives each row what it gets alone, from the same generator state."""
+    from engine.sampling import step_stats_rows
+
+    torch.manual_seed(5)
+    logits = torch.randn(3, 6, 40)
+    lengths, temperatures, seeds = [6, 2, 4], [1.0, 0.5, 0.8], [1, 2, 3]
+    together = step_stats_rows(logits, temperatures, [generator(s) for s in seeds], lengths)
+    for row, (n, t, s) in enumerate(zip(lengths, temperatures, seeds, strict=True)):
+        alone = step_stats_rows(logits[row : row + 1, :n], [t], [generator(s)], [n])[0]
+        for field in ("sample", "argmax", "entropy", "lse"):
+            assert getattr(together[row], field).shape == (1, n)
+            assert torch.equal(getattr(together[row], field), getattr(alone, field)), field
