@@ -69,6 +69,8 @@ class DenoiseParams:
     # "diffusion": entropy-bound parallel acceptance. "left_to_right": the autoregressive-equivalent baseline on the
     # same model and canvas: each step commits the leftmost open slot's argmax, one token per forward.
     order: str = "diffusion"
+    # EOS/pad are barred from the first canvas's first this-many gap slots: the answer is at least that long.
+    min_new_tokens: int = 0
     # Token ids that hold a line break. When set, the answer ends at the canvas that writes one (the caller
     # keeps only the first line), instead of continuing canvas after canvas.
     line_end_ids: frozenset[int] = frozenset()
@@ -182,6 +184,7 @@ def encode(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int) -> No
 
 
 _SERIALS = itertools.count()
+BARRED_LOGIT = -1e4  # far below any softcapped logit (|x| <= 30), still finite once divided by a temperature
 
 
 class CanvasJob:
@@ -339,6 +342,10 @@ def fill(
 
 def advance(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
     """One step for each job from its row of a (shared) decoder forward's logits [B, Lc, V]."""
+    for row, job in enumerate(jobs):
+        barred = min(job.params.min_new_tokens, job.gap) if job.out.canvases == 0 else 0
+        if barred:  # a finite floor: -inf would turn the entropies into NaN (0 * -inf)
+            logits[row, :barred, job.stop_tensor] = BARRED_LOGIT
     gaps = [job.gap for job in jobs]
     stats = step_stats_rows(logits, [job.temperature_now() for job in jobs], [job.generator for job in jobs], gaps)
     for row, job in enumerate(jobs):

@@ -160,6 +160,7 @@ class Engine:
             confidence_threshold=settings.confidence_threshold,
             seed=settings.seed,
             order=settings.order,
+            min_new_tokens=min(settings.min_new_tokens, settings.max_new_tokens),
             line_end_ids=self._line_end_ids() if settings.single_line else frozenset(),
         )
         return settings, encoder_ids, head_ids, params

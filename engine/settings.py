@@ -63,6 +63,9 @@ class InfillSettings:
     # "diffusion": parallel entropy-bound decoding. "left_to_right": one token per forward, the autoregressive-
     # equivalent baseline that `canvas-ls bench infill` measures the parallel decode against.
     order: Literal["diffusion", "left_to_right"] = "diffusion"
+    # The answer has at least this many tokens: EOS and pad are barred from the first canvas's first slots. Where
+    # the user asked for a completion (an empty line, a finished statement), an empty answer shows nothing.
+    min_new_tokens: int = 0
     # The caller keeps only the first line (an LSP single-line completion): stop once the answer has a line break.
     single_line: bool = False
     # "prompt" layout template, with {prefix} and {suffix}. "auto": the tokenizer's FIM tokens if it has them,
@@ -93,7 +96,7 @@ class InfillSettings:
         for name in ("gap_tokens", "max_new_tokens", "max_prefix_tokens", "max_steps"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("suffix_head_tokens", "max_suffix_tokens", "stability_threshold"):
+        for name in ("suffix_head_tokens", "max_suffix_tokens", "stability_threshold", "min_new_tokens"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.entropy_bound <= 0 or self.confidence_threshold <= 0:

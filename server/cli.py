@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from server.positions import PositionError, offset_at
 
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     complete.add_argument("--max-steps", type=int)
     complete.add_argument("--max-new-tokens", type=int)
     complete.add_argument("--seed", type=int)
+    _settings_argument(complete)
     complete.add_argument("--json", action="store_true", help="print the whole result object")
 
     serve = commands.add_parser("serve", help="run the language server (stdio unless --tcp)")
@@ -65,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     infill.add_argument("--dataset", type=Path, required=True, help="jsonl or jsonl.gz")
     infill.add_argument("--limit", type=int, help="this many tasks, spread over the set")
     _model_arguments(infill)
+    _settings_argument(infill)
     infill.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the tasks' tests)")
     infill.add_argument("--max-new-tokens", type=int, default=48, help="answer bound (the server's single-line one)")
     infill.add_argument("--prefix-latency", type=int, default=1024, help="also time a prefix of N tokens (0: skip)")
@@ -104,6 +107,24 @@ def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> No
                         help="auto: bf16 on GPUs and on CPUs with native bf16, else fp32")  # fmt: skip
 
 
+def _settings_argument(parser: argparse.ArgumentParser) -> None:
+    help_text = "any infill setting, e.g. --set min_new_tokens=1 (repeatable; VALUE is JSON or text)"
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings", help=help_text)
+
+
+def _settings(pairs: list[str]) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"--set wants KEY=VALUE, got '{pair}'")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    return settings
+
+
 def _complete(args: argparse.Namespace) -> int:
     from engine import Engine
 
@@ -121,6 +142,7 @@ def _complete(args: argparse.Namespace) -> int:
         "max_steps": args.max_steps,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
+        **_settings(args.settings),
     }
     engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype)
     result = engine.infill(text[:offset], text[offset:])
@@ -242,7 +264,8 @@ def _bench_infill(args: argparse.Namespace) -> int:
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
-    engine = Engine.load(args.model, args.device, {"max_new_tokens": args.max_new_tokens}, dtype=args.dtype)
+    overrides = {"max_new_tokens": args.max_new_tokens, **_settings(args.settings)}
+    engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype)
 
     def progress(done: int, total: int) -> None:
         print(f"\r{done}/{total} tasks", end="", file=sys.stderr, flush=True)

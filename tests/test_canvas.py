@@ -166,3 +166,27 @@ def test_single_line_stops_at_the_canvas_that_breaks_the_line(tiny_engine: Engin
         single = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_new_tokens": 40, "single_line": True})
     assert multi.canvases == 5 and multi.stop_reason == "max_tokens"
     assert single.canvases == 2 and newline in single.tokens
+
+
+def test_min_new_tokens_bars_eos_from_the_first_slots(tiny_engine: Engine) -> None:
+    """A model sure the gap is empty (EOS everywhere, token 7 its second choice) still answers min_new_tokens."""
+    model = tiny_engine.loaded.model
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        logits = torch.full_like(out.logits, -30.0)
+        logits[..., EOS] = 30.0
+        logits[..., 7] = 10.0
+        out.logits = logits
+        return out
+
+    model.forward = forward
+    try:
+        empty = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_steps": 4})
+        forced = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_steps": 4, "min_new_tokens": 2})
+    finally:
+        del model.forward
+    assert empty.tokens == [] and empty.stop_reason == "eos"
+    assert forced.tokens == [7, 7] and forced.stop_reason == "eos"
+    assert all(0.0 <= c <= 1.0 for c in forced.confidence)
