@@ -22,7 +22,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,9 @@ class Batch:
     head: torch.Tensor  # [B, S] right-padded with pad
     head_mask: torch.Tensor  # [B, S] bool
 
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
+
 
 def collate(examples: list[Example], pad: int) -> Batch:
     width = max(len(e.prefix) for e in examples)
@@ -157,12 +160,13 @@ def losses(model: Any, batch: Batch, generator: torch.Generator, self_condition:
     ar_loss = F.cross_entropy(ar_logits.reshape(-1, vocab), ar_targets.reshape(-1), ignore_index=-100)
 
     # 2. Canvas: noise the gap at level t, clamp the suffix head.
-    t = torch.rand(bsz, 1, generator=generator)
-    noised = torch.rand(bsz, gap_len, generator=generator) < t
-    noise = torch.randint(0, vocab, (bsz, gap_len), generator=generator)
+    device = batch.gap.device
+    t = torch.rand(bsz, 1, generator=generator, device=device)
+    noised = torch.rand(bsz, gap_len, generator=generator, device=device) < t
+    noise = torch.randint(0, vocab, (bsz, gap_len), generator=generator, device=device)
     canvas = torch.cat([torch.where(noised, noise, batch.gap), batch.head], dim=1)  # [B, G+S]
     start = batch.prefix_mask.sum(dim=1, keepdim=True)  # first canvas position per row
-    positions = start + torch.arange(canvas.shape[1])[None, :]
+    positions = start + torch.arange(canvas.shape[1], device=device)[None, :]
     attention = torch.cat([batch.prefix_mask, torch.ones_like(noised), batch.head_mask], dim=1).long()
     decoder_kwargs = {"past_key_values": cache, "decoder_attention_mask": attention, "decoder_position_ids": positions}
 
@@ -192,6 +196,7 @@ class TrainConfig:
     ar_weight: float = 0.5  # next-token loss on the encoder, relative to the diffusion loss
     self_condition_prob: float = 0.5
     bf16: bool = True  # autocast; a bf16 matmul ran 2.4x an fp32 one on this project's 2-core CPU
+    device: str = "auto"  # "auto": CUDA when there is a GPU, else the CPU
     threads: int = 0  # 0: torch's default
     seed: int = 0
     checkpoint_minutes: float = 10.0
@@ -209,10 +214,11 @@ def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
 def evaluate(model: Any, batches: list[Batch], bf16: bool) -> dict[str, float]:
     """Held-out losses at fixed noise, and the share of non-empty middles the model would start with EOS."""
     model.eval()
-    generator = torch.Generator().manual_seed(1234)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(1234)
     totals = {"diffusion": 0.0, "ar": 0.0}
     empty = counted = 0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         for batch in batches:
             for key, value in losses(model, batch, generator, self_condition=False).items():
                 totals[key] += float(value) / len(batches)
@@ -235,10 +241,10 @@ def _fully_noised_first_slot(model: Any, batch: Batch, generator: torch.Generato
         past_key_values=cache,
         use_cache=True,
     )
-    noise = torch.randint(0, vocab, batch.gap.shape, generator=generator)
+    noise = torch.randint(0, vocab, batch.gap.shape, generator=generator, device=batch.gap.device)
     canvas = torch.cat([noise, batch.head], dim=1)
     start = batch.prefix_mask.sum(dim=1, keepdim=True)
-    positions = start + torch.arange(canvas.shape[1])[None, :]
+    positions = start + torch.arange(canvas.shape[1], device=noise.device)[None, :]
     attention = torch.cat([batch.prefix_mask, torch.ones_like(noise, dtype=torch.bool), batch.head_mask], 1).long()
     logits = model(
         decoder_input_ids=canvas,
@@ -259,10 +265,14 @@ def train(
     progress: Any = None,
 ) -> dict[str, Any]:
     """Train `model` in place for cfg.minutes; checkpoints and a JSON-lines log go to `out_dir`. Resumable."""
+    from engine.loading import resolve_device
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    model.to(device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW(
@@ -273,18 +283,18 @@ def train(
     state = {"step": 0, "elapsed": 0.0, "examples": 0}
     checkpoint = out_dir / "checkpoint.pt"
     if checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False)
+        saved = torch.load(checkpoint, weights_only=False, map_location=device)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         state = saved["state"]
     sampler = ExampleSampler(train_files, tokenizer, cfg.seed + state["step"], cfg.prefix_tokens, cfg.head_tokens)
     eval_sampler = ExampleSampler(eval_files, tokenizer, 99, cfg.prefix_tokens, cfg.head_tokens)
     eval_batches = [
-        collate([eval_sampler.example(g) for _ in range(cfg.batch_size)], tokenizer.pad_token_id)
+        collate([eval_sampler.example(g) for _ in range(cfg.batch_size)], tokenizer.pad_token_id).to(device)
         for g in cfg.gap_choices
         for _ in range(2)
     ]
-    generator = torch.Generator().manual_seed(cfg.seed + state["step"])
+    generator = torch.Generator(device=device).manual_seed(cfg.seed + state["step"])
     rng = random.Random(cfg.seed + state["step"])
     log = (out_dir / "log.jsonl").open("a")
     budget = cfg.minutes * 60
@@ -298,8 +308,8 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         gap = rng.choice(cfg.gap_choices)
-        batch = collate([sampler.example(gap) for _ in range(cfg.batch_size)], tokenizer.pad_token_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        batch = collate([sampler.example(gap) for _ in range(cfg.batch_size)], tokenizer.pad_token_id).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             parts = losses(model, batch, generator, self_condition=rng.random() < cfg.self_condition_prob)
         loss = parts["diffusion"] + cfg.ar_weight * parts["ar"]
         optimizer.zero_grad(set_to_none=True)
@@ -352,7 +362,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": dict(
             hidden_size=512, num_layers=8, num_heads=8, head_dim=64, moe_intermediate_size=512, intermediate_size=1024
         ),
-        "train": dict(minutes=8.0, batch_size=128, bf16=False),
+        "train": dict(minutes=8.0, batch_size=128),
         "vocab_size": 8192,
         "corpus_bytes": 400_000_000,
     },
@@ -411,7 +421,7 @@ def run(
     summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress)
 
     export = out_dir / "model"
-    model.to(torch.bfloat16).save_pretrained(str(export))
+    model.to("cpu", torch.bfloat16).save_pretrained(str(export))
     tokenizer.save_pretrained(str(export))
     (export / MODEL_SETTINGS_FILE).write_text(json.dumps({"infill": TRAINED_INFILL, "trained": summary}, indent=2))
     if install is not None:
