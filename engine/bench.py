@@ -332,8 +332,8 @@ def run_engine_bench(
             text = filler * (1 + int(tokens * tokenizer_ratio) // len(filler))
             return f"# {tag}\n" + text[-int(tokens * tokenizer_ratio) :] + "\n    "
 
-        def infill(prefix: str, http: httpx.Client = client) -> tuple[float, dict[str, Any]]:
-            settings = {"max_prefix_tokens": 8192, "max_new_tokens": 16, "gap_tokens": 16}
+        def infill(prefix: str, http: httpx.Client = client, **extra: Any) -> tuple[float, dict[str, Any]]:
+            settings = {"max_prefix_tokens": 8192, "max_new_tokens": 16, "gap_tokens": 16, **extra}
             started = time.perf_counter()
             result = http.post("/v1/infill", json={"prefix": prefix, "suffix": "\n", "settings": settings}).json()
             return (time.perf_counter() - started) * 1000, result
@@ -341,17 +341,24 @@ def run_engine_bench(
         infill(prefix_of(64, "warm-up"))
         prefix_rows = []
         for size in prefixes:
-            cold, warm, reused, tokens = [], [], [], 0
+            # One keystroke after a request on the same document, timed twice on the very same text: warm (the
+            # snapshot the previous request left is reused) and cold (reuse off: the whole prefix encoded). Same
+            # text and seed, so both denoise alike and the difference is the prefix work; the order alternates.
+            cold, warm, reused, same, tokens = [], [], [], 0, 0
             for run in range(runs):
-                base = prefix_of(size, f"cold {size} {run}")  # a first line never seen: nothing to reuse
-                ms, result = infill(base)
-                cold.append(ms)
-                tokens = result["prefix_tokens"]
-                ms, result = infill(base + "x")  # the next keystroke
-                warm.append(ms)
-                reused.append(result["prefix_reused_tokens"])
+                base = prefix_of(size, f"document {size} {run}")  # a first line never seen: nothing to reuse
+                infill(base)  # the previous keystroke's request
+                typed = base + "x"
+                timed = [("cold", {"reuse_prefix": False}), ("warm", {})]
+                answers = {}
+                for kind, extra in timed if run % 2 == 0 else timed[::-1]:
+                    ms, answers[kind] = infill(typed, **extra)
+                    (cold if kind == "cold" else warm).append(ms)
+                tokens = answers["cold"]["prefix_tokens"]
+                reused.append(answers["warm"]["prefix_reused_tokens"])
+                same += answers["cold"]["tokens"] == answers["warm"]["tokens"]
             cold_ms, warm_ms = statistics.median(cold), statistics.median(warm)
-            row = {"prefix_tokens": tokens, "cold_ms": cold_ms, "warm_ms": warm_ms}
+            row = {"prefix_tokens": tokens, "cold_ms": cold_ms, "warm_ms": warm_ms, "same_answer": same / runs}
             prefix_rows.append({**row, "warm_over_cold": warm_ms / cold_ms, "reused_tokens": statistics.median(reused)})
         throughput_rows = [
             {"mode": mode, "clients": count, **_throughput(socket, count, per_client, mode, prefix_of, infill)}
@@ -417,10 +424,10 @@ def format_engine(report: dict[str, Any]) -> str:
         "",
         "prefix reuse (median ms per request):",
     ]
-    lines.append(f"{'tokens':>8}{'cold':>10}{'warm':>10}{'warm/cold':>11}{'reused':>9}")
+    lines.append(f"{'tokens':>8}{'cold':>10}{'warm':>10}{'warm/cold':>11}{'reused':>9}{'same answer':>13}")
     for row in report["prefix"]:
-        lines.append(f"{row['prefix_tokens']:>8}{row['cold_ms']:>10.1f}{row['warm_ms']:>10.1f}"
-                     f"{row['warm_over_cold']:>11.2f}{row['reused_tokens']:>9.0f}")  # fmt: skip
+        times = f"{row['cold_ms']:>10.1f}{row['warm_ms']:>10.1f}{row['warm_over_cold']:>11.2f}"
+        lines.append(f"{row['prefix_tokens']:>8}{times}{row['reused_tokens']:>9.0f}{row['same_answer']:>13.0%}")
     lines += ["", "throughput (256-token prefixes; new: a new document per request, typing: a keystroke each):"]
     lines.append(f"{'mode':>8}{'clients':>9}{'req/s':>9}{'vs 1':>7}")
     for row in report["throughput"]:

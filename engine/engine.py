@@ -123,7 +123,7 @@ class Engine:
         settings, encoder_ids, head_ids, params = self._prepare(request)
         with self._lock:
             out = fill(self.loaded.model, encoder_ids, head_ids, params, self._stop_ids, cancel, on_step,
-                       self.prefix_cache)  # fmt: skip
+                       self._prefix_cache(settings))  # fmt: skip
         return self._result(settings, encoder_ids, head_ids, out)
 
     def infill_batch(self, requests: list[InfillRequest]) -> list[InfillResult | InfillCancelled]:
@@ -164,6 +164,9 @@ class Engine:
             line_end_ids=self._line_end_ids() if settings.single_line else frozenset(),
         )
         return settings, encoder_ids, head_ids, params
+
+    def _prefix_cache(self, settings: InfillSettings) -> PrefixCache | None:
+        return self.prefix_cache if settings.reuse_prefix else None
 
     def _line_end_ids(self) -> frozenset[int]:
         """Vocabulary ids whose text holds a line break (computed once)."""
@@ -245,7 +248,7 @@ class EngineBatch:
         settings, ids, head, params = engine._prepare(request)
         with engine._lock:
             job = CanvasJob(engine.loaded.model, ids, head, params, engine._stop_ids, request.cancel,
-                            request.on_step, engine.prefix_cache)  # fmt: skip
+                            request.on_step, engine._prefix_cache(settings))  # fmt: skip
         self._requests[job.serial] = (request, settings, ids, head)
         self._batch.add(job)
 

@@ -1,7 +1,8 @@
 """One denoising step's statistics over the canvas logits: sample, argmax, entropy, in one pass on the GPU.
 
 Per canvas position, from logits [N, V] and the step's temperature T:
-    sample  : a draw from softmax(logits / T) (Gumbel-max in both paths)
+    sample  : a draw from softmax(logits / T) (kernel: Gumbel-max, one pass; torch: inverse CDF, one uniform per
+              position, where Gumbel noise would cost two logarithms per vocabulary entry)
     argmax  : argmax(logits)
     entropy : H(softmax(logits / T))          (what entropy-bound acceptance and adaptive stopping read)
     lse     : logsumexp(logits / T)
@@ -37,19 +38,20 @@ class StepStats:
 
 def step_stats_torch(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> StepStats:
     """Reference: logits [N, V] -> StepStats, with torch ops."""
-    uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
+    uniform = torch.rand((*logits.shape[:-1], 1), generator=generator, device=logits.device)
     return _torch_stats(logits, logits.float() / temperature, uniform)
 
 
 def _torch_stats(logits: torch.Tensor, scaled: torch.Tensor, uniform: torch.Tensor) -> StepStats:
-    """logits [..., V], scaled = logits / T in fp32, uniform draws of the same shape -> StepStats [...]."""
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-    # Gumbel-max, as the kernel does: argmax(x + g) is a draw from softmax(x), and on the CPU it is an order of
-    # magnitude faster than torch.multinomial over a vocabulary-wide distribution.
-    gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
-    sample = (scaled + gumbel).argmax(dim=-1)
-    return StepStats(sample, logits.argmax(dim=-1), entropy, torch.logsumexp(scaled, dim=-1))
+    """logits [..., V], scaled = logits / T in fp32, one uniform draw per position [..., 1] -> StepStats [...]."""
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    probs = (scaled - lse).exp_()
+    entropy = lse[..., 0] - (probs * scaled).sum(dim=-1)  # H = lse - E_p[x]
+    # Inverse CDF: the first token whose cumulative probability passes u (right=True: never a zero-probability
+    # token). An order of magnitude cheaper on the CPU than torch.multinomial or Gumbel noise over the vocabulary.
+    cdf = probs.cumsum(dim=-1)
+    sample = torch.searchsorted(cdf, uniform * cdf[..., -1:], right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    return StepStats(sample, logits.argmax(dim=-1), entropy, lse[..., 0])
 
 
 if triton is not None:
@@ -149,9 +151,9 @@ def step_stats_rows(logits: torch.Tensor, temperatures: Sequence[float], generat
     width = max(lengths)
     logits = logits[:, :width]
     inverse = torch.tensor([1.0 / t for t in temperatures], device=logits.device)[:, None, None]
-    uniform = torch.full(logits.shape, 0.5, device=logits.device)
+    uniform = torch.full((*logits.shape[:-1], 1), 0.5, device=logits.device)
     for row, (generator, n) in enumerate(zip(generators, lengths, strict=True)):
-        uniform[row, :n] = torch.rand((n, logits.shape[-1]), generator=generator, device=logits.device)
+        uniform[row, :n] = torch.rand((n, 1), generator=generator, device=logits.device)
     stats = _torch_stats(logits, logits.float() * inverse, uniform)
     return [
         StepStats(*(t[row : row + 1, :n] for t in (stats.sample, stats.argmax, stats.entropy, stats.lse)))

@@ -66,6 +66,9 @@ class InfillSettings:
     # The answer has at least this many tokens: EOS and pad are barred from the first canvas's first slots. Where
     # the user asked for a completion (an empty line, a finished statement), an empty answer shows nothing.
     min_new_tokens: int = 0
+    # Reuse (and keep) the encoder KV of earlier prefixes this one extends. Off: the whole prefix is encoded afresh
+    # (what `bench engine` measures a keystroke's reuse against, on the very same request).
+    reuse_prefix: bool = True
     # The caller keeps only the first line (an LSP single-line completion): stop once the answer has a line break.
     single_line: bool = False
     # "prompt" layout template, with {prefix} and {suffix}. "auto": the tokenizer's FIM tokens if it has them,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from engine import Engine, InfillCancelled
 from engine.canvas import StepView
 from engine.engine import InfillRequest
@@ -22,7 +24,8 @@ def test_batched_requests_match_single_ones(tiny_engine: Engine) -> None:
     for single, batched in zip(alone, together, strict=True):
         assert batched.tokens == single.tokens
         assert batched.steps == single.steps
-        assert batched.confidence == single.confidence
+        # bf16 on this CPU: a batched matmul may round the logits a hair differently from a single one
+        assert batched.confidence == pytest.approx(single.confidence, abs=2e-3)
 
 
 def test_rows_with_different_gaps_and_continuations(tiny_engine: Engine) -> None:

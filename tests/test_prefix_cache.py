@@ -58,6 +58,9 @@ def test_reuse_gives_the_fresh_answer(tiny_model_dir: Path) -> None:
     assert second.prefix_reused_tokens >= second.prefix_tokens - TAIL - GRID
     assert second.tokens == fresh.infill(prefix + "a", suffix, settings).tokens
     assert cached.prefix_cache.nbytes > 0
+    # Per request, reuse can be turned off: the same engine then encodes the whole prefix, same answer.
+    unreused = cached.infill(prefix + "a", suffix, {**settings, "reuse_prefix": False})
+    assert unreused.prefix_reused_tokens == 0 and unreused.tokens == second.tokens
 
 
 def test_memory_stays_bounded(tiny_model_dir: Path) -> None:
