@@ -121,6 +121,7 @@ def run_infill(
                 "forward_passes": result.forward_passes,
                 "produced": result.tokens_per_forward * result.forward_passes,
                 "empty": text.strip() == "",
+                "min_confidence": min(result.confidence, default=None),  # for calibrating a display threshold
             }
         rows.append(row)
         if progress is not None:
