@@ -248,7 +248,6 @@ class Batcher:
         self.max_batch = max_batch
         self.on_step = on_step
         self.waiting: queue.Queue[tuple[InfillRequest, Future]] = queue.Queue()
-        self.batches: list[int] = []  # rows of the last decoder forwards, for tests and metrics
         threading.Thread(target=self._loop, name="canvas-batcher", daemon=True).start()
 
     def submit(self, request: InfillRequest) -> Future:
@@ -271,7 +270,6 @@ class Batcher:
                     future.set_exception(exc)
                 batch, futures = self.engine.batch(), {}
                 continue
-            self.batches = [*self.batches[-99:], rows]
             if self.on_step is not None:
                 self.on_step(rows)
             for request, outcome in ended:
