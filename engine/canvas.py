@@ -71,6 +71,9 @@ class DenoiseParams:
     order: str = "diffusion"
     # EOS/pad are barred from the first canvas's first this-many gap slots: the answer is at least that long.
     min_new_tokens: int = 0
+    # What adaptive stopping waits for: "gap" (every slot stable and confident, transformers' rule) or "answer"
+    # (the slots up to and including the first EOS).
+    stop_scope: str = "gap"
     # Token ids that hold a line break. When set, the answer ends at the canvas that writes one (the caller
     # keeps only the first line), instead of continuing canvas after canvas.
     line_end_ids: frozenset[int] = frozenset()
@@ -133,16 +136,26 @@ class SeededEntropyBoundSampler(EntropyBoundSampler):
 
 
 class EntropyStableAndConfident(StableAndConfidentStoppingCriteria):
-    """transformers' stopping rule, reading per-token entropies computed once per step instead of the logits."""
+    """transformers' stopping rule, reading per-token entropies computed once per step instead of the logits.
 
-    def __call__(self, argmax_canvas, logits=None, token_entropy=None, **kwargs):  # type: ignore[override]
+    With `stop_ids`, the rule looks only at the answer: the slots up to and including the first stop token of the
+    argmax canvas (what `_close_canvas` keeps). The EOS fill after it can still flicker without holding the answer
+    back, as an autoregressive decoder stops at its EOS without settling what would come after."""
+
+    def __call__(self, argmax_canvas, logits=None, token_entropy=None, stop_ids=None, **kwargs):  # type: ignore[override]
         if token_entropy is None:
             return super().__call__(argmax_canvas, logits)
+        scope = torch.ones_like(argmax_canvas, dtype=torch.bool)
+        if stop_ids is not None:
+            is_stop = torch.isin(argmax_canvas, stop_ids)
+            scope = (is_stop.cumsum(dim=-1) - is_stop.long()) == 0  # no stop token before this slot
+            argmax_canvas = argmax_canvas.masked_fill(~scope, -2)  # past the answer: a constant, always stable
         # The parent's stability bookkeeping, fed a one-class stand-in (entropy 0, so "confident" always holds)...
         stand_in = torch.zeros((*argmax_canvas.shape, 1), device=argmax_canvas.device)
         stable = super().__call__(argmax_canvas, stand_in)
-        # ...and the confidence test on the real entropies.
-        return stable & (token_entropy.mean(dim=-1) < self.confidence_threshold)
+        # ...and the confidence test on the real entropies, over the scope.
+        mean_entropy = (token_entropy * scope).sum(dim=-1) / scope.sum(dim=-1)
+        return stable & (mean_entropy < self.confidence_threshold)
 
 
 class LeftToRightSampler(SeededEntropyBoundSampler):
@@ -281,7 +294,8 @@ class CanvasJob:
             self.argmax = accepted  # the committed tokens are the answer
             converged = self.sampler.finished(accepted, self.stop_tensor)
         else:
-            converged = bool(self.stopping(self.argmax, token_entropy=stats.entropy)[0])
+            scoped = self.stop_tensor if self.params.stop_scope == "answer" else None
+            converged = bool(self.stopping(self.argmax, token_entropy=stats.entropy, stop_ids=scoped)[0])
         if self.on_step is not None:
             canvas = torch.cat([self.gap_canvas, self.suffix_head], dim=1)[0]
             self.on_step(StepView(self.out.canvases, self.step, canvas, self.argmax[0],

@@ -161,6 +161,7 @@ class Engine:
             seed=settings.seed,
             order=settings.order,
             min_new_tokens=min(settings.min_new_tokens, settings.max_new_tokens),
+            stop_scope=settings.stop_scope,
             line_end_ids=self._line_end_ids() if settings.single_line else frozenset(),
         )
         return settings, encoder_ids, head_ids, params

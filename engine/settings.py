@@ -58,6 +58,9 @@ class InfillSettings:
     stability_threshold: int = 1
     # ...and the mean entropy of the (temperature-scaled) gap logits below this.
     confidence_threshold: float = 0.005
+    # Adaptive stopping waits for "gap": every gap slot stable and confident (transformers' rule), or "answer": only
+    # the slots up to and including the first EOS (the EOS fill after it may still flicker).
+    stop_scope: Literal["gap", "answer"] = "gap"
     # Seed of the canvas noise and the samples; the same seed gives the same output. None: fresh noise each time.
     seed: int | None = 0
     # "diffusion": parallel entropy-bound decoding. "left_to_right": one token per forward, the autoregressive-
@@ -92,6 +95,8 @@ class InfillSettings:
         return result
 
     def validate(self) -> None:
+        if self.stop_scope not in ("gap", "answer"):
+            raise SettingsError(f"stop_scope must be 'gap' or 'answer', got '{self.stop_scope}'")
         if self.order not in ("diffusion", "left_to_right"):
             raise SettingsError(f"order must be 'diffusion' or 'left_to_right', got '{self.order}'")
         if self.layout not in LAYOUTS:

@@ -190,3 +190,34 @@ def test_min_new_tokens_bars_eos_from_the_first_slots(tiny_engine: Engine) -> No
     assert empty.tokens == [] and empty.stop_reason == "eos"
     assert forced.tokens == [7, 7] and forced.stop_reason == "eos"
     assert all(0.0 <= c <= 1.0 for c in forced.confidence)
+
+
+def test_answer_scoped_stopping_ignores_the_eos_fill(tiny_engine: Engine) -> None:
+    """Answer [40, 41] then EOS, all sure; the slots after the EOS undecided (flat logits). Waiting for the whole
+    gap runs to the step cap; waiting for the answer stops once it is stable and confident."""
+    start = prefix_len(tiny_engine)
+    model = tiny_engine.loaded.model
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        offsets = kwargs["decoder_position_ids"][0] - start
+        logits = torch.full_like(out.logits, -30.0)
+        for slot, offset in enumerate(offsets.tolist()):
+            if offset < 3:
+                logits[0, slot, {0: 40, 1: 41, 2: EOS}[offset]] = 30.0
+            else:
+                logits[0, slot] = 0.0  # undecided: uniform
+        out.logits = logits
+        return out
+
+    model.forward = forward
+    settings = {"gap_tokens": 8, "max_steps": 10}
+    try:
+        whole = tiny_engine.infill(PREFIX, "", settings)
+        answer = tiny_engine.infill(PREFIX, "", {**settings, "stop_scope": "answer"})
+    finally:
+        del model.forward
+    assert whole.tokens == answer.tokens == [40, 41]
+    assert whole.steps == 10 and whole.canvas_stops == ["step_cap"]
+    assert answer.steps == 2 and answer.canvas_stops == ["converged"]
