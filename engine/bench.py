@@ -371,7 +371,7 @@ def run_engine_bench(
             row["vs_one_client"] = row["requests_per_s"] / single["requests_per_s"]
         health = client.get("/health").json()
         return {"machine": machine(), "model": model or "(default)", "dtype": health["dtype"], "prefix": prefix_rows,
-                "throughput": throughput_rows}  # fmt: skip
+                "throughput": throughput_rows, "steps": _step_costs(client.get("/metrics").text)}  # fmt: skip
     finally:
         client.close()
         process.kill()
@@ -379,6 +379,27 @@ def run_engine_bench(
 
 
 TYPED = "total = compute(values, weights)"
+
+
+def _step_costs(metrics: str) -> list[dict[str, Any]]:
+    """Mean denoising-step time by rows in the batch, from the engine's own /metrics: what a shared forward costs
+    as it carries more requests (the ceiling on what batching can give on this machine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[int, dict[str, float]] = {}
+    for family in text_string_to_metric_families(metrics):
+        if family.name != "canvas_step_seconds":
+            continue
+        for sample in family.samples:
+            kind = sample.name.removeprefix("canvas_step_seconds_")
+            if kind in ("sum", "count"):
+                sums.setdefault(int(sample.labels["rows"]), {})[kind] = sample.value
+    rows = [{"rows": n, "steps": int(v["count"]), "mean_ms": 1000 * v["sum"] / v["count"]}
+            for n, v in sorted(sums.items()) if v.get("count")]  # fmt: skip
+    one = next((r["mean_ms"] for r in rows if r["rows"] == 1), None)
+    for row in rows:
+        row["per_row_vs_one"] = row["mean_ms"] / row["rows"] / one if one else None
+    return rows
 
 
 def _throughput(socket: Path, count: int, per_client: int, mode: str, prefix_of: Callable[[int, str], str],
@@ -433,4 +454,9 @@ def format_engine(report: dict[str, Any]) -> str:
     lines.append(f"{'mode':>8}{'clients':>9}{'req/s':>9}{'vs 1':>7}")
     for row in report["throughput"]:
         lines.append(f"{row['mode']:>8}{row['clients']:>9}{row['requests_per_s']:>9.2f}{row['vs_one_client']:>7.2f}")
+    lines += ["", "denoising step by rows sharing it (the engine's /metrics):", f"{'rows':>6}{'steps':>8}{'ms':>8}"
+              f"{'per row vs 1':>14}"]  # fmt: skip
+    for row in report.get("steps", []):
+        ratio = f"{row['per_row_vs_one']:.2f}" if row["per_row_vs_one"] else "-"
+        lines.append(f"{row['rows']:>6}{row['steps']:>8}{row['mean_ms']:>8.1f}{ratio:>14}")
     return "\n".join(lines)

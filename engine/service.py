@@ -7,7 +7,8 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
                            as server-sent events), so the client side can also talk to vLLM or SGLang
     POST /v1/infill        the engine's whole result (InfillResult) for {prefix, suffix, settings, document}
     GET  /health           model, device, queue depth
-    GET  /metrics          Prometheus text: requests, latency, steps, tokens per forward, prefix-cache hits, queue
+    GET  /metrics          Prometheus text: requests, latency, steps, tokens per forward, prefix-cache hits, queue,
+                           batch rows and step time by rows
 
 Requests run on one scheduler thread (`Batcher`): every request in flight denoises in one batch, their canvases
 sharing each decoder forward; requests join and leave between steps. Each has a cancel flag the denoising loop
@@ -29,7 +30,15 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+)
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -78,7 +87,9 @@ class EngineService:
         self.m_queue = Gauge("canvas_queue_depth", "Requests waiting or running", registry=registry)
         self.m_batch = Histogram("canvas_batch_size", "Requests sharing a decoder forward", registry=registry,
                                  buckets=(1, 2, 3, 4, 6, 8, 12, 16))  # fmt: skip
-        self.batcher = Batcher(engine, max_batch, self.m_batch.observe)
+        self.m_step = Summary("canvas_step_seconds", "One denoising step of a batch (shared forward and the rows' "
+                              "sampling), by rows in it", ["rows"], registry=registry)  # fmt: skip
+        self.batcher = Batcher(engine, max_batch, self._observe_step)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -229,6 +240,10 @@ class EngineService:
                 self.m_prefix_reused.inc(result["prefix_reused_tokens"])
         return result
 
+    def _observe_step(self, rows: int, seconds: float) -> None:
+        self.m_batch.observe(rows)
+        self.m_step.labels(str(rows)).observe(seconds)
+
     async def idle_watch(self, server: Any) -> None:
         """Ask uvicorn to exit after `idle_exit_s` without requests."""
         while self.idle_exit_s:
@@ -243,7 +258,7 @@ class Batcher:
     their canvases sharing each decoder forward. Between steps, requests that arrived join the batch and the ones
     that ended leave it (iteration-level scheduling): nobody waits for a whole batch to finish."""
 
-    def __init__(self, engine: Engine, max_batch: int, on_step: Callable[[int], None] | None = None):
+    def __init__(self, engine: Engine, max_batch: int, on_step: Callable[[int, float], None] | None = None):
         self.engine = engine
         self.max_batch = max_batch
         self.on_step = on_step
@@ -262,7 +277,7 @@ class Batcher:
             self._admit(batch, futures)
             if not batch:
                 continue
-            rows = len(batch)
+            rows, started = len(batch), time.perf_counter()
             try:
                 ended = batch.step()
             except Exception as exc:  # a failing step fails the requests in it, not the scheduler
@@ -271,7 +286,7 @@ class Batcher:
                 batch, futures = self.engine.batch(), {}
                 continue
             if self.on_step is not None:
-                self.on_step(rows)
+                self.on_step(rows, time.perf_counter() - started)
             for request, outcome in ended:
                 futures.pop(id(request)).set_result(outcome)
 

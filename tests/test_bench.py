@@ -81,3 +81,5 @@ def test_bench_engine_measures_prefix_reuse_and_both_throughput_modes(tiny_model
     assert all(r["requests"] == r["clients"] * 2 and r["requests_per_s"] > 0 for r in modes.values())
     assert modes[("typing", 1)]["vs_one_client"] == 1.0
     assert "typing" in done.stdout
+    steps = {r["rows"]: r for r in report["steps"]}  # step costs by rows, from the engine's /metrics
+    assert steps[1]["steps"] > 0 and steps[1]["mean_ms"] > 0 and steps[1]["per_row_vs_one"] == 1.0
