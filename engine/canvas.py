@@ -73,7 +73,7 @@ class DenoiseParams:
     min_new_tokens: int = 0
     # What adaptive stopping waits for: "gap" (every slot stable and confident, transformers' rule) or "answer"
     # (the slots up to and including the first EOS).
-    stop_scope: str = "gap"
+    stop_scope: str = "answer"
     # Token ids that hold a line break. When set, the answer ends at the canvas that writes one (the caller
     # keeps only the first line), instead of continuing canvas after canvas.
     line_end_ids: frozenset[int] = frozenset()

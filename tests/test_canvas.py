@@ -214,8 +214,8 @@ def test_answer_scoped_stopping_ignores_the_eos_fill(tiny_engine: Engine) -> Non
     model.forward = forward
     settings = {"gap_tokens": 8, "max_steps": 10}
     try:
-        whole = tiny_engine.infill(PREFIX, "", settings)
-        answer = tiny_engine.infill(PREFIX, "", {**settings, "stop_scope": "answer"})
+        whole = tiny_engine.infill(PREFIX, "", {**settings, "stop_scope": "gap"})
+        answer = tiny_engine.infill(PREFIX, "", settings)  # the default
     finally:
         del model.forward
     assert whole.tokens == answer.tokens == [40, 41]
