@@ -319,7 +319,7 @@ def run_engine_bench(
     command = [sys.executable, "-m", "server.cli", "engine", "--socket", str(socket), "--idle-exit", "0",
                "--dtype", dtype]  # fmt: skip
     process = subprocess.Popen(command + (["--model", model] if model else []), stdin=subprocess.DEVNULL)
-    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=600)
+    client = _engine_client(socket)
     try:
         for _ in range(3000):
             try:
@@ -381,6 +381,13 @@ def run_engine_bench(
 TYPED = "total = compute(values, weights)"
 
 
+def _engine_client(socket: Path) -> Any:
+    """An HTTP client for the engine on its unix socket (one per benchmark client thread)."""
+    import httpx
+
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=600)
+
+
 def _step_costs(metrics: str) -> list[dict[str, Any]]:
     """Mean denoising-step time by rows in the batch, from the engine's own /metrics: what a shared forward costs
     as it carries more requests (the ceiling on what batching can give on this machine)."""
@@ -409,20 +416,15 @@ def _throughput(socket: Path, count: int, per_client: int, mode: str, prefix_of:
     character per request (its first, cold request is sent before the clock starts)."""
     import concurrent.futures
 
-    import httpx
-
-    def session() -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=600)
-
     def document(index: int) -> str:
         return prefix_of(256, f"{mode} {count} {index}")
 
     def warm(index: int) -> None:
-        with session() as http:
+        with _engine_client(socket) as http:
             infill(document(index), http)
 
     def one_client(index: int) -> int:
-        with session() as http:
+        with _engine_client(socket) as http:
             for request in range(per_client):
                 if mode == "typing":
                     infill(document(index) + TYPED[: request + 1], http)

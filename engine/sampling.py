@@ -16,7 +16,7 @@ is the reference, and the CPU path.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,10 @@ class StepStats:
     argmax: torch.Tensor  # [N] int64
     entropy: torch.Tensor  # [N] float32
     lse: torch.Tensor  # [N] float32
+
+    def map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> StepStats:
+        """The same statistics with `f` applied to each field (a reshape, a row slice)."""
+        return StepStats(f(self.sample), f(self.argmax), f(self.entropy), f(self.lse))
 
 
 def step_stats_torch(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> StepStats:
@@ -145,7 +149,7 @@ def step_stats_rows(logits: torch.Tensor, temperatures: Sequence[float], generat
     [1, lengths[r]] fields. The fused kernel per row on CUDA; on the CPU one set of batched torch ops."""
     if logits.device.type == "cuda" and fused_available(logits.device):
         return [
-            _unflatten(step_stats_fused(logits[row, :n], temperature, generator))
+            step_stats_fused(logits[row, :n], temperature, generator).map(lambda t: t[None, :])
             for row, (temperature, generator, n) in enumerate(zip(temperatures, generators, lengths, strict=True))
         ]  # fmt: skip
     width = max(lengths)
@@ -155,11 +159,4 @@ def step_stats_rows(logits: torch.Tensor, temperatures: Sequence[float], generat
     for row, (generator, n) in enumerate(zip(generators, lengths, strict=True)):
         uniform[row, :n] = torch.rand((n, 1), generator=generator, device=logits.device)
     stats = _torch_stats(logits, logits.float() * inverse, uniform)
-    return [
-        StepStats(*(t[row : row + 1, :n] for t in (stats.sample, stats.argmax, stats.entropy, stats.lse)))
-        for row, n in enumerate(lengths)
-    ]
-
-
-def _unflatten(stats: StepStats) -> StepStats:
-    return StepStats(*(t[None, :] for t in (stats.sample, stats.argmax, stats.entropy, stats.lse)))
+    return [stats.map(lambda t, row=row, n=n: t[row : row + 1, :n]) for row, n in enumerate(lengths)]

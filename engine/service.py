@@ -46,7 +46,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.canvas import InfillCancelled, StepView
-from engine.engine import Engine, InfillRequest
+from engine.engine import Engine, EngineBatch, InfillRequest
 from engine.paths import default_socket
 from engine.settings import SettingsError
 
@@ -290,7 +290,7 @@ class Batcher:
             for request, outcome in ended:
                 futures.pop(id(request)).set_result(outcome)
 
-    def _admit(self, batch: Any, futures: dict[int, Future]) -> None:
+    def _admit(self, batch: EngineBatch, futures: dict[int, Future]) -> None:
         """Take waiting requests into the batch (blocking only when it is empty)."""
         while len(batch) < self.max_batch:
             try:

@@ -18,18 +18,15 @@ EOS = 1
 
 
 @contextmanager
-def confident(engine: Engine, target: Callable[[int], int]) -> Iterator[None]:
-    """Patch the model so that each canvas position p predicts token target(p) with near-one-hot logits."""
+def patched_logits(engine: Engine, logits_at: Callable[[int], torch.Tensor]) -> Iterator[None]:
+    """Patch the model so that the canvas slot at position p gets the logits `logits_at(p)` ([V])."""
     model = engine.loaded.model
     real_forward = model.forward
 
     def forward(*args, **kwargs):
         out = real_forward(*args, **kwargs)
-        positions = kwargs["decoder_position_ids"][0]  # [L]
-        wanted = torch.tensor([target(int(p)) for p in positions])
-        logits = torch.full_like(out.logits, -30.0)
-        logits[0, torch.arange(len(positions)), wanted] = 30.0
-        out.logits = logits
+        positions = kwargs["decoder_position_ids"]  # [B, L]: every row of a batched forward
+        out.logits = torch.stack([torch.stack([logits_at(int(p)) for p in row]) for row in positions]).to(out.logits)
         return out
 
     model.forward = forward
@@ -37,6 +34,20 @@ def confident(engine: Engine, target: Callable[[int], int]) -> Iterator[None]:
         yield
     finally:
         del model.forward
+
+
+def one_hot(token: int, vocab: int = 512, low: float = -30.0, high: float = 30.0) -> torch.Tensor:
+    logits = torch.full((vocab,), low)
+    logits[token] = high
+    return logits
+
+
+@contextmanager
+def confident(engine: Engine, target: Callable[[int], int]) -> Iterator[None]:
+    """Patch the model so that each canvas position p predicts token target(p) with near-one-hot logits."""
+    vocab = engine.loaded.model.config.text_config.vocab_size
+    with patched_logits(engine, lambda p: one_hot(target(p), vocab)):
+        yield
 
 
 def prefix_len(engine: Engine) -> int:
@@ -170,23 +181,11 @@ def test_single_line_stops_at_the_canvas_that_breaks_the_line(tiny_engine: Engin
 
 def test_min_new_tokens_bars_eos_from_the_first_slots(tiny_engine: Engine) -> None:
     """A model sure the gap is empty (EOS everywhere, token 7 its second choice) still answers min_new_tokens."""
-    model = tiny_engine.loaded.model
-    real_forward = model.forward
-
-    def forward(*args, **kwargs):
-        out = real_forward(*args, **kwargs)
-        logits = torch.full_like(out.logits, -30.0)
-        logits[..., EOS] = 30.0
-        logits[..., 7] = 10.0
-        out.logits = logits
-        return out
-
-    model.forward = forward
-    try:
+    sure_empty = one_hot(EOS, tiny_engine.loaded.model.config.text_config.vocab_size)
+    sure_empty[7] = 10.0
+    with patched_logits(tiny_engine, lambda p: sure_empty):
         empty = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_steps": 4})
         forced = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": 8, "max_steps": 4, "min_new_tokens": 2})
-    finally:
-        del model.forward
     assert empty.tokens == [] and empty.stop_reason == "eos"
     assert forced.tokens == [7, 7] and forced.stop_reason == "eos"
     assert all(0.0 <= c <= 1.0 for c in forced.confidence)
@@ -196,28 +195,17 @@ def test_answer_scoped_stopping_ignores_the_eos_fill(tiny_engine: Engine) -> Non
     """Answer [40, 41] then EOS, all sure; the slots after the EOS undecided (flat logits). Waiting for the whole
     gap runs to the step cap; waiting for the answer stops once it is stable and confident."""
     start = prefix_len(tiny_engine)
-    model = tiny_engine.loaded.model
-    real_forward = model.forward
+    vocab = tiny_engine.loaded.model.config.text_config.vocab_size
+    answer_then_eos = {0: 40, 1: 41, 2: EOS}
 
-    def forward(*args, **kwargs):
-        out = real_forward(*args, **kwargs)
-        offsets = kwargs["decoder_position_ids"][0] - start
-        logits = torch.full_like(out.logits, -30.0)
-        for slot, offset in enumerate(offsets.tolist()):
-            if offset < 3:
-                logits[0, slot, {0: 40, 1: 41, 2: EOS}[offset]] = 30.0
-            else:
-                logits[0, slot] = 0.0  # undecided: uniform
-        out.logits = logits
-        return out
+    def logits_at(position: int) -> torch.Tensor:
+        offset = position - start
+        return one_hot(answer_then_eos[offset], vocab) if offset < 3 else torch.zeros(vocab)  # after: uniform
 
-    model.forward = forward
     settings = {"gap_tokens": 8, "max_steps": 10}
-    try:
+    with patched_logits(tiny_engine, logits_at):
         whole = tiny_engine.infill(PREFIX, "", {**settings, "stop_scope": "gap"})
         answer = tiny_engine.infill(PREFIX, "", settings)  # the default
-    finally:
-        del model.forward
     assert whole.tokens == answer.tokens == [40, 41]
     assert whole.steps == 10 and whole.canvas_stops == ["step_cap"]
     assert answer.steps == 2 and answer.canvas_stops == ["converged"]
