@@ -196,6 +196,122 @@ def encode(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int) -> No
     model.model.encoder(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
 
 
+@dataclass
+class EncodedPrefix:
+    cache: DynamicCache  # the encoder KV of the whole prefix
+    reused: int  # tokens that came from a prefix-cache snapshot
+    seconds: float  # the encode's wall time (shared by the prefixes encoded together)
+
+
+def encode_prefixes(model: Any, id_lists: list[Sequence[int]], prefix_cache: PrefixCache | None) -> list[EncodedPrefix]:
+    """Encode several prefixes together (each reusing a snapshot when the cache holds one)."""
+    started = time.perf_counter()
+
+    def new_cache() -> DynamicCache:
+        return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+    def rows(caches: list[DynamicCache], more: list[Sequence[int]], starts: list[int]) -> None:
+        encode_rows(model, caches, more, starts)
+
+    if prefix_cache is not None:
+        held = prefix_cache.encode_many(id_lists, new_cache, rows)
+    else:
+        held = [(new_cache(), 0) for _ in id_lists]
+        rows([cache for cache, _ in held], list(id_lists), [0] * len(id_lists))
+    seconds = time.perf_counter() - started
+    return [EncodedPrefix(cache, reused, seconds) for cache, reused in held]
+
+
+@torch.inference_mode()
+def encode_rows(model: Any, caches: list[DynamicCache], id_lists: list[Sequence[int]], starts: list[int]) -> None:
+    """Append id_lists[r] to caches[r] at positions starts[r]..., every row in one encoder forward: the resident
+    engine encodes the prefixes of requests that arrive together at once (one forward's fixed cost, not one each).
+
+    Rows differ in cached and new lengths, so each row's cache is left-padded and so are its new tokens; the
+    masks are built from positions (causal, and the sliding window for sliding layers), exactly what each row's
+    own forward would see. Padding queries attend only to themselves (no all-masked rows, no NaN). After the
+    forward each row's new keys and values are appended to its own cache, which crops its sliding layers itself.
+    """
+    rows = [(c, list(ids), s) for c, ids, s in zip(caches, id_lists, starts, strict=True) if len(ids)]
+    device = model.device
+    if len(rows) == 1:
+        cache, ids, start = rows[0]
+        encode(model, torch.tensor([ids], dtype=torch.long, device=device), cache, start)
+    if len(rows) <= 1:
+        return
+    config = model.config.get_text_config()
+    width = max(len(ids) for _, ids, _ in rows)
+    new_pad = torch.tensor([width - len(ids) for _, ids, _ in rows], device=device)  # [B]
+    input_ids = torch.tensor([[0] * (width - len(ids)) + ids for _, ids, _ in rows], device=device)  # [B, N]
+    ends = torch.tensor([start + len(ids) for _, ids, start in rows], device=device)
+    positions = (ends[:, None] - width + torch.arange(width, device=device)[None, :]).clamp_(min=0)  # [B, N]
+    query_ok = torch.arange(width, device=device)[None, :] >= new_pad[:, None]  # [B, N] real tokens
+    appending = _AppendingRows([c for c, _, _ in rows], config.layer_types)
+    masks = {}
+    for kind, cached in appending.cached.items():  # cached: [B] entries each row's cache holds for this kind
+        past = int(cached.max())
+        past_positions = torch.tensor([s for _, _, s in rows], device=device)[:, None] - past + torch.arange(
+            past, device=device)[None, :]  # fmt: skip
+        past_ok = torch.arange(past, device=device)[None, :] >= (past - cached)[:, None]  # left padding off
+        key_positions = torch.cat([past_positions, positions], dim=1)  # [B, P + N]
+        key_ok = torch.cat([past_ok, query_ok], dim=1)
+        allowed = key_ok[:, None, :] & (key_positions[:, None, :] <= positions[:, :, None])  # [B, N, P + N]
+        if kind == "sliding_attention":
+            allowed &= key_positions[:, None, :] > positions[:, :, None] - config.sliding_window
+        own = torch.zeros_like(allowed)
+        own[:, :, past:] = torch.eye(width, dtype=torch.bool, device=device)
+        masks[kind] = torch.where(query_ok[:, :, None], allowed, own)[:, None]  # [B, 1, N, P + N]
+    model.model.encoder(input_ids=input_ids, position_ids=positions, past_key_values=appending,
+                        attention_mask=masks)  # fmt: skip
+    appending.commit(new_pad.tolist())
+
+
+class _AppendingRows:
+    """The cache an encoder forward over several rows reads and writes: each layer returns the rows' own cached
+    keys (left-padded to one length) followed by the new ones; `commit` appends the new ones to each row's cache.
+    """
+
+    is_compileable = False
+
+    def __init__(self, caches: list[DynamicCache], layer_types: list[str]):
+        self.caches, self.layer_types = caches, layer_types
+        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cached: dict[str, torch.Tensor] = {}  # layer type -> [B] entries held per row
+        for index, kind in enumerate(layer_types):
+            held = [self._held(cache, index) for cache in caches]
+            self.cached.setdefault(kind, torch.tensor(held))
+
+    @staticmethod
+    def _held(cache: DynamicCache, index: int) -> int:
+        layer = cache.layers[index] if index < len(cache.layers) else None
+        keys = getattr(layer, "keys", None) if layer is not None and layer.is_initialized else None
+        return 0 if keys is None or keys.numel() == 0 else keys.shape[2]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self.new[layer_idx] = (keys, values)
+        width = int(self.cached[self.layer_types[layer_idx]].max())
+        if width == 0:
+            return keys, values
+        past_keys, past_values = [], []
+        for cache in self.caches:
+            if self._held(cache, layer_idx):
+                layer = cache.layers[layer_idx]
+                past_keys.append(layer.keys)
+                past_values.append(layer.values)
+            else:
+                empty = keys.new_zeros((1, keys.shape[1], 0, keys.shape[3]))
+                past_keys.append(empty)
+                past_values.append(empty)
+        return (torch.cat([_left_pad(past_keys, width), keys], dim=2),
+                torch.cat([_left_pad(past_values, width), values], dim=2))  # fmt: skip
+
+    def commit(self, pads: list[int]) -> None:
+        for layer_idx, (keys, values) in sorted(self.new.items()):
+            for row, (cache, pad) in enumerate(zip(self.caches, pads, strict=True)):
+                cache.update(keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:], layer_idx)
+
+
 _SERIALS = itertools.count()
 BARRED_LOGIT = -1e4  # far below any softcapped logit (|x| <= 30), still finite once divided by a temperature
 
@@ -217,6 +333,7 @@ class CanvasJob:
         cancel: CancelToken | None = None,
         on_step: Callable[[StepView], None] | None = None,
         prefix_cache: PrefixCache | None = None,
+        encoded: EncodedPrefix | None = None,
     ):
         self.model, self.params, self.cancel, self.on_step = model, params, cancel, on_step
         self.serial = next(_SERIALS)  # identifies the job in a batch (an id() can be reused once a job is freed)
@@ -230,26 +347,18 @@ class CanvasJob:
         self.left_to_right = params.order == "left_to_right"
         self.steps_cap = self.gap if self.left_to_right else params.max_steps
 
-        # 1. The prefix goes through the causal encoder once, into the KV cache (reusing a snapshot when one fits).
-        t0 = time.perf_counter()
-        if prefix_cache is not None:
-            self.cache, reused = prefix_cache.encode(prefix_ids, self._new_cache, self._encode_ids)
-        else:
-            self.cache, reused = self._new_cache(), 0
-            self._encode_ids(self.cache, prefix_ids, 0)
+        # 1. The prefix goes through the causal encoder once, into the KV cache (reusing a snapshot when one fits),
+        # unless the caller encoded it already, together with other requests' prefixes.
+        if encoded is None:
+            encoded = encode_prefixes(model, [prefix_ids], prefix_cache)[0]
+        self.cache = encoded.cache
         self.cursor = len(prefix_ids)  # position of the first gap slot
         self.out = CanvasOutput(tokens=[], confidence=[], ended_with_eos=False, steps=0, forward_passes=0,
-                                canvases=0, encode_seconds=time.perf_counter() - t0, prefix_reused=reused)  # fmt: skip
+                                canvases=0, encode_seconds=encoded.seconds, prefix_reused=encoded.reused)  # fmt: skip
         self.started = time.perf_counter()
         self.done = False
         self.error: InfillCancelled | None = None  # set by fill_batch when this job was cancelled
         self._open_canvas()
-
-    def _new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config.get_text_config(decoder=True))
-
-    def _encode_ids(self, cache: DynamicCache, ids: Sequence[int], start: int) -> None:
-        encode(self.model, torch.tensor([list(ids)], dtype=torch.long, device=self.device), cache, start)  # [1, n]
 
     def _open_canvas(self) -> None:
         """2. A fresh canvas: G noise slots after the cursor, then the clamped suffix head."""

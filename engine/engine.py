@@ -21,6 +21,7 @@ from engine.canvas import (
     DenoisingBatch,
     InfillCancelled,
     StepView,
+    encode_prefixes,
     fill,
 )
 from engine.loading import LoadedModel, load_model
@@ -130,8 +131,8 @@ class Engine:
         """Fill several gaps at once: their canvases share each decoder forward. A cancelled request's slot holds
         its InfillCancelled; the others complete."""
         batch = self.batch()
-        for request in requests:
-            batch.add(request)
+        for _, error in batch.add_many(requests):
+            raise error
         outcomes: dict[int, InfillResult | InfillCancelled] = {}
         while batch:
             outcomes.update((id(request), outcome) for request, outcome in batch.step())
@@ -245,13 +246,39 @@ class EngineBatch:
         return len(self._batch)
 
     def add(self, request: InfillRequest) -> None:
+        """Admit one request (raises what its preparation raised)."""
+        for _, error in self.add_many([request]):
+            raise error
+
+    def add_many(self, requests: list[InfillRequest]) -> list[tuple[InfillRequest, Exception]]:
+        """Admit requests that arrived together: their prefixes are encoded in one encoder forward. Returns the
+        ones that could not be admitted (a bad setting, a failed encode), with why; the others joined the batch."""
         engine = self.engine
-        settings, ids, head, params = engine._prepare(request)
-        with engine._lock:
-            job = CanvasJob(engine.loaded.model, ids, head, params, engine._stop_ids, request.cancel,
-                            request.on_step, engine._prefix_cache(settings))  # fmt: skip
-        self._requests[job.serial] = (request, settings, ids, head)
-        self._batch.add(job)
+        failed: list[tuple[InfillRequest, Exception]] = []
+        prepared = []
+        for request in requests:
+            try:
+                prepared.append((request, *engine._prepare(request)))
+            except Exception as exc:  # this request's problem, not its neighbours'
+                failed.append((request, exc))
+        by_cache: dict[bool, list[tuple[InfillRequest, InfillSettings, list[int], list[int], DenoiseParams]]] = {}
+        for item in prepared:  # requests that skip the prefix cache are encoded apart from those that use it
+            by_cache.setdefault(item[1].reuse_prefix, []).append(item)
+        for group in by_cache.values():
+            try:
+                with engine._lock:
+                    cache = engine._prefix_cache(group[0][1])
+                    encoded = encode_prefixes(engine.loaded.model, [ids for _, _, ids, _, _ in group], cache)
+                    jobs = [CanvasJob(engine.loaded.model, ids, head, params, engine._stop_ids, request.cancel,
+                                      request.on_step, encoded=done)
+                            for (request, _, ids, head, params), done in zip(group, encoded, strict=True)]  # fmt: skip
+            except Exception as exc:
+                failed += [(request, exc) for request, *_ in group]
+                continue
+            for job, (request, settings, ids, head, _) in zip(jobs, group, strict=True):
+                self._requests[job.serial] = (request, settings, ids, head)
+                self._batch.add(job)
+        return failed
 
     def step(self) -> list[tuple[InfillRequest, InfillResult | InfillCancelled]]:
         with self.engine._lock:

@@ -36,6 +36,22 @@ def cache_bytes(cache: Any) -> int:
     return total
 
 
+EncodeRows = Callable[[list[Any], list[Sequence[int]], list[int]], None]
+
+
+@dataclass
+class _Plan:
+    ids: tuple[int, ...]
+    target: int  # the grid point this request's snapshot moves up to
+    cache: Any
+    reused: int  # tokens that came from a snapshot
+
+    @property
+    def position(self) -> int:
+        """Where the tail starts once the snapshot is in place."""
+        return max(self.target, self.reused)
+
+
 class PrefixCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
@@ -54,25 +70,38 @@ class PrefixCache:
         `new_cache()` makes an empty cache; `encode(cache, ids, start)` appends ids at positions start...
         Returns the cache and how many tokens came from a snapshot (not re-encoded).
         """
-        ids = tuple(ids)
-        target = (max(0, len(ids) - TAIL) // GRID) * GRID  # where this request's snapshot sits
-        base = self._longest(ids, target)
-        if base is None:
-            self.misses += 1
-            cache, reused = new_cache(), 0
-        else:
-            self.hits += 1
-            self._snapshots.move_to_end(base.ids)
-            cache, reused = copy.deepcopy(base.cache), len(base.ids)
-        if target > reused:  # move the snapshot up to this request's grid point, and keep it
-            encode(cache, ids[reused:target], reused)
-            self._store(ids[:target], cache)
-            position = target
-        else:
-            position = reused
-        if position < len(ids):
-            encode(cache, ids[position:], position)
-        return cache, reused
+
+        def one_by_one(caches: list[Any], id_lists: list[Sequence[int]], starts: list[int]) -> None:
+            for cache, more, start in zip(caches, id_lists, starts, strict=True):
+                encode(cache, more, start)
+
+        return self.encode_many([ids], new_cache, one_by_one)[0]
+
+    def encode_many(self, id_lists: Sequence[Sequence[int]], new_cache: Callable[[], Any],
+                    encode_rows: EncodeRows) -> list[tuple[Any, int]]:  # fmt: skip
+        """`encode` for several prefixes at once: `encode_rows(caches, id_lists, starts)` appends id_lists[r] to
+        caches[r] at positions starts[r]..., all rows in one forward. At most two calls: one that moves the rows'
+        snapshots up to their grid points (then kept), one for the tails after them."""
+        plans = []
+        for ids in map(tuple, id_lists):
+            target = (max(0, len(ids) - TAIL) // GRID) * GRID  # where this request's snapshot sits
+            base = self._longest(ids, target)
+            if base is None:
+                self.misses += 1
+                plans.append(_Plan(ids, target, new_cache(), 0))
+            else:
+                self.hits += 1
+                self._snapshots.move_to_end(base.ids)
+                plans.append(_Plan(ids, target, copy.deepcopy(base.cache), len(base.ids)))
+        grow = [p for p in plans if p.target > p.reused]
+        if grow:
+            encode_rows([p.cache for p in grow], [p.ids[p.reused : p.target] for p in grow], [p.reused for p in grow])
+            for plan in grow:
+                self._store(plan.ids[: plan.target], plan.cache)
+        tails = [p for p in plans if p.position < len(p.ids)]
+        if tails:
+            encode_rows([p.cache for p in tails], [p.ids[p.position :] for p in tails], [p.position for p in tails])
+        return [(p.cache, p.reused) for p in plans]
 
     def _longest(self, ids: tuple[int, ...], limit: int) -> _Snapshot | None:
         best = None

@@ -291,21 +291,22 @@ class Batcher:
                 futures.pop(id(request)).set_result(outcome)
 
     def _admit(self, batch: EngineBatch, futures: dict[int, Future]) -> None:
-        """Take waiting requests into the batch (blocking only when it is empty)."""
-        while len(batch) < self.max_batch:
+        """Take waiting requests into the batch (blocking only when it is empty); the ones that arrived together
+        are encoded together."""
+        arrived: list[tuple[InfillRequest, Future]] = []
+        while len(batch) + len(arrived) < self.max_batch:
             try:
-                request, future = self.waiting.get(block=not batch)
+                request, future = self.waiting.get(block=not batch and not arrived)
             except queue.Empty:
-                return
+                break
             if request.cancel is not None and request.cancel.is_set():
                 future.set_result(InfillCancelled(0))  # gone before it started
                 continue
-            try:
-                batch.add(request)  # encodes its prefix
-            except Exception as exc:  # a bad request must not take the scheduler down
-                future.set_exception(exc)
-                continue
+            arrived.append((request, future))
+        for request, future in arrived:
             futures[id(request)] = future
+        for request, error in batch.add_many([request for request, _ in arrived]):
+            futures.pop(id(request)).set_exception(error)  # a bad request must not take the scheduler down
 
 
 async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:

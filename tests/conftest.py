@@ -38,3 +38,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir: Path) -> Engine:
     return Engine.load(str(tiny_model_dir), "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_fp32(tiny_model_dir: Path) -> Engine:
+    """For checks of exact equivalence (batched vs alone): bf16 rounds a batched matmul a hair differently, and
+    the random tiny model's near-tied logits flip on such hairs."""
+    return Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
