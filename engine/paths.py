@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -15,5 +16,12 @@ def runtime_dir() -> Path:
     return folder
 
 
-def default_socket() -> Path:
-    return runtime_dir() / "engine.sock"
+def default_socket(model: str | None = None, device: str | None = None) -> Path:
+    """One engine per model and device: `engine.sock` serves the shipped default model on the automatic device;
+    any other choice gets its own socket, so an editor configured for another model never reaches the wrong one."""
+    device = None if device in (None, "auto") else device
+    if model is None and device is None:
+        return runtime_dir() / "engine.sock"
+    where = str(Path(model).resolve()) if model and Path(model).exists() else str(model)
+    digest = hashlib.sha1(f"{where}\0{device}".encode()).hexdigest()[:12]
+    return runtime_dir() / f"engine-{digest}.sock"

@@ -84,6 +84,9 @@ class EngineService:
                                      registry=registry)  # fmt: skip
         self.m_prefix_reused = Counter("canvas_prefix_reused_tokens", "Prefix tokens not re-encoded",
                                        registry=registry)  # fmt: skip
+        self.m_cancelled_steps = Histogram("canvas_cancelled_after_steps", "Denoising steps a cancelled request had "
+                                           "run (a disconnect or a newer request stops it at its next step)",
+                                           registry=registry, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 512))  # fmt: skip
         self.m_queue = Gauge("canvas_queue_depth", "Requests waiting or running", registry=registry)
         self.m_batch = Histogram("canvas_batch_size", "Requests sharing a decoder forward", registry=registry,
                                  buckets=(1, 2, 3, 4, 6, 8, 12, 16))  # fmt: skip
@@ -221,6 +224,8 @@ class EngineService:
         watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
         try:
             outcome = await job
+            if isinstance(outcome, InfillCancelled):
+                self.m_cancelled_steps.observe(outcome.steps)
             result = None if isinstance(outcome, InfillCancelled) else outcome.to_dict()
         finally:
             watcher.cancel()

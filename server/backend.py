@@ -104,11 +104,13 @@ class ResidentBackend:
     socket, started (under a lock file) when none answers, restarted when it dies. Same methods as LocalBackend.
     """
 
-    def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0):
-        from engine.paths import default_socket, runtime_dir
+    def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0, model: str | None = None,
+                 device: str = "auto"):  # fmt: skip
+        from engine.paths import default_socket
 
-        self.socket = Path(socket) if socket else default_socket()
-        self.folder = runtime_dir()
+        self.socket = Path(socket) if socket else default_socket(model, device)
+        self.lock_file = self.socket.with_suffix(".lock")  # one starter at a time per engine
+        self.log_file = self.socket.with_suffix(".log")
         self.idle_exit_s = idle_exit_s
         self.state = "idle"
         self.error: str | None = None
@@ -156,7 +158,8 @@ class ResidentBackend:
         health = self._health()
         if health is not None:
             return health
-        with open(self.folder / "engine.lock", "w") as lock:
+        self.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(self.lock_file, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another editor may be starting it right now: wait for it
             health = self._health()
             if health is not None:
@@ -167,7 +170,7 @@ class ResidentBackend:
                 command += ["--model", self._model]
             if self._device and self._device != "auto":
                 command += ["--device", self._device]
-            with open(self.folder / "engine.log", "ab") as sink:
+            with open(self.log_file, "ab") as sink:
                 process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
                                            start_new_session=True)  # fmt: skip
             log.info("started the resident engine (pid %d): %s", process.pid, " ".join(command))
@@ -177,8 +180,7 @@ class ResidentBackend:
                 if health is not None:
                     return health
                 if process.poll() is not None:
-                    raise RuntimeError(f"the engine exited with status {process.returncode}; see "
-                                       f"{self.folder / 'engine.log'}")  # fmt: skip
+                    raise RuntimeError(f"the engine exited with status {process.returncode}; see {self.log_file}")
                 time.sleep(0.1)
             raise RuntimeError(f"the engine did not answer within {timeout_s:.0f} s")
 

@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     engine = commands.add_parser("engine", help="run the resident engine: one model for every editor")
-    engine.add_argument("--socket", type=Path, help="unix socket path (default: in the user's runtime folder)")
+    engine.add_argument(
+        "--socket", type=Path, help="unix socket path (default: in the user's runtime folder, one per model and device)"
+    )
     engine.add_argument("--tcp", metavar="HOST:PORT", help="listen on TCP instead (needs --token)")
     engine.add_argument("--token", help="bearer token for TCP (default: $CANVAS_LS_TOKEN)")
     engine.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --tcp address")
@@ -203,7 +205,7 @@ def _engine(args: argparse.Namespace) -> int:
             raise CliError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
     engine = Engine.load(args.model, args.device, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype)
     service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
-    socket = None if args.tcp else (args.socket or default_socket())
+    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device))
     where = f"{engine.name} on {engine.loaded.device} ({engine.dtype})"
     print(f"canvas-ls engine: {where}, listening on {socket or args.tcp}", file=sys.stderr, flush=True)
     serve(service, socket, host, port)

@@ -18,10 +18,12 @@ class EngineOptions:
     model: str | None = None
     # "auto" takes CUDA when there is a GPU, else the CPU.
     device: str = "auto"
-    # "local": the model runs inside this server. "resident": in `canvas-ls engine`, one process shared by every
-    # editor of this user (started when none runs). "openai": any OpenAI-compatible completions server at `url`.
-    backend: Literal["local", "resident", "openai"] = "local"
-    # The resident engine's unix socket (None: the user's runtime folder) and its idle timeout.
+    # "resident": the model runs in `canvas-ls engine`, one process per model shared by every editor of this user
+    # (started when none runs, restarted if it dies, gone after `idle_exit_s` without requests). "local": inside
+    # this server (one copy of the model per editor). "openai": any OpenAI-compatible completions server at `url`.
+    backend: Literal["local", "resident", "openai"] = "resident"
+    # The resident engine's unix socket (None: the user's runtime folder, one socket per model and device) and its
+    # idle timeout.
     socket: str | None = None
     idle_exit_s: float = 1800.0
     # "openai" backend: the server's base URL, key (None: $CANVAS_LS_API_KEY), and model name.

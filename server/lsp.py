@@ -29,7 +29,7 @@ VERSION = "0.1.0"
 def make_backend(config: ServerConfig) -> LocalBackend | ResidentBackend | OpenAIBackend:
     options = config.engine
     if options.backend == "resident":
-        return ResidentBackend(options.socket, options.idle_exit_s)
+        return ResidentBackend(options.socket, options.idle_exit_s, options.model, options.device)
     if options.backend == "openai":
         key = options.api_key or os.environ.get("CANVAS_LS_API_KEY")
         return OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
@@ -41,8 +41,8 @@ class CanvasServer(LanguageServer):
     def __init__(self) -> None:
         super().__init__("canvas-ls", VERSION)
         self.documents = DocumentStore()
-        self.backend: LocalBackend | ResidentBackend | OpenAIBackend = LocalBackend()
         self.config = ServerConfig()
+        self.backend: LocalBackend | ResidentBackend | OpenAIBackend = make_backend(self.config)
         self.completer = Completer(self.backend, self.config)
         self.pending_messages: list[str] = []
         self.loop: asyncio.AbstractEventLoop | None = None

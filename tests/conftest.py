@@ -26,6 +26,30 @@ def tokenizer_texts() -> list[str]:
     return [p.read_text(encoding="utf-8") for p in files]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_runtime_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Language servers start resident engines by default: in tests they live in a folder of their own (never the
+    user's), and whatever engine the tests started is stopped at the end instead of idling for 30 minutes."""
+    import signal
+
+    import httpx
+
+    folder = tmp_path_factory.mktemp("runtime")
+    previous = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(folder)
+    yield folder
+    for socket in (folder / "canvas-ls").glob("*.sock"):
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), timeout=2) as client:
+                os.kill(client.get("http://engine/health").json()["pid"], signal.SIGKILL)
+        except (httpx.HTTPError, OSError, ValueError, KeyError):
+            pass
+    if previous is None:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+    else:
+        os.environ["XDG_RUNTIME_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(

@@ -185,6 +185,28 @@ def resident(tiny_model_dir: Path, path: Path, **completion: Any) -> dict[str, A
     return {"engine": engine, "completion": {"max_steps": 3, **completion}}
 
 
+def test_one_engine_socket_per_model_and_device(tmp_path: Path) -> None:
+    from engine.paths import default_socket
+
+    assert default_socket().name == default_socket(None, "auto").name == "engine.sock"  # the shipped model
+    assert default_socket(str(tmp_path), "cpu") == default_socket(str(tmp_path / "." / ""), "cpu")
+    assert default_socket(str(tmp_path), "cpu") not in (default_socket(str(tmp_path), "cuda"), default_socket())
+    assert oct(default_socket().parent.stat().st_mode & 0o777) == "0o700"
+
+
+async def test_the_default_backend_is_the_engine_for_its_model(tiny_model_dir: Path) -> None:
+    """An editor that names no backend gets the shared engine of its model (started on demand)."""
+    from engine.paths import default_socket
+
+    client = await lsp_session({"engine": {"model": str(tiny_model_dir), "device": "cpu"}})
+    try:
+        await wait_ready(client)
+        assert (await fill(client)).result is not None
+        assert engine_health(default_socket(str(tiny_model_dir), "cpu"))["model"] == str(tiny_model_dir)
+    finally:
+        await close(client)
+
+
 async def test_two_editors_share_one_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "run" / "engine.sock"
     first, second = await asyncio.gather(lsp_session(resident(tiny_model_dir, path)),
