@@ -125,17 +125,20 @@ def _summary(values: list[float]) -> dict[str, Any]:
     return {"n": len(values), "p50_ms": statistics.median(values), "p95_ms": percentile(values, 0.95)}
 
 
-def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str) -> dict[str, Any]:
+def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str,
+                  backend: str = "resident") -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, "-m", "server.cli", "serve", "--log-level", "WARNING"]
-    init = {"engine": {"model": model, "device": device}}
+    init = {"engine": {"model": model, "device": device, "backend": backend}}
     report = asyncio.run(_drive(command, files, requests, init))
     report["machine"] = machine()
     report["model"] = model or "(default)"
+    report["backend"] = backend
     return report
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"model {report['model']}", report["machine"], f"{report['requests']} requests", ""]
+    where = f" ({report['backend']} backend)" if "backend" in report else ""
+    lines = [f"model {report['model']}{where}", report["machine"], f"{report['requests']} requests", ""]
     for kind in ("cold", "typing"):
         s = report[kind]
         if s["n"]:

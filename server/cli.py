@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     lsp.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     lsp.add_argument("--device", default="auto")
     lsp.add_argument("--files", type=Path, nargs="*", help="files to complete in (default: the fixtures)")
+    lsp.add_argument("--backend", choices=("resident", "local"), default="resident",
+                     help="where the model runs: the shared engine (the default) or inside the server")  # fmt: skip
     lsp.add_argument("--out", type=Path, help="JSON report path")
 
     sampler = benches.add_parser("sampler", help="per-step sampler time, torch vs the fused Triton kernel")
@@ -257,7 +259,9 @@ def _bench_lsp(args: argparse.Namespace) -> int:
 
     fixtures = Path(__file__).resolve().parent.parent / "fixtures"
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
-    return _report("lsp", run_lsp_bench(files, args.requests, args.model, args.device), format_report, args.out)
+    return _report(
+        "lsp", run_lsp_bench(files, args.requests, args.model, args.device, args.backend), format_report, args.out
+    )
 
 
 def _bench_infill(args: argparse.Namespace) -> int:
