@@ -27,6 +27,36 @@ import httpx
 log = logging.getLogger(__name__)
 
 
+class CancelFlag(threading.Event):
+    """A request's cancel flag: the engine's worker thread checks `is_set()` between denoising steps, and the
+    event loop can `await until_set()` without polling. (Polling wakes the process every few ms, and on a 2-core
+    machine every wake-up stalls one of the engine's two OpenMP threads at its next barrier: a 10 ms poller in
+    another process made completions ~8% slower, measured.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def set(self) -> None:
+        super().set()
+        for waiter in list(self._waiters):
+            waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
+
+    async def until_set(self) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            if not self.is_set():  # checked after registering: a set() in between still resolves the waiter
+                await waiter
+        finally:
+            self._waiters.remove(waiter)
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class BackendNotReady(Exception):
     """The model is still loading, or failed to load; the message says which."""
 
@@ -67,7 +97,7 @@ class LocalBackend:
 
         self._executor.submit(work)
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event,
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None) -> dict | None:  # fmt: skip
         """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed."""
         if self.state != "ready":
@@ -186,7 +216,7 @@ class ResidentBackend:
 
     # -- requests ----------------------------------------------------------------------------------------------
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event,
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None) -> dict | None:  # fmt: skip
         if self.state != "ready":
             raise BackendNotReady(
@@ -213,11 +243,11 @@ class ResidentBackend:
 
 
 async def post_cancellable(client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                           cancel: threading.Event) -> httpx.Response | None:  # fmt: skip
+                           cancel: CancelFlag) -> httpx.Response | None:  # fmt: skip
     """POST, racing the response against `cancel`: None when the cancel wins. Dropping the connection is how the
     server learns it: our engine stops denoising at its next step."""
     request = asyncio.ensure_future(client.post(path, json=body))
-    stop = asyncio.ensure_future(_wait_for(cancel))
+    stop = asyncio.ensure_future(cancel.until_set())
     try:
         done, _ = await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
         if request not in done:
@@ -229,11 +259,6 @@ async def post_cancellable(client: httpx.AsyncClient, path: str, body: dict[str,
         raise
     finally:
         stop.cancel()
-
-
-async def _wait_for(event: threading.Event) -> None:
-    while not event.is_set():
-        await asyncio.sleep(0.01)
 
 
 def completion_request(prefix: str, suffix: str, overrides: dict[str, Any], model: str | None, suffix_mode: str,
@@ -269,7 +294,7 @@ class OpenAIBackend:
         if on_done is not None:
             on_done(self)
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: threading.Event,
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None) -> dict | None:  # fmt: skip
         body = completion_request(prefix, suffix, overrides, self.model, self.suffix_mode, self.template)
         try:

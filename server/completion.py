@@ -14,13 +14,12 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.backend import BackendError, BackendNotReady, LocalBackend, OpenAIBackend, ResidentBackend
+from server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
 from server.config import ServerConfig
 from server.context import CompletionContext, Skip, build_context
 from server.documents import Document
@@ -65,7 +64,7 @@ class Completer:
         self.config = config
         self.cache: OrderedDict[str, str] = OrderedDict()  # context key -> model text (before shaping)
         self.remembered: dict[str, _Remembered] = {}
-        self.in_flight: dict[str, threading.Event] = {}  # uri -> cancel flag of its newest request
+        self.in_flight: dict[str, CancelFlag] = {}  # uri -> cancel flag of its newest request
         self.ids = itertools.count(1)
         self.stats = Stats()
 
@@ -115,7 +114,7 @@ class Completer:
             return Outcome(edit, "cache", request_id, 0.0)
 
         # 5. Supersede the document's older request; debounce; call the model off the loop.
-        cancel = threading.Event()
+        cancel = CancelFlag()
         older = self.in_flight.get(document.uri)
         if older is not None:
             older.set()

@@ -10,6 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import json
 from pathlib import Path
 
+# Imported now, not lazily by its pytest plugin's end-of-session summary: CPython 3.11.7's ast.parse (pytest's
+# assertion rewriting) can fail there with "AST constructor recursion depth mismatch" (fixed in 3.11.8).
+import hypothesis  # noqa: F401
 import pytest
 
 from engine import Engine

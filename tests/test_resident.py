@@ -10,6 +10,7 @@ import socket as sockets
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -315,3 +316,20 @@ def test_the_engine_exits_when_idle(tiny_model_dir: Path, tmp_path: Path) -> Non
     wait_health(client)
     assert client.post("/v1/infill", json=BODY).status_code == 200
     assert process.wait(timeout=60) == 0  # no request for a second: it leaves by itself
+
+
+async def test_a_cancel_flag_wakes_its_waiters_from_any_thread() -> None:
+    from server.backend import CancelFlag
+
+    for setter in ("loop", "thread"):
+        flag = CancelFlag()
+        waiting = asyncio.ensure_future(flag.until_set())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        if setter == "loop":
+            flag.set()
+        else:
+            threading.Thread(target=flag.set).start()
+        await asyncio.wait_for(waiting, 5)
+        assert flag.is_set()
+        await asyncio.wait_for(flag.until_set(), 1)  # already set: returns at once
