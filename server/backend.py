@@ -201,6 +201,7 @@ class ResidentBackend:
             if self._device and self._device != "auto":
                 command += ["--device", self._device]
             with open(self.log_file, "ab") as sink:
+                logged = sink.tell()  # where this start's output begins in the log
                 process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
                                            start_new_session=True)  # fmt: skip
             log.info("started the resident engine (pid %d): %s", process.pid, " ".join(command))
@@ -210,9 +211,20 @@ class ResidentBackend:
                 if health is not None:
                     return health
                 if process.poll() is not None:
-                    raise RuntimeError(f"the engine exited with status {process.returncode}; see {self.log_file}")
+                    raise RuntimeError(f"the engine exited with status {process.returncode}: "
+                                       f"{self._last_words(logged)} (log: {self.log_file})")  # fmt: skip
                 time.sleep(0.1)
             raise RuntimeError(f"the engine did not answer within {timeout_s:.0f} s")
+
+    def _last_words(self, since: int) -> str:
+        """The last line the engine wrote to its log after offset `since` (its error, when it failed to start)."""
+        try:
+            with open(self.log_file, "rb") as sink:
+                sink.seek(since)
+                lines = [line.strip() for line in sink.read().decode(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return "no output"
+        return lines[-1] if lines else "no output"
 
     # -- requests ----------------------------------------------------------------------------------------------
 

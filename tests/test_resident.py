@@ -208,6 +208,20 @@ async def test_the_default_backend_is_the_engine_for_its_model(tiny_model_dir: P
         await close(client)
 
 
+async def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """A wrong model path: the editor is told the engine's own error, not just an exit status."""
+    client = await lsp_session({"engine": {"model": str(tmp_path / "no-such-model"), "device": "cpu"}})
+    try:
+        deadline = time.monotonic() + 120
+        while (state := (await stats(client)).engine).state == "loading":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert state.state == "failed"
+        assert "no-such-model' does not exist" in state.error and "exited with status" in state.error
+    finally:
+        await close(client)
+
+
 async def test_two_editors_share_one_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "run" / "engine.sock"
     first, second = await asyncio.gather(lsp_session(resident(tiny_model_dir, path)),
