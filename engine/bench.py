@@ -153,6 +153,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     latencies = [r["latency_ms"] for r in results]
     tested = [r["passed"] for r in results if r["passed"] is not None]
     forwards = sum(r["forward_passes"] for r in results)
+    written = [r for r in results if not r["empty"]]  # where the model wrote something: the parallel decode's case
     return {
         "exact_match": statistics.fmean(r["exact"] for r in results),
         "edit_similarity": statistics.fmean(r["edit_similarity"] for r in results),
@@ -163,6 +164,9 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_steps": statistics.fmean(r["steps"] for r in results),
         "forward_passes": forwards,
         "tokens_per_forward": sum(r["produced"] for r in results) / max(forwards, 1),
+        "tokens_per_forward_nonempty": (
+            sum(r["produced"] for r in written) / max(sum(r["forward_passes"] for r in written), 1) if written else None
+        ),
         "empty_share": statistics.fmean(r["empty"] for r in results),
     }
 
@@ -202,15 +206,17 @@ def format_table(report: dict[str, Any]) -> str:
     model = f"model {report['model']} ({report.get('dtype', '?')})"
     lines = [f"{report['tasks']} tasks from {report['dataset']}", model, report["machine"], ""]
     header = f"{'':<16}{'exact':>8}{'edit sim':>10}{'pass@1':>8}{'p50 ms':>9}{'p95 ms':>9}{'steps':>7}"
-    header += f"{'tok/fwd':>9}{'empty':>7}"
+    header += f"{'tok/fwd':>9}{'(written)':>10}{'empty':>7}"
     lines.append(header)
     for mode in MODES:
         s = report[mode]
         pass_at_1 = f"{100 * s['pass_at_1']:.1f}" if s["pass_at_1"] is not None else "-"
+        nonempty = s.get("tokens_per_forward_nonempty")
+        written = f"{nonempty:.2f}" if nonempty is not None else "-"
         lines.append(
             f"{mode:<16}{100 * s['exact_match']:>8.1f}{100 * s['edit_similarity']:>10.1f}{pass_at_1:>8}"
             f"{s['median_latency_ms']:>9.1f}{s['p95_latency_ms']:>9.1f}{s['mean_steps']:>7.2f}"
-            f"{s['tokens_per_forward']:>9.2f}{100 * s['empty_share']:>7.1f}"
+            f"{s['tokens_per_forward']:>9.2f}{written:>10}{100 * s['empty_share']:>7.1f}"
         )
     r = report["ratios"]
     lines.append("")

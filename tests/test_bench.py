@@ -64,6 +64,14 @@ def test_bench_infill_prints_the_table_and_writes_the_report(tiny_model_dir: Pat
         assert summary["forward_passes"] > 0
     # The baseline commits one token per forward: at most one (the EOS may be the one).
     assert report["left_to_right"]["tokens_per_forward"] <= 1.0
+    for mode in ("parallel", "left_to_right"):  # also over the non-empty answers alone, when there are any
+        rows = [row[mode] for row in report["rows"] if not row[mode]["empty"]]
+        nonempty = report[mode]["tokens_per_forward_nonempty"]
+        if rows:
+            expected = sum(r["produced"] for r in rows) / sum(r["forward_passes"] for r in rows)
+            assert nonempty == pytest.approx(expected)
+        else:
+            assert nonempty is None
     assert report["prefix_latency"]["prefix_tokens"] == 64
 
 
