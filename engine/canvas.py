@@ -224,20 +224,37 @@ def encode_prefixes(model: Any, id_lists: list[Sequence[int]], prefix_cache: Pre
 
 @torch.inference_mode()
 def encode_rows(model: Any, caches: list[DynamicCache], id_lists: list[Sequence[int]], starts: list[int]) -> None:
-    """Append id_lists[r] to caches[r] at positions starts[r]..., every row in one encoder forward: the resident
-    engine encodes the prefixes of requests that arrive together at once (one forward's fixed cost, not one each).
+    """Append id_lists[r] to caches[r] at positions starts[r]..., rows of similar lengths in one encoder forward: the
+    resident engine encodes the prefixes of requests that arrive together at once (one forward's fixed cost, not
+    one each).
 
     Rows differ in cached and new lengths, so each row's cache is left-padded and so are its new tokens; the
     masks are built from positions (causal, and the sliding window for sliding layers), exactly what each row's
     own forward would see. Padding queries attend only to themselves (no all-masked rows, no NaN). After the
     forward each row's new keys and values are appended to its own cache, which crops its sliding layers itself.
     """
-    rows = [(c, list(ids), s) for c, ids, s in zip(caches, id_lists, starts, strict=True) if len(ids)]
+    rows = sorted(((c, list(ids), s) for c, ids, s in zip(caches, id_lists, starts, strict=True) if len(ids)),
+                  key=lambda row: len(row[1]))  # fmt: skip
+    # Rows of similar lengths go together: padding 20 new tokens up to 2,000 would cost more than it saves.
+    group: list[tuple[DynamicCache, list[int], int]] = []
+    for row in rows:
+        if group and len(row[1]) > PAD_RATIO * len(group[0][1]) + PAD_SLACK:
+            _encode_group(model, group)
+            group = []
+        group.append(row)
+    if group:
+        _encode_group(model, group)
+
+
+# A batched encode takes rows whose new lengths are within PAD_RATIO x + PAD_SLACK of the shortest one.
+PAD_RATIO, PAD_SLACK = 2, 32
+
+
+def _encode_group(model: Any, rows: list[tuple[DynamicCache, list[int], int]]) -> None:
     device = model.device
     if len(rows) == 1:
         cache, ids, start = rows[0]
         encode(model, torch.tensor([ids], dtype=torch.long, device=device), cache, start)
-    if len(rows) <= 1:
         return
     config = model.config.get_text_config()
     width = max(len(ids) for _, ids, _ in rows)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +33,18 @@ def test_batched_requests_match_single_ones(tiny_engine_fp32: Engine) -> None:
         assert batched.confidence == pytest.approx(single.confidence, abs=1e-4)
 
 
+@contextlib.contextmanager
+def counted_encodes(model: Any) -> Iterator[list[int]]:
+    """The rows of each encoder forward run inside the block."""
+    encoder, rows = model.model.encoder, []
+    original = encoder.forward
+    encoder.forward = lambda *args, **kwargs: rows.append(kwargs["input_ids"].shape[0]) or original(*args, **kwargs)
+    try:
+        yield rows
+    finally:
+        del encoder.forward
+
+
 def test_prefixes_encoded_together_hold_what_each_would_alone(tiny_engine_fp32: Engine) -> None:
     """One encoder forward over rows with different cached and new lengths (left-padded both), two of them
     crossing the tiny model's 256-token sliding window: each row's cache ends up as its own forward leaves it."""
@@ -50,7 +65,11 @@ def test_prefixes_encoded_together_hold_what_each_would_alone(tiny_engine_fp32: 
         if new:
             encode(model, torch.tensor([ids[row][start:]]), alone[row], start)
     together = [cached(row) for row in range(len(shapes))]
-    encode_rows(model, together, [ids[row][start:] for row, (start, _) in enumerate(shapes)], [s for s, _ in shapes])
+    with counted_encodes(model) as batches:
+        encode_rows(
+            model, together, [ids[row][start:] for row, (start, _) in enumerate(shapes)], [s for s, _ in shapes]
+        )
+    assert batches == [2, 1]  # 5 and 40 new tokens together; 200 alone (padding 5 up to 200 costs more than it saves)
     for solo, batched in zip(alone, together, strict=True):
         for a, b in zip(solo.layers, batched.layers, strict=True):
             assert a.keys.shape == b.keys.shape
@@ -59,21 +78,15 @@ def test_prefixes_encoded_together_hold_what_each_would_alone(tiny_engine_fp32: 
 
 
 def test_requests_admitted_together_share_encoder_forwards(tiny_engine_fp32: Engine) -> None:
-    """The resident engine admits requests that arrived together in one `add_many`: one encoder forward per
-    phase (snapshots up to their grid points, then the tails), not one per request; the answers are unchanged."""
+    """The resident engine admits requests that arrived together in one `add_many`: their prefixes share encoder
+    forwards (rows of similar lengths together), not one forward each; the answers are unchanged."""
     engine = tiny_engine_fp32
     settings = {"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 5, "seed": 7, "reuse_prefix": False}
     alone = [engine.infill(p, s, settings) for p, s in zip(PREFIXES, SUFFIXES, strict=True)]
-    encoder = engine.loaded.model.model.encoder
-    calls = []
-    original = encoder.forward
-    encoder.forward = lambda *args, **kwargs: calls.append(kwargs["input_ids"].shape) or original(*args, **kwargs)
-    try:
-        batch = engine.batch()
+    batch = engine.batch()
+    with counted_encodes(engine.loaded.model) as batches:
         assert batch.add_many([InfillRequest(p, s, settings) for p, s in zip(PREFIXES, SUFFIXES, strict=True)]) == []
-    finally:
-        del encoder.forward
-    assert [shape[0] for shape in calls] == [3]  # one forward, three rows
+    assert batches == [2, 1]  # the two short prefixes in one forward; the long one ("x = 1" x 30) in its own
     outcomes = []
     while batch:
         outcomes += batch.step()
