@@ -294,7 +294,9 @@ class Batcher:
             if self.on_step is not None:
                 self.on_step(rows, time.perf_counter() - started)
             for request, outcome in ended:
-                futures.pop(id(request)).set_result(outcome)
+                future = futures.pop(id(request), None)
+                if future is not None and not future.done():
+                    future.set_result(outcome)
 
     def _admit(self, batch: EngineBatch, futures: dict[int, Future]) -> None:
         """Take waiting requests into the batch (blocking only when it is empty); the ones that arrived together
@@ -311,8 +313,14 @@ class Batcher:
             arrived.append((request, future))
         for request, future in arrived:
             futures[id(request)] = future
-        for request, error in batch.add_many([request for request, _ in arrived]):
-            futures.pop(id(request)).set_exception(error)  # a bad request must not take the scheduler down
+        try:
+            failed = batch.add_many([request for request, _ in arrived])
+        except Exception as exc:  # whatever goes wrong, the scheduler stays up and these requests get the error
+            failed = [(request, exc) for request, _ in arrived]
+        for request, error in failed:  # a bad request must not take the scheduler down
+            future = futures.pop(id(request), None)
+            if future is not None and not future.done():
+                future.set_exception(error)
 
 
 async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
