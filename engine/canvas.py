@@ -21,6 +21,7 @@ only subclass adds a torch.Generator so that one request's noise is reproducible
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -213,8 +214,14 @@ def encode_prefixes(model: Any, id_lists: list[Sequence[int]], prefix_cache: Pre
     def rows(caches: list[DynamicCache], more: list[Sequence[int]], starts: list[int]) -> None:
         encode_rows(model, caches, more, starts)
 
+    def cropped(cache: DynamicCache, remove: int) -> DynamicCache:
+        copied = copy.deepcopy(cache)
+        copied.crop(-remove)
+        return copied
+
     if prefix_cache is not None:
-        held = prefix_cache.encode_many(id_lists, new_cache, rows)
+        window = getattr(model.config.get_text_config(), "sliding_window", None) or 1 << 30
+        held = prefix_cache.encode_many(id_lists, new_cache, rows, cropped, window - 1)
     else:
         held = [(new_cache(), 0) for _ in id_lists]
         rows([cache for cache, _ in held], list(id_lists), [0] * len(id_lists))

@@ -45,11 +45,12 @@ class _Plan:
     target: int  # the grid point this request's snapshot moves up to
     cache: Any
     reused: int  # tokens that came from a snapshot
+    whole: bool = False  # encoded in one go, the snapshot cut from the result afterwards
 
     @property
     def position(self) -> int:
-        """Where the tail starts once the snapshot is in place."""
-        return max(self.target, self.reused)
+        """Where the tail encode starts."""
+        return self.reused if self.whole else max(self.target, self.reused)
 
 
 class PrefixCache:
@@ -77,11 +78,21 @@ class PrefixCache:
 
         return self.encode_many([ids], new_cache, one_by_one)[0]
 
-    def encode_many(self, id_lists: Sequence[Sequence[int]], new_cache: Callable[[], Any],
-                    encode_rows: EncodeRows) -> list[tuple[Any, int]]:  # fmt: skip
+    def encode_many(
+        self,
+        id_lists: Sequence[Sequence[int]],
+        new_cache: Callable[[], Any],
+        encode_rows: EncodeRows,
+        crop: Callable[[Any, int], Any] | None = None,
+        crop_limit: int = 0,
+    ) -> list[tuple[Any, int]]:
         """`encode` for several prefixes at once: `encode_rows(caches, id_lists, starts)` appends id_lists[r] to
-        caches[r] at positions starts[r]..., all rows in one forward. At most two calls: one that moves the rows'
-        snapshots up to their grid points (then kept), one for the tails after them."""
+        caches[r] at positions starts[r]..., rows together. At most two calls: one that moves the rows' snapshots
+        up to their grid points (then kept), one for the tails after them.
+
+        With `crop(cache, n)` (a copy of the cache without its last n tokens), a prefix of at most `crop_limit`
+        tokens is encoded in one go and its snapshot cut from the result: one forward instead of two for a new
+        short document. (Sliding-window layers cannot give back tokens they dropped, hence the limit.)"""
         plans = []
         for ids in map(tuple, id_lists):
             target = (max(0, len(ids) - TAIL) // GRID) * GRID  # where this request's snapshot sits
@@ -94,13 +105,19 @@ class PrefixCache:
                 self._snapshots.move_to_end(base.ids)
                 plans.append(_Plan(ids, target, copy.deepcopy(base.cache), len(base.ids)))
         grow = [p for p in plans if p.target > p.reused]
+        for plan in grow:  # short enough: encoded whole with the tails below, its snapshot cut from the result
+            plan.whole = crop is not None and len(plan.ids) <= crop_limit
+        cut = [p for p in grow if p.whole]
+        grow = [p for p in grow if not p.whole]
         if grow:
             encode_rows([p.cache for p in grow], [p.ids[p.reused : p.target] for p in grow], [p.reused for p in grow])
             for plan in grow:
-                self._store(plan.ids[: plan.target], plan.cache)
+                self._store(plan.ids[: plan.target], copy.deepcopy(plan.cache))
         tails = [p for p in plans if p.position < len(p.ids)]
         if tails:
             encode_rows([p.cache for p in tails], [p.ids[p.position :] for p in tails], [p.position for p in tails])
+        for plan in cut:
+            self._store(plan.ids[: plan.target], crop(plan.cache, len(plan.ids) - plan.target))
         return [(p.cache, p.reused) for p in plans]
 
     def _longest(self, ids: tuple[int, ...], limit: int) -> _Snapshot | None:
@@ -112,9 +129,10 @@ class PrefixCache:
         return best
 
     def _store(self, ids: tuple[int, ...], cache: Any) -> None:
+        """Keep `cache` (the caller's own copy, holding exactly `ids`) as a snapshot."""
         if not ids:
             return
-        snapshot = _Snapshot(ids, copy.deepcopy(cache), cache_bytes(cache))
+        snapshot = _Snapshot(ids, cache, cache_bytes(cache))
         if snapshot.nbytes > self.max_bytes:
             return
         self._snapshots[ids] = snapshot

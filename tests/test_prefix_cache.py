@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from engine import Engine
 from engine.prefix_cache import GRID, TAIL, PrefixCache
 
@@ -36,6 +38,32 @@ def test_a_keystroke_reencodes_only_the_tail() -> None:
     assert cache.hits == 1 and cache.misses == 1
 
 
+def cropped(cache: ListCache, remove: int) -> ListCache:
+    return ListCache(cache[:-remove] if remove else cache)
+
+
+def test_a_short_new_prefix_is_encoded_in_one_go_and_its_snapshot_cut_from_it() -> None:
+    cache = PrefixCache(max_bytes=1 << 20)
+    log: list[tuple[int, int]] = []
+    rows_encoder = encoder(log)
+
+    def rows(caches, id_lists, starts) -> None:
+        for held, more, start in zip(caches, id_lists, starts, strict=True):
+            rows_encoder(held, more, start)
+
+    ids = list(range(300))
+    [(held, reused)] = cache.encode_many([ids], ListCache, rows, cropped, crop_limit=511)
+    assert held == ids and reused == 0 and log == [(0, 300)]  # one forward, not two
+    log.clear()
+    [(held, reused)] = cache.encode_many([[*ids, 7]], ListCache, rows, cropped, crop_limit=511)
+    snapshot = ((300 - TAIL) // GRID) * GRID
+    assert reused == snapshot and log == [(snapshot, 301)]  # the snapshot cut from the first encode serves
+    log.clear()
+    long = list(range(1000, 1600))  # past the limit (a sliding window would have dropped tokens): two phases
+    cache.encode_many([long], ListCache, rows, cropped, crop_limit=511)
+    assert log == [(0, ((600 - TAIL) // GRID) * GRID), (((600 - TAIL) // GRID) * GRID, 600)]
+
+
 def test_an_edit_before_the_snapshot_misses() -> None:
     cache = PrefixCache(max_bytes=1 << 20)
     cache.encode(list(range(300)), ListCache, encoder([]))
@@ -45,17 +73,18 @@ def test_an_edit_before_the_snapshot_misses() -> None:
     assert held == edited and reused == 0 and log[0][0] == 0
 
 
-def test_reuse_gives_the_fresh_answer(tiny_model_dir: Path) -> None:
-    body = "".join(f"    total += values[{i}] * {i}\n" for i in range(40))
+@pytest.mark.parametrize("lines", [12, 40])  # ~130 tokens: snapshot cut from one encode; ~450: past the window
+def test_reuse_gives_the_fresh_answer(tiny_model_dir: Path, lines: int) -> None:
+    body = "".join(f"    total += values[{i}] * {i}\n" for i in range(lines))
     prefix = "def weighted(values):\n    total = 0\n" + body + "    return tot"
     suffix = "\n"
     settings = {"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 4}
-    cached = Engine.load(str(tiny_model_dir), "cpu")
-    fresh = Engine.load(str(tiny_model_dir), "cpu", prefix_cache_mb=0)
+    cached = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    fresh = Engine.load(str(tiny_model_dir), "cpu", prefix_cache_mb=0, dtype="float32")
     first = cached.infill(prefix, suffix, settings)
     second = cached.infill(prefix + "a", suffix, settings)  # a keystroke
     assert first.prefix_reused_tokens == 0
-    assert second.prefix_reused_tokens >= second.prefix_tokens - TAIL - GRID
+    assert 0 < second.prefix_reused_tokens >= second.prefix_tokens - TAIL - GRID
     assert second.tokens == fresh.infill(prefix + "a", suffix, settings).tokens
     assert cached.prefix_cache.nbytes > 0
     # Per request, reuse can be turned off: the same engine then encodes the whole prefix, same answer.
