@@ -270,7 +270,7 @@ def _encode_group(model: Any, rows: list[tuple[DynamicCache, list[int], int]]) -
     ends = torch.tensor([start + len(ids) for _, ids, start in rows], device=device)
     positions = (ends[:, None] - width + torch.arange(width, device=device)[None, :]).clamp_(min=0)  # [B, N]
     query_ok = torch.arange(width, device=device)[None, :] >= new_pad[:, None]  # [B, N] real tokens
-    appending = _AppendingRows([c for c, _, _ in rows], config.layer_types)
+    appending = _AppendingRows([c for c, _, _ in rows], config.layer_types, device)
     masks = {}
     for kind, cached in appending.cached.items():  # cached: [B] entries each row's cache holds for this kind
         past = int(cached.max())
@@ -297,13 +297,13 @@ class _AppendingRows:
 
     is_compileable = False
 
-    def __init__(self, caches: list[DynamicCache], layer_types: list[str]):
+    def __init__(self, caches: list[DynamicCache], layer_types: list[str], device: torch.device):
         self.caches, self.layer_types = caches, layer_types
         self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.cached: dict[str, torch.Tensor] = {}  # layer type -> [B] entries held per row
+        self.cached: dict[str, torch.Tensor] = {}  # layer type -> [B] entries held per row (on the model's device)
         for index, kind in enumerate(layer_types):
             held = [self._held(cache, index) for cache in caches]
-            self.cached.setdefault(kind, torch.tensor(held))
+            self.cached.setdefault(kind, torch.tensor(held, device=device))
 
     @staticmethod
     def _held(cache: DynamicCache, index: int) -> int:
