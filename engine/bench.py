@@ -158,6 +158,12 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         "exact_match": statistics.fmean(r["exact"] for r in results),
         "edit_similarity": statistics.fmean(r["edit_similarity"] for r in results),
         "pass_at_1": statistics.fmean(tested) if tested else None,
+        # passes by answers that wrote something (an empty answer passes when the tests do not need its line)
+        "pass_at_1_written": (
+            statistics.fmean(bool(r["passed"]) and not r["empty"] for r in results if r["passed"] is not None)
+            if tested
+            else None
+        ),
         "median_latency_ms": statistics.median(latencies),
         "p95_latency_ms": percentile(latencies, 0.95),
         "total_latency_ms": sum(latencies),
@@ -205,16 +211,18 @@ def machine() -> str:
 def format_table(report: dict[str, Any]) -> str:
     model = f"model {report['model']} ({report.get('dtype', '?')})"
     lines = [f"{report['tasks']} tasks from {report['dataset']}", model, report["machine"], ""]
-    header = f"{'':<16}{'exact':>8}{'edit sim':>10}{'pass@1':>8}{'p50 ms':>9}{'p95 ms':>9}{'steps':>7}"
+    header = f"{'':<16}{'exact':>8}{'edit sim':>10}{'pass@1':>8}{'(written)':>10}{'p50 ms':>9}{'p95 ms':>9}{'steps':>7}"
     header += f"{'tok/fwd':>9}{'(written)':>10}{'empty':>7}"
     lines.append(header)
     for mode in MODES:
         s = report[mode]
         pass_at_1 = f"{100 * s['pass_at_1']:.1f}" if s["pass_at_1"] is not None else "-"
+        pass_written = f"{100 * s['pass_at_1_written']:.1f}" if s.get("pass_at_1_written") is not None else "-"
         nonempty = s.get("tokens_per_forward_nonempty")
         written = f"{nonempty:.2f}" if nonempty is not None else "-"
         lines.append(
-            f"{mode:<16}{100 * s['exact_match']:>8.1f}{100 * s['edit_similarity']:>10.1f}{pass_at_1:>8}"
+            f"{mode:<16}{100 * s['exact_match']:>8.1f}{100 * s['edit_similarity']:>10.1f}"
+            f"{pass_at_1:>8}{pass_written:>10}"
             f"{s['median_latency_ms']:>9.1f}{s['p95_latency_ms']:>9.1f}{s['mean_steps']:>7.2f}"
             f"{s['tokens_per_forward']:>9.2f}{written:>10}{100 * s['empty_share']:>7.1f}"
         )

@@ -61,6 +61,7 @@ def test_bench_infill_prints_the_table_and_writes_the_report(tiny_model_dir: Pat
     for mode in ("parallel", "left_to_right"):
         summary = report[mode]
         assert 0 <= summary["exact_match"] <= 1 and summary["pass_at_1"] is not None
+        assert 0 <= summary["pass_at_1_written"] <= summary["pass_at_1"]
         assert summary["forward_passes"] > 0
     # The baseline commits one token per forward: at most one (the EOS may be the one).
     assert report["left_to_right"]["tokens_per_forward"] <= 1.0
