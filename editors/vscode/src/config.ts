@@ -6,6 +6,7 @@ export interface CanvasSettings {
   pythonPath: string;
   model: string;
   device: string;
+  backend: string;
   enabledLanguages: string[];
   gapTokens: { singleLine?: number; multiLine?: number };
 }
@@ -15,6 +16,7 @@ export const DEFAULT_SETTINGS: CanvasSettings = {
   pythonPath: "",
   model: "",
   device: "auto",
+  backend: "resident",
   enabledLanguages: [
     "python", "javascript", "javascriptreact", "typescript", "typescriptreact", "go", "rust", "c", "cpp", "java", "lua",
   ],
@@ -40,7 +42,7 @@ export function initializationOptions(settings: CanvasSettings): Record<string, 
   if (settings.gapTokens.singleLine) completion.gap_tokens_single_line = settings.gapTokens.singleLine;
   if (settings.gapTokens.multiLine) completion.gap_tokens_multi_line = settings.gapTokens.multiLine;
   return {
-    engine: { model: settings.model || null, device: settings.device || "auto" },
+    engine: { model: settings.model || null, device: settings.device || "auto", backend: settings.backend || "resident" },
     completion,
   };
 }

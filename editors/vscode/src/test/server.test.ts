@@ -4,6 +4,7 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync, spawn } from "node:child_process";
 import * as fs from "node:fs";
+import * as http from "node:http";
 import * as os from "node:os";
 import * as path from "node:path";
 import { pathToFileURL } from "node:url";
@@ -22,6 +23,26 @@ import {
 import { CanvasSettings, DEFAULT_SETTINGS, initializationOptions, serverCommand } from "../config";
 
 const python = process.env.CANVAS_PYTHON ?? "python3";
+
+// Kill the engines whose sockets are in `folder` (their pid from GET /health over the unix socket).
+async function stopEngines(folder: string): Promise<void> {
+  const sockets = fs.existsSync(folder) ? fs.readdirSync(folder).filter((name) => name.endsWith(".sock")) : [];
+  for (const name of sockets) {
+    const health = await new Promise<string>((resolve) => {
+      const request = http.get({ socketPath: path.join(folder, name), path: "/health" }, (response) => {
+        let body = "";
+        response.on("data", (chunk) => (body += chunk));
+        response.on("end", () => resolve(body));
+      });
+      request.on("error", () => resolve(""));
+    });
+    try {
+      process.kill(JSON.parse(health).pid, "SIGKILL");
+    } catch {
+      // not running, or no answer: nothing to stop
+    }
+  }
+}
 const repo = path.resolve(__dirname, "..", "..", "..", "..");
 
 test("the default command is canvas-ls serve; a pythonPath runs the module", () => {
@@ -34,8 +55,13 @@ test("the default command is canvas-ls serve; a pythonPath runs the module", () 
 
 test("settings become the server's option tree", () => {
   const options = initializationOptions({ ...DEFAULT_SETTINGS, model: "/m", device: "cpu", gapTokens: { singleLine: 8 } });
-  assert.deepEqual(options, { engine: { model: "/m", device: "cpu" }, completion: { gap_tokens_single_line: 8 } });
-  assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, { model: null, device: "auto" });
+  assert.deepEqual(options, {
+    engine: { model: "/m", device: "cpu", backend: "resident" },
+    completion: { gap_tokens_single_line: 8 },
+  });
+  assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, { model: null, device: "auto", backend: "resident" });
+  const local = initializationOptions({ ...DEFAULT_SETTINGS, backend: "local" }).engine as { backend: string };
+  assert.equal(local.backend, "local");
 });
 
 test("the server the extension starts answers initialize and an inline completion", { timeout: 180_000 }, async () => {
@@ -43,7 +69,10 @@ test("the server the extension starts answers initialize and an inline completio
   execFileSync(python, ["-m", "server.cli", "make-tiny-model", modelDir]);
   const settings: CanvasSettings = { ...DEFAULT_SETTINGS, pythonPath: python, model: modelDir, device: "cpu" };
   const { command, args } = serverCommand(settings);
-  const server = spawn(command, args, { stdio: ["pipe", "pipe", "ignore"] });
+  // The server starts a resident engine (the default backend): in a runtime folder of this test's own, stopped below.
+  const runtime = fs.mkdtempSync(path.join(os.tmpdir(), "canvas-run-"));
+  const env = { ...process.env, XDG_RUNTIME_DIR: runtime };
+  const server = spawn(command, args, { stdio: ["pipe", "pipe", "ignore"], env });
   const connection = createProtocolConnection(
     new StreamMessageReader(server.stdout),
     new StreamMessageWriter(server.stdin),
@@ -87,6 +116,8 @@ test("the server the extension starts answers initialize and an inline completio
   } finally {
     connection.dispose();
     server.kill();
+    await stopEngines(path.join(runtime, "canvas-ls"));
     fs.rmSync(modelDir, { recursive: true, force: true });
+    fs.rmSync(runtime, { recursive: true, force: true });
   }
 });
