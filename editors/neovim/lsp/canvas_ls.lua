@@ -9,6 +9,8 @@ return {
   },
   root_markers = { '.git', 'pyproject.toml', 'package.json', 'go.mod', 'Cargo.toml' },
   init_options = {
-    engine = { device = 'auto' }, -- model = '/path/to/model' to use another one than the shipped default
+    -- model = '/path/to/model' to use another one than the shipped default; backend = 'local' to run the model
+    -- inside this server instead of the shared `canvas-ls engine` (the default, 'resident')
+    engine = { device = 'auto' },
   },
 }
