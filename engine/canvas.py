@@ -26,6 +26,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -211,9 +212,6 @@ def encode_prefixes(model: Any, id_lists: list[Sequence[int]], prefix_cache: Pre
     def new_cache() -> DynamicCache:
         return DynamicCache(config=model.config.get_text_config(decoder=True))
 
-    def rows(caches: list[DynamicCache], more: list[Sequence[int]], starts: list[int]) -> None:
-        encode_rows(model, caches, more, starts)
-
     def cropped(cache: DynamicCache, remove: int) -> DynamicCache:
         copied = copy.deepcopy(cache)
         copied.crop(-remove)
@@ -221,10 +219,10 @@ def encode_prefixes(model: Any, id_lists: list[Sequence[int]], prefix_cache: Pre
 
     if prefix_cache is not None:
         window = getattr(model.config.get_text_config(), "sliding_window", None) or 1 << 30
-        held = prefix_cache.encode_many(id_lists, new_cache, rows, cropped, window - 1)
+        held = prefix_cache.encode_many(id_lists, new_cache, partial(encode_rows, model), cropped, window - 1)
     else:
         held = [(new_cache(), 0) for _ in id_lists]
-        rows([cache for cache, _ in held], list(id_lists), [0] * len(id_lists))
+        encode_rows(model, [cache for cache, _ in held], list(id_lists), [0] * len(id_lists))
     seconds = time.perf_counter() - started
     return [EncodedPrefix(cache, reused, seconds) for cache, reused in held]
 
@@ -317,16 +315,10 @@ class _AppendingRows:
         width = int(self.cached[self.layer_types[layer_idx]].max())
         if width == 0:
             return keys, values
-        past_keys, past_values = [], []
-        for cache in self.caches:
-            if self._held(cache, layer_idx):
-                layer = cache.layers[layer_idx]
-                past_keys.append(layer.keys)
-                past_values.append(layer.values)
-            else:
-                empty = keys.new_zeros((1, keys.shape[1], 0, keys.shape[3]))
-                past_keys.append(empty)
-                past_values.append(empty)
+        empty = keys.new_zeros((1, keys.shape[1], 0, keys.shape[3]))
+        held = self.cached[self.layer_types[layer_idx]].tolist()
+        past_keys = [c.layers[layer_idx].keys if n else empty for c, n in zip(self.caches, held, strict=True)]
+        past_values = [c.layers[layer_idx].values if n else empty for c, n in zip(self.caches, held, strict=True)]
         return (torch.cat([_left_pad(past_keys, width), keys], dim=2),
                 torch.cat([_left_pad(past_values, width), values], dim=2))  # fmt: skip
 

@@ -64,20 +64,6 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self._snapshots.values())
 
-    def encode(self, ids: Sequence[int], new_cache: Callable[[], Any],
-               encode: Callable[[Any, Sequence[int], int], None]) -> tuple[Any, int]:  # fmt: skip
-        """A cache holding `ids`, built from the longest stored snapshot they extend.
-
-        `new_cache()` makes an empty cache; `encode(cache, ids, start)` appends ids at positions start...
-        Returns the cache and how many tokens came from a snapshot (not re-encoded).
-        """
-
-        def one_by_one(caches: list[Any], id_lists: list[Sequence[int]], starts: list[int]) -> None:
-            for cache, more, start in zip(caches, id_lists, starts, strict=True):
-                encode(cache, more, start)
-
-        return self.encode_many([ids], new_cache, one_by_one)[0]
-
     def encode_many(
         self,
         id_lists: Sequence[Sequence[int]],
@@ -86,9 +72,10 @@ class PrefixCache:
         crop: Callable[[Any, int], Any] | None = None,
         crop_limit: int = 0,
     ) -> list[tuple[Any, int]]:
-        """`encode` for several prefixes at once: `encode_rows(caches, id_lists, starts)` appends id_lists[r] to
-        caches[r] at positions starts[r]..., rows together. At most two calls: one that moves the rows' snapshots
-        up to their grid points (then kept), one for the tails after them.
+        """Caches holding `id_lists`, each built from the longest stored snapshot its ids extend, with how many
+        tokens came from that snapshot (not re-encoded). `new_cache()` makes an empty cache; `encode_rows(caches,
+        id_lists, starts)` appends id_lists[r] to caches[r] at positions starts[r]..., rows together. At most two
+        calls: one that moves the rows' snapshots up to their grid points (then kept), one for the tails after them.
 
         With `crop(cache, n)` (a copy of the cache without its last n tokens), a prefix of at most `crop_limit`
         tokens is encoded in one go and its snapshot cut from the result: one forward instead of two for a new

@@ -15,25 +15,32 @@ class ListCache(list):
 
 
 def encoder(log: list[tuple[int, int]]):
-    def encode(cache: ListCache, ids, start: int) -> None:
-        assert len(cache) == start
-        cache.extend(ids)
-        log.append((start, start + len(ids)))
+    """An `encode_rows` for ListCaches that logs each row's (start, end)."""
 
-    return encode
+    def encode_rows(caches: list[ListCache], id_lists, starts: list[int]) -> None:
+        for cache, ids, start in zip(caches, id_lists, starts, strict=True):
+            assert len(cache) == start
+            cache.extend(ids)
+            log.append((start, start + len(ids)))
+
+    return encode_rows
+
+
+def encode_one(cache: PrefixCache, ids: list[int], log: list[tuple[int, int]]) -> tuple[ListCache, int]:
+    return cache.encode_many([ids], ListCache, encoder(log))[0]
 
 
 def test_a_keystroke_reencodes_only_the_tail() -> None:
     cache = PrefixCache(max_bytes=1 << 20)
     log: list[tuple[int, int]] = []
     ids = list(range(300))
-    held, reused = cache.encode(ids, ListCache, encoder(log))
+    held, reused = encode_one(cache, ids, log)
     snapshot = ((300 - TAIL) // GRID) * GRID
     assert held == ids and reused == 0 and log == [(0, snapshot), (snapshot, 300)]
 
     log.clear()
     typed = [*ids[:-1], 999, 1000]  # the last token re-merged, one more after it
-    held, reused = cache.encode(typed, ListCache, encoder(log))
+    held, reused = encode_one(cache, typed, log)
     assert held == typed and reused == snapshot and log == [(snapshot, 301)]
     assert cache.hits == 1 and cache.misses == 1
 
@@ -45,12 +52,7 @@ def cropped(cache: ListCache, remove: int) -> ListCache:
 def test_a_short_new_prefix_is_encoded_in_one_go_and_its_snapshot_cut_from_it() -> None:
     cache = PrefixCache(max_bytes=1 << 20)
     log: list[tuple[int, int]] = []
-    rows_encoder = encoder(log)
-
-    def rows(caches, id_lists, starts) -> None:
-        for held, more, start in zip(caches, id_lists, starts, strict=True):
-            rows_encoder(held, more, start)
-
+    rows = encoder(log)
     ids = list(range(300))
     [(held, reused)] = cache.encode_many([ids], ListCache, rows, cropped, crop_limit=511)
     assert held == ids and reused == 0 and log == [(0, 300)]  # one forward, not two
@@ -66,10 +68,10 @@ def test_a_short_new_prefix_is_encoded_in_one_go_and_its_snapshot_cut_from_it() 
 
 def test_an_edit_before_the_snapshot_misses() -> None:
     cache = PrefixCache(max_bytes=1 << 20)
-    cache.encode(list(range(300)), ListCache, encoder([]))
+    encode_one(cache, list(range(300)), [])
     log: list[tuple[int, int]] = []
     edited = [7, *range(1, 300)]
-    held, reused = cache.encode(edited, ListCache, encoder(log))
+    held, reused = encode_one(cache, edited, log)
     assert held == edited and reused == 0 and log[0][0] == 0
 
 
