@@ -13,6 +13,7 @@ import difflib
 import gzip
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,13 @@ class Task:
     entry_point: str | None
 
 
-def load_tasks(path: Path, limit: int | None = None) -> list[Task]:
+# Where the cursor is, as an editor would send the request. "task": where the dataset puts it (single-line tasks:
+# at the start of the line). "indented": after the line's indentation, as an editor leaves it after Enter.
+# "word": after the line's first word and its space ("return ", "for "), when it has one; else as "indented".
+_TYPED = {"task": None, "indented": re.compile(r"[ \t]*"), "word": re.compile(r"[ \t]*(\w+ )?")}
+
+
+def load_tasks(path: Path, limit: int | None = None, cursor: str = "task") -> list[Task]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as source:
         rows = [json.loads(line) for line in source if line.strip()]
@@ -54,6 +61,10 @@ def load_tasks(path: Path, limit: int | None = None) -> list[Task]:
     if limit is not None and limit < len(tasks):
         stride = len(tasks) / limit  # spread over the whole set, not the first few problems
         tasks = [tasks[int(i * stride)] for i in range(limit)]
+    typed = _TYPED[cursor]
+    if typed is not None:  # the typed text moves from the answer into the prompt; the program stays the same
+        tasks = [replace(t, prompt=t.prompt + (done := typed.match(t.solution)[0]), solution=t.solution[len(done) :])
+                 for t in tasks]  # fmt: skip
     return tasks
 
 
@@ -101,8 +112,9 @@ def run_infill(
     limit: int | None = None,
     run_tests: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    cursor: str = "task",
 ) -> dict[str, Any]:
-    tasks = load_tasks(dataset, limit)
+    tasks = load_tasks(dataset, limit, cursor)
     rows: list[dict[str, Any]] = []
     for index, task in enumerate(tasks):
         row: dict[str, Any] = {"task_id": task.task_id}
@@ -129,6 +141,7 @@ def run_infill(
     report: dict[str, Any] = {
         "dataset": str(dataset),
         "tasks": len(tasks),
+        "cursor": cursor,
         "model": engine.name,
         "dtype": engine.dtype,
         "settings": engine.settings.to_dict(),
@@ -210,7 +223,8 @@ def machine() -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     model = f"model {report['model']} ({report.get('dtype', '?')})"
-    lines = [f"{report['tasks']} tasks from {report['dataset']}", model, report["machine"], ""]
+    where = "" if report.get("cursor", "task") == "task" else f" (cursor: {report['cursor']})"
+    lines = [f"{report['tasks']} tasks from {report['dataset']}{where}", model, report["machine"], ""]
     header = f"{'':<16}{'exact':>8}{'edit sim':>10}{'pass@1':>8}{'(written)':>10}{'p50 ms':>9}{'p95 ms':>9}{'steps':>7}"
     header += f"{'tok/fwd':>9}{'(written)':>10}{'empty':>7}"
     lines.append(header)

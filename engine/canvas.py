@@ -79,6 +79,12 @@ class DenoiseParams:
     # Token ids that hold a line break. When set, the answer ends at the canvas that writes one (the caller
     # keeps only the first line), instead of continuing canvas after canvas.
     line_end_ids: frozenset[int] = frozenset()
+    # Token healing: the text cut from the end of the prefix, which the answer's first token re-writes, and the
+    # tokens allowed in the first canvas's first gap slot ([V] bool: those starting with it, and the stop ids).
+    healed: str = ""
+    first_slot_allowed: torch.Tensor | None = None
+    # Self-conditioning reads the step's "processed" (temperature-scaled) logits, or its "raw" ones.
+    self_condition: str = "processed"
 
 
 @dataclass
@@ -90,6 +96,7 @@ class StepView:
     canvas: torch.Tensor  # [G + S] the canvas the next step will read (gap noise/accepted + clamped suffix head)
     argmax: torch.Tensor  # [G] the current best guess for the gap
     accepted: torch.Tensor  # [G] bool, tokens accepted this step
+    healed: str = ""  # text the gap's first token re-writes from the prefix (token healing): not part of the answer
 
 
 @dataclass
@@ -414,7 +421,10 @@ class CanvasJob:
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
         self.gap_canvas = self.sampler.renoise_canvas(accepted, remaining)
-        self.self_cond = self.temperature(None, logits, cur_step=remaining).to(self.embed_dtype)  # [1, G+S, V]
+        processed = self.params.self_condition == "processed"
+        self.self_cond = (self.temperature(None, logits, cur_step=remaining) if processed else logits).to(
+            self.embed_dtype
+        )  # [1, G+S, V]
         if self.left_to_right:
             self.argmax = accepted  # the committed tokens are the answer
             converged = self.sampler.finished(accepted, self.stop_tensor)
@@ -424,7 +434,7 @@ class CanvasJob:
         if self.on_step is not None:
             canvas = torch.cat([self.gap_canvas, self.suffix_head], dim=1)[0]
             self.on_step(StepView(self.out.canvases, self.step, canvas, self.argmax[0],
-                                  self.sampler.accepted_token_mask[0]))  # fmt: skip
+                                  self.sampler.accepted_token_mask[0], self.params.healed))  # fmt: skip
         if converged or self.step >= self.steps_cap:
             self._close_canvas("converged" if converged else "step_cap")
 
@@ -482,7 +492,12 @@ def fill(
 def advance(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
     """One step for each job from its row of a (shared) decoder forward's logits [B, Lc, V]."""
     for row, job in enumerate(jobs):
-        barred = min(job.params.min_new_tokens, job.gap) if job.out.canvases == 0 else 0
+        if job.out.canvases > 0:
+            continue
+        allowed = job.params.first_slot_allowed
+        if allowed is not None:  # token healing: the first token re-writes the text cut from the prefix
+            logits[row, 0, ~allowed] = BARRED_LOGIT
+        barred = min(job.params.min_new_tokens, job.gap)
         if barred:  # a finite floor: -inf would turn the entropies into NaN (0 * -inf)
             logits[row, :barred, job.stop_tensor] = BARRED_LOGIT
     gaps = [job.gap for job in jobs]

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from engine.canvas import (
     CancelToken,
     CanvasJob,
@@ -31,6 +33,9 @@ from engine.settings import InfillSettings, model_settings
 __all__ = ["Engine", "EngineBatch", "InfillCancelled", "InfillRequest", "InfillResult"]
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+# Words appended to a prefix's last line to find where a following word's first token would start (token
+# healing): BPE glues a space before a word to it, and a small vocabulary may lack some of these merges.
+HEALING_PROBES = ("x", "a", "self", "return")
 INSTRUCTION = (
     "Complete the code at <CURSOR>. Answer with only the code that goes there, nothing else.\n\n"
     "{prefix}<CURSOR>{suffix}"
@@ -44,6 +49,16 @@ class InfillRequest:
     overrides: dict[str, Any] | None = None
     cancel: CancelToken | None = None
     on_step: Callable[[StepView], None] | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request laid out for the model: its settings, encoder ids, clamped suffix head and denoising params."""
+
+    settings: InfillSettings
+    encoder_ids: list[int]
+    head_ids: list[int]
+    params: DenoiseParams
 
 
 @dataclass
@@ -66,6 +81,9 @@ class InfillResult:
     layout: str
     model: str
     dtype: str  # what the model computed in ("bfloat16", "float32")
+    # Token healing: prefix text cut back to a token boundary and re-written by the first token; not in `text`
+    # (`text` is what goes at the cursor; `tokens` are what the model wrote, healed text included).
+    healed: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,6 +103,8 @@ class Engine:
         self._stop_ids = _stop_ids(loaded.model, self.tokenizer)
         self._lock = threading.Lock()
         self._newline_ids: frozenset[int] | None = None
+        self._texts: list[str] | None = None
+        self._healing_masks: dict[str, torch.Tensor] = {}  # cut text -> allowed first tokens
 
     @classmethod
     def load(
@@ -120,12 +140,11 @@ class Engine:
         on_step: Callable[[StepView], None] | None = None,
     ) -> InfillResult:
         """Fill the gap between `prefix` and `suffix`. Raises InfillCancelled when `cancel` is set mid-way."""
-        request = InfillRequest(prefix, suffix, overrides, cancel, on_step)
-        settings, encoder_ids, head_ids, params = self._prepare(request)
+        job = self._prepare(InfillRequest(prefix, suffix, overrides, cancel, on_step))
         with self._lock:
-            out = fill(self.loaded.model, encoder_ids, head_ids, params, self._stop_ids, cancel, on_step,
-                       self._prefix_cache(settings))  # fmt: skip
-        return self._result(settings, encoder_ids, head_ids, out)
+            out = fill(self.loaded.model, job.encoder_ids, job.head_ids, job.params, self._stop_ids, cancel, on_step,
+                       self._prefix_cache(job.settings))  # fmt: skip
+        return self._result(job, out)
 
     def infill_batch(self, requests: list[InfillRequest]) -> list[InfillResult | InfillCancelled]:
         """Fill several gaps at once: their canvases share each decoder forward. A cancelled request's slot holds
@@ -142,10 +161,14 @@ class Engine:
         """An empty batch that requests can join between denoising steps (the resident engine's scheduler)."""
         return EngineBatch(self)
 
-    def _prepare(self, request: InfillRequest) -> tuple[InfillSettings, list[int], list[int], DenoiseParams]:
+    def _prepare(self, request: InfillRequest) -> Prepared:
         settings = self.settings.merged(request.overrides)
+        healed, allowed = "", None
         if settings.layout == "canvas":
-            encoder_ids = self._with_bos(self._encode(request.prefix)[-settings.max_prefix_tokens :])
+            prefix_ids = self._encode(request.prefix)
+            if settings.token_healing:
+                prefix_ids, healed, allowed = self._healed(prefix_ids, request.prefix)
+            encoder_ids = self._with_bos(prefix_ids[-settings.max_prefix_tokens :])
             head_ids = self._encode(request.suffix)[: settings.suffix_head_tokens]
         else:
             encoder_ids = self._prompt_ids(request.prefix, request.suffix, settings)
@@ -164,24 +187,80 @@ class Engine:
             min_new_tokens=min(settings.min_new_tokens, settings.max_new_tokens),
             stop_scope=settings.stop_scope,
             line_end_ids=self._line_end_ids() if settings.single_line else frozenset(),
+            healed=healed,
+            first_slot_allowed=allowed,
+            self_condition=settings.self_condition,
         )
-        return settings, encoder_ids, head_ids, params
+        return Prepared(settings, encoder_ids, head_ids, params)
 
     def _prefix_cache(self, settings: InfillSettings) -> PrefixCache | None:
         return self.prefix_cache if settings.reuse_prefix else None
 
+    def _token_texts(self) -> list[str]:
+        """The text of every id the model can write (computed once)."""
+        if self._texts is None:
+            size = self.loaded.model.config.get_text_config().vocab_size
+            self._texts = [self.tokenizer.decode([i]) for i in range(size)]
+        return self._texts
+
     def _line_end_ids(self) -> frozenset[int]:
         """Vocabulary ids whose text holds a line break (computed once)."""
         if self._newline_ids is None:
-            vocab = self.tokenizer.get_vocab().values()
-            self._newline_ids = frozenset(i for i in vocab if "\n" in self.tokenizer.decode([i]))
+            self._newline_ids = frozenset(i for i, text in enumerate(self._token_texts()) if "\n" in text)
         return self._newline_ids
 
-    def _result(self, settings: InfillSettings, encoder_ids: list[int], head_ids: list[int],
-                out: CanvasOutput) -> InfillResult:  # fmt: skip
+    def _healed(self, prefix_ids: list[int], prefix: str) -> tuple[list[int], str, torch.Tensor | None]:
+        """Token healing: `prefix_ids` (the prefix's tokens) cut back to the last boundary that a following word
+        would keep, the text cut off, and the first slot's allowed tokens; unchanged, "" and None when there is
+        nothing to heal.
+
+        Byte-level BPE glues a space to the word after it, so "x = " alone ends in a lone ' ' token the model
+        rarely saw, where "x = y" gives ' =' ' y'. Tokenizing the prefix's last line with a word after it shows
+        where that boundary is; the text past it must start the answer."""
+        cut = self._healing_cut(prefix)
+        if not cut:
+            return prefix_ids, "", None
+        for drop in range(1, 4):  # the prefix's own last tokens must spell the cut exactly
+            if len(prefix_ids) < drop or len(text := self.tokenizer.decode(prefix_ids[-drop:])) > len(cut):
+                break
+            if text == cut:
+                return prefix_ids[:-drop], cut, self._first_slot_allowed(cut)
+        return prefix_ids, "", None
+
+    def _healing_cut(self, prefix: str) -> str:
+        """The end of `prefix` that a following word would take into its first token ("" at a boundary)."""
+        tail = prefix[prefix.rfind("\n") + 1 :]  # pretokens never span a line break followed by text
+        cut = ""
+        for probe in HEALING_PROBES:
+            kept = 0
+            for token in self._encode(tail + probe):
+                width = len(self.tokenizer.decode([token]))
+                if kept + width > len(tail):
+                    break
+                kept += width
+            if len(tail) - kept > len(cut):
+                cut = tail[kept:]
+        return "" if "\ufffd" in cut else cut
+
+    def _first_slot_allowed(self, cut: str) -> torch.Tensor | None:
+        """[V] bool: the tokens that start with `cut` and go on (the cut alone again would be the same lone token),
+        and the stop ids (nothing to add is still an answer)."""
+        allowed = self._healing_masks.get(cut)
+        if allowed is None:
+            allowed = torch.tensor([text.startswith(cut) and text != cut for text in self._token_texts()])
+            if not bool(allowed.any()):
+                return None
+            allowed[self._stop_ids] = True
+            allowed = allowed.to(self.loaded.model.device)
+            if len(self._healing_masks) < 256:
+                self._healing_masks[cut] = allowed
+        return allowed
+
+    def _result(self, job: Prepared, out: CanvasOutput) -> InfillResult:
         produced = len(out.tokens) + (1 if out.ended_with_eos else 0)
+        healed = job.params.healed if out.tokens else ""
         return InfillResult(
-            text=self.tokenizer.decode(out.tokens, skip_special_tokens=True),
+            text=self.tokenizer.decode(out.tokens, skip_special_tokens=True).removeprefix(healed),
             tokens=out.tokens,
             token_texts=[self.tokenizer.decode([t]) for t in out.tokens],
             confidence=[round(c, 4) for c in out.confidence],
@@ -193,13 +272,14 @@ class Engine:
             stop_reason="eos" if out.ended_with_eos else "max_tokens",
             encode_ms=round(out.encode_seconds * 1000, 2),
             denoise_ms=round(out.denoise_seconds * 1000, 2),
-            prefix_tokens=len(encoder_ids),
+            prefix_tokens=len(job.encoder_ids),
             prefix_reused_tokens=out.prefix_reused,
-            suffix_head_tokens=len(head_ids),
-            layout=settings.layout,
+            suffix_head_tokens=len(job.head_ids),
+            layout=job.settings.layout,
             model=self.name,
             dtype=self.dtype,
-            settings=settings.to_dict(),
+            healed=healed,
+            settings=job.settings.to_dict(),
         )
 
     # -- layouts -------------------------------------------------------------------------------------------------
@@ -240,7 +320,7 @@ class EngineBatch:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._batch = DenoisingBatch(engine.loaded.model, pad_id=engine.stop_ids[-1])
-        self._requests: dict[int, tuple[InfillRequest, InfillSettings, list[int], list[int]]] = {}  # by job serial
+        self._requests: dict[int, tuple[InfillRequest, Prepared]] = {}  # by job serial
 
     def __len__(self) -> int:
         return len(self._batch)
@@ -255,28 +335,28 @@ class EngineBatch:
         ones that could not be admitted (a bad setting, a failed encode), with why; the others joined the batch."""
         engine = self.engine
         failed: list[tuple[InfillRequest, Exception]] = []
-        prepared = []
+        by_cache: dict[bool, list[tuple[InfillRequest, Prepared]]] = {}
         for request in requests:
             try:
-                prepared.append((request, *engine._prepare(request)))
+                prepared = engine._prepare(request)
             except Exception as exc:  # this request's problem, not its neighbours'
                 failed.append((request, exc))
-        by_cache: dict[bool, list[tuple[InfillRequest, InfillSettings, list[int], list[int], DenoiseParams]]] = {}
-        for item in prepared:  # requests that skip the prefix cache are encoded apart from those that use it
-            by_cache.setdefault(item[1].reuse_prefix, []).append(item)
+                continue
+            # requests that skip the prefix cache are encoded apart from those that use it
+            by_cache.setdefault(prepared.settings.reuse_prefix, []).append((request, prepared))
         for group in by_cache.values():
             try:
                 with engine._lock:
-                    cache = engine._prefix_cache(group[0][1])
-                    encoded = encode_prefixes(engine.loaded.model, [ids for _, _, ids, _, _ in group], cache)
-                    jobs = [CanvasJob(engine.loaded.model, ids, head, params, engine._stop_ids, request.cancel,
-                                      request.on_step, encoded=done)
-                            for (request, _, ids, head, params), done in zip(group, encoded, strict=True)]  # fmt: skip
+                    cache = engine._prefix_cache(group[0][1].settings)
+                    encoded = encode_prefixes(engine.loaded.model, [p.encoder_ids for _, p in group], cache)
+                    jobs = [CanvasJob(engine.loaded.model, p.encoder_ids, p.head_ids, p.params, engine._stop_ids,
+                                      request.cancel, request.on_step, encoded=done)
+                            for (request, p), done in zip(group, encoded, strict=True)]  # fmt: skip
             except Exception as exc:
-                failed += [(request, exc) for request, *_ in group]
+                failed += [(request, exc) for request, _ in group]
                 continue
-            for job, (request, settings, ids, head, _) in zip(jobs, group, strict=True):
-                self._requests[job.serial] = (request, settings, ids, head)
+            for job, item in zip(jobs, group, strict=True):
+                self._requests[job.serial] = item
                 self._batch.add(job)
         return failed
 
@@ -285,8 +365,8 @@ class EngineBatch:
             ended = self._batch.step()
         outcomes: list[tuple[InfillRequest, InfillResult | InfillCancelled]] = []
         for job in ended:
-            request, settings, ids, head = self._requests.pop(job.serial)
-            outcome = job.error if job.error is not None else self.engine._result(settings, ids, head, job.out)
+            request, prepared = self._requests.pop(job.serial)
+            outcome = job.error if job.error is not None else self.engine._result(prepared, job.out)
             outcomes.append((request, outcome))
         return outcomes
 

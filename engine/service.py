@@ -164,7 +164,7 @@ class EngineService:
         def on_step(view: StepView) -> None:
             ids = view.argmax.tolist()
             ids = ids[: next((i for i, t in enumerate(ids) if t in stops), len(ids))]  # the draft ends at its EOS
-            text = tokenizer.decode(ids, skip_special_tokens=True)
+            text = tokenizer.decode(ids, skip_special_tokens=True).removeprefix(view.healed)
             loop.call_soon_threadsafe(drafts.put_nowait, chunk(text, None, draft=True, step=view.step))
 
         async def events():

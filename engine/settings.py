@@ -70,6 +70,13 @@ class InfillSettings:
     # The answer has at least this many tokens: EOS and pad are barred from the first canvas's first slots. Where
     # the user asked for a completion (an empty line, a finished statement), an empty answer shows nothing.
     min_new_tokens: int = 0
+    # What the next step's self-conditioning reads: "processed" logits (temperature-scaled, as transformers'
+    # DiffusionGemma sampler feeds them) or the "raw" logits (what `canvas-ls train` feeds its no-grad pass).
+    self_condition: Literal["processed", "raw"] = "processed"
+    # Token healing ("canvas" layout): a prefix that ends inside what would be one token (typically the space or
+    # indentation before the next word: "x = " tokenizes as ' =' ' ' where the model saw ' =' ' y') is cut back to
+    # the token boundary, and the first gap slot may only hold tokens that re-write the cut text (or EOS).
+    token_healing: bool = True
     # Reuse (and keep) the encoder KV of earlier prefixes this one extends. Off: the whole prefix is encoded afresh
     # (what `bench engine` measures a keystroke's reuse against, on the very same request).
     reuse_prefix: bool = True
@@ -100,6 +107,8 @@ class InfillSettings:
             raise SettingsError(f"stop_scope must be 'gap' or 'answer', got '{self.stop_scope}'")
         if self.order not in ("diffusion", "left_to_right"):
             raise SettingsError(f"order must be 'diffusion' or 'left_to_right', got '{self.order}'")
+        if self.self_condition not in ("processed", "raw"):
+            raise SettingsError(f"self_condition must be 'processed' or 'raw', got '{self.self_condition}'")
         if self.layout not in LAYOUTS:
             raise SettingsError(f"layout must be one of {LAYOUTS}, got '{self.layout}'")
         for name in ("gap_tokens", "max_new_tokens", "max_prefix_tokens", "max_steps"):

@@ -96,6 +96,11 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         "typing_hits": stats.typingHits,
         "hit_rate": (stats.cacheHits + stats.typingHits) / max(stats.requests, 1),
         "by_source": {row.source: row.count for row in stats.bySource},
+        # Where a model call's time goes: the backend call the server waited on, of which the engine computed
+        # (encode + denoise) so much; the rest is transport, queueing and scheduling.
+        "model_call": _summary([row.call for row in stats.modelCallMs]),
+        "engine": _summary([row.engine for row in stats.modelCallMs if row.engine is not None]),
+        "call_overhead": _summary([row.call - row.engine for row in stats.modelCallMs if row.engine is not None]),
     }
 
 
@@ -139,10 +144,10 @@ def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: s
 def format_report(report: dict[str, Any]) -> str:
     where = f" ({report['backend']} backend)" if "backend" in report else ""
     lines = [f"model {report['model']}{where}", report["machine"], f"{report['requests']} requests", ""]
-    for kind in ("cold", "typing"):
-        s = report[kind]
+    for kind in ("cold", "typing", "model_call", "engine", "call_overhead"):
+        s = report.get(kind, {"n": 0})
         if s["n"]:
-            lines.append(f"{kind:<8} n={s['n']:<4} p50 {s['p50_ms']:8.1f} ms   p95 {s['p95_ms']:8.1f} ms")
+            lines.append(f"{kind:<14} n={s['n']:<4} p50 {s['p50_ms']:8.1f} ms   p95 {s['p95_ms']:8.1f} ms")
     lines.append(f"model calls {report['model_calls']}, cache hits {report['cache_hits']}, "
                  f"typing-through hits {report['typing_hits']}, hit rate {100 * report['hit_rate']:.1f}%")  # fmt: skip
     lines.append(f"outcomes: {report['by_source']}")

@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     _model_arguments(infill)
     _settings_argument(infill)
     infill.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the tasks' tests)")
+    infill.add_argument("--cursor", choices=("task", "indented", "word"), default="task",
+                        help="task: where the dataset puts it; indented: after the line's indentation (an editor "
+                             "after Enter); word: after the line's first word and its space")  # fmt: skip
     infill.add_argument("--max-new-tokens", type=int, default=48, help="answer bound (the server's single-line one)")
     infill.add_argument("--prefix-latency", type=int, default=1024, help="also time a prefix of N tokens (0: skip)")
     infill.add_argument("--out", type=Path, help="JSON report path (default: bench-infill-<time>.json in the cache)")
@@ -276,7 +279,7 @@ def _bench_infill(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         print(f"\r{done}/{total} tasks", end="", file=sys.stderr, flush=True)
 
-    report = run_infill(engine, args.dataset, args.limit, not args.no_tests, progress)
+    report = run_infill(engine, args.dataset, args.limit, not args.no_tests, progress, args.cursor)
     print(file=sys.stderr)
     if args.prefix_latency:
         filler = (Path(__file__).resolve().parent.parent / "fixtures" / "python" / "stats.py").read_text()

@@ -15,7 +15,7 @@ import hashlib
 import itertools
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,9 @@ class Stats:
     cache_hits: int = 0
     typing_hits: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
+    # Per answered model call (the last 1,000): the backend call as the server waited on it (ms), and the engine's
+    # own encode + denoise time within it (None from servers that do not say); the rest is transport and queueing.
+    call_ms: deque[tuple[float, float | None]] = field(default_factory=lambda: deque(maxlen=1000))
 
 
 class Completer:
@@ -126,6 +129,7 @@ class Completer:
                 if cancel.is_set():
                     return nothing("superseded")
             self.stats.model_calls += 1
+            called = time.perf_counter()
             result = await self.backend.infill(
                 context.prefix, context.suffix, self._overrides(context), cancel, document.uri
             )
@@ -139,6 +143,8 @@ class Completer:
                 del self.in_flight[document.uri]
         if result is None:
             return nothing("cancelled")
+        engine_ms = result["encode_ms"] + result["denoise_ms"] if "encode_ms" in result else None
+        self.stats.call_ms.append(((time.perf_counter() - called) * 1000, engine_ms))
 
         # 6. Never answer for a document that has moved on.
         if document.version != version:

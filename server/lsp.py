@@ -213,6 +213,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "bySource": [{"source": k, "count": v} for k, v in counters.by_source.items()],
         "cancelledAfterSteps": ls.backend.cancelled_after_steps,
         "engineRestarts": getattr(ls.backend, "restarts", 0),
+        "modelCallMs": [{"call": call, "engine": engine} for call, engine in counters.call_ms],
     }
 
 

@@ -63,6 +63,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def writing_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, asking (in its canvas_ls.json) for answers of at least one token: the end-to-end tests check
+    the edits that reach the editor, and a random model may well answer nothing at their cursors."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("writing"),
+        tokenizer_texts(),
+        infill={"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 16, "min_new_tokens": 1},
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir: Path) -> Engine:
     return Engine.load(str(tiny_model_dir), "cpu")
 

@@ -112,11 +112,12 @@ def test_rows_with_different_gaps_and_continuations(tiny_engine: Engine) -> None
             return 60 + (position - lengths[1]) % 5
         return 50 if lengths[0] <= position < lengths[0] + 3 else EOS
 
-    requests = [InfillRequest(PREFIXES[0], SUFFIXES[0], {"gap_tokens": 8}),
-                InfillRequest(PREFIXES[1], SUFFIXES[1], {"gap_tokens": 8, "max_new_tokens": 64})]  # fmt: skip
+    plain = {"gap_tokens": 8, "token_healing": False}  # the answers are laid out from the prefixes' own ids
+    requests = [InfillRequest(PREFIXES[0], SUFFIXES[0], plain),
+                InfillRequest(PREFIXES[1], SUFFIXES[1], {**plain, "max_new_tokens": 64})]  # fmt: skip
     with confident(tiny_engine, target):
         short, long = tiny_engine.infill_batch(requests)
-        alone = tiny_engine.infill(PREFIXES[1], SUFFIXES[1], {"gap_tokens": 8, "max_new_tokens": 64})
+        alone = tiny_engine.infill(PREFIXES[1], SUFFIXES[1], {**plain, "max_new_tokens": 64})
     assert short.tokens == [50, 50, 50] and short.canvases == 1
     assert long.tokens == alone.tokens and long.canvases == alone.canvases == 3
 

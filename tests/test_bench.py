@@ -40,6 +40,18 @@ def test_limit_spreads_over_the_set() -> None:
     assert [t.task_id for t in load_tasks(DATASET, 2)] == ["Tiny/0/L1", "Tiny/1/L2"]
 
 
+@pytest.mark.parametrize(
+    ("cursor", "typed"),
+    [("task", ["", ""]), ("indented", ["    ", "        "]), ("word", ["    return ", "        if "])],
+)
+def test_the_cursor_moves_what_the_user_typed_into_the_prompt(cursor: str, typed: list[str]) -> None:
+    tasks, original = load_tasks(DATASET, 2, cursor), load_tasks(DATASET, 2)
+    for task, before, done in zip(tasks, original, typed, strict=True):
+        assert task.prompt == before.prompt + done
+        assert task.prompt + task.solution == before.prompt + before.solution  # the same program, checked alike
+    assert passes(tasks[0], tasks[0].solution)
+
+
 def test_bench_infill_prints_the_table_and_writes_the_report(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     done = canvas_ls(

@@ -12,7 +12,7 @@ import torch
 from engine import Engine, InfillCancelled
 from engine.canvas import StepView
 
-PREFIX = "def mean(values):\n    total = sum(values)\n    "
+PREFIX = "def mean(values):\n    total = sum(values)\n"  # ends at a token boundary: nothing to heal
 SUFFIX = "\n\n\ndef mode(values):\n    counts = Counter(values)\n    return counts.most_common(1)[0][0]\n"
 EOS = 1
 
@@ -209,3 +209,52 @@ def test_answer_scoped_stopping_ignores_the_eos_fill(tiny_engine: Engine) -> Non
     assert whole.tokens == answer.tokens == [40, 41]
     assert whole.steps == 10 and whole.canvas_stops == ["step_cap"]
     assert answer.steps == 2 and answer.canvas_stops == ["converged"]
+
+
+# -- token healing -----------------------------------------------------------------------------------------------
+
+HEAL_PREFIX = "def mean(values):\n    total = "  # ends in ' =' ' ' where the model saw ' =' ' sum'
+
+
+def test_token_healing_cuts_the_prefix_back_and_constrains_the_first_slot(tiny_engine: Engine) -> None:
+    """The lone ' ' token is cut from the encoder's ids; the answer's first token re-writes it (the model's favourite
+    there, token 40, does not start with a space, so the healed answer takes the best token that does) and the text
+    at the cursor leaves it out."""
+    tokenizer = tiny_engine.tokenizer
+    spaced = next(i for i in range(6, 500) if tokenizer.decode([i]).startswith(" ") and len(tokenizer.decode([i])) > 1)
+    vocab = tiny_engine.loaded.model.config.text_config.vocab_size
+    logits = one_hot(40, vocab)
+    logits[spaced] = 20.0  # second choice
+    logits[EOS] = 10.0
+    settings = {"gap_tokens": 8, "max_new_tokens": 1, "max_steps": 4}
+    with patched_logits(tiny_engine, lambda p: logits):
+        healed = tiny_engine.infill(HEAL_PREFIX, "\n", settings)
+        plain = tiny_engine.infill(HEAL_PREFIX, "\n", {**settings, "token_healing": False})
+    plain_ids = tokenizer.encode(HEAL_PREFIX, add_special_tokens=False)
+    assert tokenizer.decode(plain_ids[-1:]) == " "  # the premise: a lone space token at the end
+    assert plain.healed == "" and plain.tokens == [40] and plain.prefix_tokens == len(plain_ids) + 1
+    assert healed.healed == " " and healed.tokens == [spaced]
+    assert healed.prefix_tokens == len(tokenizer.encode(HEAL_PREFIX.rstrip(" "), add_special_tokens=False)) + 1
+    assert healed.text == tokenizer.decode([spaced])[1:]  # what goes at the cursor, after the user's space
+
+
+def test_token_healing_still_lets_the_model_answer_nothing(tiny_engine: Engine) -> None:
+    with confident(tiny_engine, lambda p: EOS):
+        result = tiny_engine.infill(HEAL_PREFIX, "\n", {"gap_tokens": 8, "max_steps": 4})
+    assert result.tokens == [] and result.text == "" and result.healed == ""
+
+
+@pytest.mark.parametrize("prefix", ["x = f(", "x = 1\n", "if x:\n\t", "", "é = "[:2]])
+def test_token_healing_leaves_prefixes_that_end_at_a_boundary(tiny_engine: Engine, prefix: str) -> None:
+    result = tiny_engine.infill(prefix, "\n", {"gap_tokens": 4, "max_steps": 2, "min_new_tokens": 1})
+    assert result.healed == "" and result.text == tiny_engine.tokenizer.decode(result.tokens, skip_special_tokens=True)
+    assert result.prefix_tokens == len(tiny_engine.tokenizer.encode(prefix, add_special_tokens=False)) + 1
+
+
+def test_streamed_drafts_leave_the_healed_text_out(tiny_engine: Engine) -> None:
+    seen: list[StepView] = []
+    tiny_engine.infill(HEAL_PREFIX, "\n", {"gap_tokens": 8, "max_steps": 3, "min_new_tokens": 1}, on_step=seen.append)
+    assert seen and all(view.healed == " " for view in seen)
+    first_canvas = [view for view in seen if view.canvas_index == 0]
+    firsts = {tiny_engine.tokenizer.decode(view.argmax[:1].tolist()) for view in first_canvas}
+    assert all(text.startswith(" ") for text in firsts)  # the constraint held on the slot the drafts start with

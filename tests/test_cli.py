@@ -14,6 +14,7 @@ STATS = FIXTURES / "python" / "stats.py"
 RESULT_FIELDS = {
     "text",
     "tokens",
+    "healed",
     "token_texts",
     "confidence",
     "steps",

@@ -81,17 +81,17 @@ async def fill(client: LanguageClient, name: str, position: types.Position) -> d
     )
 
 
-def options(tiny_model_dir: Path, backend: str | None = None, **completion: Any) -> dict[str, Any]:
+def options(writing_model_dir: Path, backend: str | None = None, **completion: Any) -> dict[str, Any]:
     """The server's options for the tiny model; no backend named means the default (the resident engine)."""
-    engine = {"model": str(tiny_model_dir), "device": "cpu"} | ({"backend": backend} if backend else {})
+    engine = {"model": str(writing_model_dir), "device": "cpu"} | ({"backend": backend} if backend else {})
     return {"engine": engine, "completion": completion}
 
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
-async def client(lsp_client: LanguageClient, tiny_model_dir: Path):
+async def client(lsp_client: LanguageClient, writing_model_dir: Path):
     params = types.InitializeParams(
         capabilities=pytest_lsp.client_capabilities("neovim"),
-        initialization_options=options(tiny_model_dir, max_steps=4),
+        initialization_options=options(writing_model_dir, max_steps=4),
     )
     lsp_client.init_result = await lsp_client.initialize_session(params)
     yield
@@ -197,13 +197,13 @@ async def test_no_completion_inside_an_identifier(client: LanguageClient) -> Non
 
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE), params=["resident", "local"])
-async def slow_client(lsp_client: LanguageClient, tiny_model_dir: Path, request: pytest.FixtureRequest):
+async def slow_client(lsp_client: LanguageClient, writing_model_dir: Path, request: pytest.FixtureRequest):
     """A session whose model calls take 2000 denoising steps per canvas (seconds), unless stopped; with the model
     in the shared engine (the default) and in the server itself."""
     lsp_client.backend = request.param
     params = types.InitializeParams(
         capabilities=pytest_lsp.client_capabilities("neovim"),
-        initialization_options=options(tiny_model_dir, request.param, max_steps=2000, gap_tokens_single_line=32),
+        initialization_options=options(writing_model_dir, request.param, max_steps=2000, gap_tokens_single_line=32),
     )
     await lsp_client.initialize_session(params)
     await wait_ready(lsp_client)
@@ -212,12 +212,12 @@ async def slow_client(lsp_client: LanguageClient, tiny_model_dir: Path, request:
     await lsp_client.shutdown_session()
 
 
-def make_fast(client: LanguageClient, tiny_model_dir: Path) -> None:
-    settings = {"canvas-ls": options(tiny_model_dir, client.backend, max_steps=2)}
+def make_fast(client: LanguageClient, writing_model_dir: Path) -> None:
+    settings = {"canvas-ls": options(writing_model_dir, client.backend, max_steps=2)}
     client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
 
 
-async def cancellations(client: LanguageClient, tiny_model_dir: Path) -> tuple[int, float]:
+async def cancellations(client: LanguageClient, writing_model_dir: Path) -> tuple[int, float]:
     """How many requests were cancelled mid-denoising and their steps in all: from the server (local backend), or
     from the engine's /metrics (resident: the server only drops the connection; the engine sees it and stops)."""
     if client.backend == "local":
@@ -225,7 +225,7 @@ async def cancellations(client: LanguageClient, tiny_model_dir: Path) -> tuple[i
         return len(steps), sum(steps)
     from engine.paths import default_socket
 
-    transport = httpx.HTTPTransport(uds=str(default_socket(str(tiny_model_dir), "cpu")))
+    transport = httpx.HTTPTransport(uds=str(default_socket(str(writing_model_dir), "cpu")))
     with httpx.Client(transport=transport, base_url="http://engine") as engine:
         metrics = {s.name: s.value for f in text_string_to_metric_families(engine.get("/metrics").text)
                    for s in f.samples if f.name == "canvas_cancelled_after_steps"}  # fmt: skip
@@ -233,9 +233,9 @@ async def cancellations(client: LanguageClient, tiny_model_dir: Path) -> tuple[i
 
 
 async def test_cancel_request_stops_denoising_at_the_next_step(
-    slow_client: LanguageClient, tiny_model_dir: Path
+    slow_client: LanguageClient, writing_model_dir: Path
 ) -> None:
-    count, steps = await cancellations(slow_client, tiny_model_dir)
+    count, steps = await cancellations(slow_client, writing_model_dir)
     pending = asyncio.ensure_future(
         slow_client.protocol.send_request_async(
             "canvas/fill", {"textDocument": {"uri": uri("a.py")}, "position": {"line": 4, "character": 12}}, msg_id=9001
@@ -245,21 +245,21 @@ async def test_cancel_request_stops_denoising_at_the_next_step(
     slow_client.protocol.notify("$/cancelRequest", types.CancelParams(id=9001))
     with pytest.raises(Exception, match="cancel"):
         await asyncio.wait_for(pending, 60)
-    make_fast(slow_client, tiny_model_dir)
+    make_fast(slow_client, writing_model_dir)
     after = await fill(slow_client, "a.py", types.Position(4, 11))  # the worker is free for the next request
     assert after["result"] is not None and after["result"]["steps"] <= 2 * after["result"]["canvases"]
     for _ in range(100):  # the engine learns of the cancel from the dropped connection, within its next step
-        if (now := await cancellations(slow_client, tiny_model_dir))[0] > count:
+        if (now := await cancellations(slow_client, writing_model_dir))[0] > count:
             break
         await asyncio.sleep(0.1)
     assert now[0] == count + 1
     assert 0 < now[1] - steps < 2000  # denoising stopped mid-canvas, not at its step cap
 
 
-async def test_newer_request_supersedes_the_older(slow_client: LanguageClient, tiny_model_dir: Path) -> None:
+async def test_newer_request_supersedes_the_older(slow_client: LanguageClient, writing_model_dir: Path) -> None:
     older = asyncio.ensure_future(fill(slow_client, "a.py", COMMENT_POS))
     await asyncio.sleep(0.5)
-    make_fast(slow_client, tiny_model_dir)
+    make_fast(slow_client, writing_model_dir)
     newer = await fill(slow_client, "a.py", types.Position(4, 11))
     assert (await asyncio.wait_for(older, 60))["source"] == "cancelled"
     assert newer["source"] in ("model", "rejected")
@@ -363,11 +363,11 @@ async def raw_client(lsp_client: LanguageClient):
     yield
 
 
-async def test_invalid_options_give_a_message_and_defaults(raw_client: LanguageClient, tiny_model_dir: Path) -> None:
+async def test_invalid_options_give_a_message_and_defaults(raw_client: LanguageClient, writing_model_dir: Path) -> None:
     lsp_client = raw_client
     params = types.InitializeParams(
         capabilities=pytest_lsp.client_capabilities("neovim"),
-        initialization_options={"engine": {"model": str(tiny_model_dir)}, "completion": {"gap_tokens": "many"}},
+        initialization_options={"engine": {"model": str(writing_model_dir)}, "completion": {"gap_tokens": "many"}},
     )
     await lsp_client.initialize_session(params)
     await lsp_client.wait_for_notification(types.WINDOW_SHOW_MESSAGE)
@@ -386,8 +386,8 @@ async def test_shutdown_during_a_request(slow_client: LanguageClient) -> None:
     slow_client.capabilities = None  # the session is over; nothing left for the fixture to shut down
 
 
-async def test_a_disabled_language_is_skipped(raw_client: LanguageClient, tiny_model_dir: Path) -> None:
-    init = {**options(tiny_model_dir), "languages": {"python": False}}
+async def test_a_disabled_language_is_skipped(raw_client: LanguageClient, writing_model_dir: Path) -> None:
+    init = {**options(writing_model_dir), "languages": {"python": False}}
     await raw_client.initialize_session(
         types.InitializeParams(capabilities=pytest_lsp.client_capabilities("neovim"), initialization_options=init)
     )
@@ -398,7 +398,7 @@ async def test_a_disabled_language_is_skipped(raw_client: LanguageClient, tiny_m
     await raw_client.shutdown_session()
 
 
-async def test_serve_over_tcp(tiny_model_dir: Path) -> None:
+async def test_serve_over_tcp(writing_model_dir: Path) -> None:
     import socket
     import subprocess
 
@@ -418,7 +418,7 @@ async def test_serve_over_tcp(tiny_model_dir: Path) -> None:
                 await asyncio.sleep(0.1)
         result = await client.initialize_async(
             types.InitializeParams(
-                capabilities=types.ClientCapabilities(), initialization_options=options(tiny_model_dir)
+                capabilities=types.ClientCapabilities(), initialization_options=options(writing_model_dir)
             )
         )
         assert result.capabilities.inline_completion_provider is not None

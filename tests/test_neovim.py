@@ -55,14 +55,16 @@ def nvim(tmp_path: Path):
     editor.close()
 
 
-def test_accepting_an_inline_completion_writes_it_into_the_buffer(nvim, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_accepting_an_inline_completion_writes_it_into_the_buffer(
+    nvim, writing_model_dir: Path, tmp_path: Path
+) -> None:
     source = (FIXTURES / "python" / "stats.py").read_text()
     source = source.replace("    m = mean(values)\n", "    # TODO: \n    m = mean(values)\n")
     path = tmp_path / "stats.py"
     path.write_text(source)
     row = source.split("\n").index("    # TODO: ")  # 0-based
 
-    nvim.exec_lua(SETUP, str(REPO), sys.executable, str(tiny_model_dir))
+    nvim.exec_lua(SETUP, str(REPO), sys.executable, str(writing_model_dir))
     nvim.command(f"edit {path}")
     assert nvim.exec_lua("return vim.bo.filetype") == "python"
     wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
