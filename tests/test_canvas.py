@@ -258,3 +258,27 @@ def test_streamed_drafts_leave_the_healed_text_out(tiny_engine: Engine) -> None:
     first_canvas = [view for view in seen if view.canvas_index == 0]
     firsts = {tiny_engine.tokenizer.decode(view.argmax[:1].tolist()) for view in first_canvas}
     assert all(text.startswith(" ") for text in firsts)  # the constraint held on the slot the drafts start with
+
+
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+def test_self_conditioning_reads_the_processed_or_the_raw_logits(tiny_engine_fp32: Engine, mode: str) -> None:
+    """Step 2 reads step 1's logits: temperature-scaled (transformers' sampler) or as the model gave them (what
+    `canvas-ls train` feeds its no-grad pass)."""
+    model = tiny_engine_fp32.loaded.model
+    real_forward, seen = model.forward, []
+
+    def forward(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        seen.append((kwargs.get("self_conditioning_logits"), out.logits.clone()))
+        return out
+
+    model.forward = forward
+    settings = {"gap_tokens": 8, "max_steps": 4, "t_min": 0.2, "t_max": 0.6, "stability_threshold": 3}
+    try:
+        tiny_engine_fp32.infill(PREFIX, SUFFIX, {**settings, "self_condition": mode})
+    finally:
+        del model.forward
+    assert seen[0][0] is None and len(seen) >= 2
+    first_logits, second_input = seen[0][1], seen[1][0]
+    temperature = 0.6  # the first step runs at t_max
+    torch.testing.assert_close(second_input, first_logits / temperature if mode == "processed" else first_logits)
