@@ -165,9 +165,10 @@ class Engine:
         settings = self.settings.merged(request.overrides)
         healed, allowed = "", None
         if settings.layout == "canvas":
-            prefix_ids = self._encode(request.prefix)
-            if settings.token_healing:
-                prefix_ids, healed, allowed = self._healed(prefix_ids, request.prefix)
+            healed = self._healing_cut(request.prefix) if settings.token_healing else ""
+            allowed = self._first_slot_allowed(healed) if healed else None
+            healed = healed if allowed is not None else ""
+            prefix_ids = self._encode(request.prefix[: len(request.prefix) - len(healed)])
             encoder_ids = self._with_bos(prefix_ids[-settings.max_prefix_tokens :])
             head_ids = self._encode(request.suffix)[: settings.suffix_head_tokens]
         else:
@@ -209,45 +210,41 @@ class Engine:
             self._newline_ids = frozenset(i for i, text in enumerate(self._token_texts()) if "\n" in text)
         return self._newline_ids
 
-    def _healed(self, prefix_ids: list[int], prefix: str) -> tuple[list[int], str, torch.Tensor | None]:
-        """Token healing: `prefix_ids` (the prefix's tokens) cut back to the last boundary that a following word
-        would keep, the text cut off, and the first slot's allowed tokens; unchanged, "" and None when there is
-        nothing to heal.
+    def _healing_cut(self, prefix: str) -> str:
+        """Token healing: the end of `prefix` that a following word would take into its first token ("" when the
+        prefix ends at a token boundary).
 
         Byte-level BPE glues a space to the word after it, so "x = " alone ends in a lone ' ' token the model
-        rarely saw, where "x = y" gives ' =' ' y'. Tokenizing the prefix's last line with a word after it shows
-        where that boundary is; the text past it must start the answer."""
-        cut = self._healing_cut(prefix)
-        if not cut:
-            return prefix_ids, "", None
-        for drop in range(1, 4):  # the prefix's own last tokens must spell the cut exactly
-            if len(prefix_ids) < drop or len(text := self.tokenizer.decode(prefix_ids[-drop:])) > len(cut):
-                break
-            if text == cut:
-                return prefix_ids[:-drop], cut, self._first_slot_allowed(cut)
-        return prefix_ids, "", None
-
-    def _healing_cut(self, prefix: str) -> str:
-        """The end of `prefix` that a following word would take into its first token ("" at a boundary)."""
-        tail = prefix[prefix.rfind("\n") + 1 :]  # pretokens never span a line break followed by text
+        rarely saw, where "x = y" gives ' =' ' y' (and "\\n    " after Enter is one token where "\\n    y" gives
+        '\\n   ' ' y'). Tokenizing the prefix's end with a word after it shows where that boundary is: the prefix is
+        encoded up to it, tokenized alone as in training, and the text past it must start the answer."""
+        window = prefix[max(0, len(prefix.rstrip()) - 32) :]  # the last pretokens: enough to place the boundary
         cut = ""
         for probe in HEALING_PROBES:
-            kept = 0
-            for token in self._encode(tail + probe):
-                width = len(self.tokenizer.decode([token]))
-                if kept + width > len(tail):
+            tokens = self._encode(window + probe)
+            kept = ""
+            for end in range(len(tokens), 0, -1):  # the longest run of whole tokens inside the window
+                text = self.tokenizer.decode(tokens[:end])
+                if len(text) <= len(window) and window.startswith(text):
+                    kept = text
                     break
-                kept += width
-            if len(tail) - kept > len(cut):
-                cut = tail[kept:]
-        return "" if "\ufffd" in cut else cut
+            if len(window) - len(kept) > len(cut):
+                cut = window[len(kept) :]
+        if not cut and window[-1:].isalnum():  # a word being typed ("os.pa"): its token may be one of a longer word
+            tokens = self._encode(window)
+            last = self.tokenizer.decode(tokens[-1:])
+            if window.endswith(last) and any(t.startswith(last) and t != last for t in self._token_texts()):
+                cut = last
+        return "" if "\n" in cut else cut
 
     def _first_slot_allowed(self, cut: str) -> torch.Tensor | None:
-        """[V] bool: the tokens that start with `cut` and go on (the cut alone again would be the same lone token),
-        and the stop ids (nothing to add is still an answer)."""
+        """[V] bool: the tokens that start with `cut` (going on past it when it is blank: the same lone space
+        again is what healing avoids), and the stop ids (nothing to add is still an answer)."""
         allowed = self._healing_masks.get(cut)
         if allowed is None:
-            allowed = torch.tensor([text.startswith(cut) and text != cut for text in self._token_texts()])
+            blank = cut.isspace()
+            texts = self._token_texts()
+            allowed = torch.tensor([text.startswith(cut) and not (blank and text == cut) for text in texts])
             if not bool(allowed.any()):
                 return None
             allowed[self._stop_ids] = True

@@ -244,7 +244,7 @@ def test_token_healing_still_lets_the_model_answer_nothing(tiny_engine: Engine) 
     assert result.tokens == [] and result.text == "" and result.healed == ""
 
 
-@pytest.mark.parametrize("prefix", ["x = f(", "x = 1\n", "if x:\n\t", "", "é = "[:2]])
+@pytest.mark.parametrize("prefix", ["x = f(", "x = 1\n", "if x:\n\t", "", "s = 'é'"])
 def test_token_healing_leaves_prefixes_that_end_at_a_boundary(tiny_engine: Engine, prefix: str) -> None:
     result = tiny_engine.infill(prefix, "\n", {"gap_tokens": 4, "max_steps": 2, "min_new_tokens": 1})
     assert result.healed == "" and result.text == tiny_engine.tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -282,3 +282,16 @@ def test_self_conditioning_reads_the_processed_or_the_raw_logits(tiny_engine_fp3
     first_logits, second_input = seen[0][1], seen[1][0]
     temperature = 0.6  # the first step runs at t_max
     torch.testing.assert_close(second_input, first_logits / temperature if mode == "processed" else first_logits)
+
+
+@pytest.mark.parametrize(
+    ("prefix", "cut"), [("x = ", " "), ("def f():\n    ", " "), ("    if x:\n        ", " "), ("foo(a, ", " ")]
+)
+def test_token_healing_finds_the_boundary_a_following_word_would_use(
+    tiny_engine: Engine, prefix: str, cut: str
+) -> None:
+    """The text cut is what a word typed next would take into its own token; the rest is tokenized alone."""
+    assert tiny_engine._healing_cut(prefix) == cut
+    word = tiny_engine.tokenizer.encode(prefix + "return", add_special_tokens=False)
+    kept = tiny_engine.tokenizer.encode(prefix[: -len(cut)], add_special_tokens=False)
+    assert word[: len(kept)] == kept  # the kept ids are the ones the prefix has when a word follows
