@@ -71,10 +71,12 @@ class Completer:
         self.ids = itertools.count(1)
         self.stats = Stats()
 
-    async def complete(self, document: Document | None, line: int, character: int) -> Outcome:
+    async def complete(self, document: Document | None, line: int, character: int, invoked: bool = False) -> Outcome:
+        """`invoked`: the user asked for a completion (a key, a command) rather than the editor on typing; the
+        model must then write something (an empty answer would look like canvas-ls ignored the request)."""
         request_id = next(self.ids)
         started = time.perf_counter()
-        outcome = await self._complete(document, line, character, request_id)
+        outcome = await self._complete(document, line, character, request_id, invoked)
         outcome.elapsed_ms = (time.perf_counter() - started) * 1000
         self.stats.requests += 1
         self.stats.by_source[outcome.source] = self.stats.by_source.get(outcome.source, 0) + 1
@@ -82,7 +84,8 @@ class Completer:
                  outcome.elapsed_ms)  # fmt: skip
         return outcome
 
-    async def _complete(self, document: Document | None, line: int, character: int, request_id: int) -> Outcome:
+    async def _complete(self, document: Document | None, line: int, character: int, request_id: int,
+                        invoked: bool) -> Outcome:  # fmt: skip
         def nothing(source: str) -> Outcome:
             return Outcome(None, source, request_id, 0.0)
 
@@ -108,7 +111,8 @@ class Completer:
             return Outcome(edit, "typing", request_id, 0.0)
 
         # 4. Cache, keyed on the context the model would see.
-        key = self._key(document, context)
+        overrides = self._overrides(context, invoked)
+        key = self._key(document, context, overrides)
         if key in self.cache:
             self.cache.move_to_end(key)
             self.stats.cache_hits += 1
@@ -130,9 +134,7 @@ class Completer:
                     return nothing("superseded")
             self.stats.model_calls += 1
             called = time.perf_counter()
-            result = await self.backend.infill(
-                context.prefix, context.suffix, self._overrides(context), cancel, document.uri
-            )
+            result = await self.backend.infill(context.prefix, context.suffix, overrides, cancel, document.uri)
         except BackendNotReady as exc:
             return nothing(f"not ready:{exc}")
         except BackendError as exc:
@@ -156,9 +158,10 @@ class Completer:
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
-    def _overrides(self, context: CompletionContext) -> dict[str, Any]:
+    def _overrides(self, context: CompletionContext, invoked: bool = False) -> dict[str, Any]:
         options = self.config.completion
         return {
+            "min_new_tokens": 1 if invoked else None,  # None: the model's own setting
             "gap_tokens": context.gap_tokens,
             "max_new_tokens": context.max_new_tokens,
             "max_prefix_tokens": options.prefix_tokens,
@@ -168,9 +171,9 @@ class Completer:
             "single_line": context.mode == "single_line",
         }
 
-    def _key(self, document: Document, context: CompletionContext) -> str:
+    def _key(self, document: Document, context: CompletionContext, overrides: dict[str, Any]) -> str:
         digest = hashlib.sha1()
-        for part in (document.language, context.mode, repr(self._overrides(context)), context.prefix, "\0",
+        for part in (document.language, context.mode, repr(overrides), context.prefix, "\0",
                      context.suffix):  # fmt: skip
             digest.update(part.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()

@@ -144,9 +144,10 @@ def did_close(ls: CanvasServer, params: types.DidCloseTextDocumentParams) -> Non
     ls.documents.close(params.text_document.uri)
 
 
-async def _complete(ls: CanvasServer, uri: str, position: types.Position) -> tuple[Outcome, types.Range | None]:
+async def _complete(ls: CanvasServer, uri: str, position: types.Position,
+                    invoked: bool = False) -> tuple[Outcome, types.Range | None]:  # fmt: skip
     document = ls.documents.get(uri)
-    outcome = await ls.completer.complete(document, position.line, position.character)
+    outcome = await ls.completer.complete(document, position.line, position.character, invoked)
     if outcome.edit is None or document is None:
         return outcome, None
     index = document.index
@@ -156,7 +157,8 @@ async def _complete(ls: CanvasServer, uri: str, position: types.Position) -> tup
 
 @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
 async def inline_completion(ls: CanvasServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
-    outcome, span = await _complete(ls, params.text_document.uri, params.position)
+    invoked = params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
+    outcome, span = await _complete(ls, params.text_document.uri, params.position, invoked)
     if outcome.edit is None or span is None:
         return types.InlineCompletionList(items=[])
     return types.InlineCompletionList(items=[types.InlineCompletionItem(insert_text=outcome.edit.text, range=span)])
@@ -165,7 +167,8 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
 @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(trigger_characters=[".", "(", " "]))
 async def completion(ls: CanvasServer, params: types.CompletionParams) -> types.CompletionList:
     """For clients without inline completion: one item whose textEdit holds the whole completion."""
-    outcome, span = await _complete(ls, params.text_document.uri, params.position)
+    invoked = params.context is not None and params.context.trigger_kind == types.CompletionTriggerKind.Invoked
+    outcome, span = await _complete(ls, params.text_document.uri, params.position, invoked)
     if outcome.edit is None or span is None:
         return types.CompletionList(is_incomplete=True, items=[])
     text = outcome.edit.text

@@ -62,12 +62,14 @@ def open_doc(client: LanguageClient, name: str, text: str, language: str = "pyth
     )
 
 
-async def inline(client: LanguageClient, name: str, position: types.Position) -> list[types.InlineCompletionItem]:
+async def inline(client: LanguageClient, name: str, position: types.Position,
+                 trigger: types.InlineCompletionTriggerKind = types.InlineCompletionTriggerKind.Automatic,
+                 ) -> list[types.InlineCompletionItem]:  # fmt: skip
     result = await client.text_document_inline_completion_async(
         types.InlineCompletionParams(
             text_document=types.TextDocumentIdentifier(uri(name)),
             position=position,
-            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
+            context=types.InlineCompletionContext(trigger_kind=trigger),
         )
     )
     return list(result.items if isinstance(result, types.InlineCompletionList) else result or [])
@@ -374,6 +376,19 @@ async def test_invalid_options_give_a_message_and_defaults(raw_client: LanguageC
     assert lsp_client.messages[0].message.startswith("Invalid canvas-ls options, using defaults:")
     assert "extra fields found (gap_tokens)" in lsp_client.messages[0].message
     await lsp_client.shutdown_session()
+
+
+async def test_an_invoked_completion_always_writes_something(raw_client: LanguageClient, tiny_model_dir: Path) -> None:
+    """Where the (random) model answers nothing on its own, a completion the user asked for still shows one."""
+    capabilities = pytest_lsp.client_capabilities("neovim")
+    init = options(tiny_model_dir, max_steps=4)
+    await raw_client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    await wait_ready(raw_client)
+    open_doc(raw_client, "a.py", COMMENT_DOC)
+    assert await inline(raw_client, "a.py", COMMENT_POS) == []  # the model's own answer here: nothing
+    items = await inline(raw_client, "a.py", COMMENT_POS, types.InlineCompletionTriggerKind.Invoked)
+    assert len(items) == 1 and items[0].insert_text.strip()
+    await raw_client.shutdown_session()
 
 
 async def test_shutdown_during_a_request(slow_client: LanguageClient) -> None:
