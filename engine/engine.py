@@ -29,13 +29,11 @@ from engine.canvas import (
 from engine.loading import LoadedModel, load_model
 from engine.prefix_cache import PrefixCache
 from engine.settings import InfillSettings, model_settings
+from engine.tokenizer import TokenHealing
 
 __all__ = ["Engine", "EngineBatch", "InfillCancelled", "InfillRequest", "InfillResult"]
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
-# Words appended to a prefix's last line to find where a following word's first token would start (token
-# healing): BPE glues a space before a word to it, and a small vocabulary may lack some of these merges.
-HEALING_PROBES = ("x", "a", "self", "return")
 INSTRUCTION = (
     "Complete the code at <CURSOR>. Answer with only the code that goes there, nothing else.\n\n"
     "{prefix}<CURSOR>{suffix}"
@@ -103,7 +101,7 @@ class Engine:
         self._stop_ids = _stop_ids(loaded.model, self.tokenizer)
         self._lock = threading.Lock()
         self._newline_ids: frozenset[int] | None = None
-        self._texts: list[str] | None = None
+        self.healing = TokenHealing(self.tokenizer, loaded.model.config.get_text_config().vocab_size)
         self._healing_masks: dict[str, torch.Tensor] = {}  # cut text -> allowed first tokens
 
     @classmethod
@@ -165,7 +163,7 @@ class Engine:
         settings = self.settings.merged(request.overrides)
         healed, allowed = "", None
         if settings.layout == "canvas":
-            healed = self._healing_cut(request.prefix) if settings.token_healing else ""
+            healed = self.healing.cut(request.prefix) if settings.token_healing else ""
             allowed = self._first_slot_allowed(healed) if healed else None
             healed = healed if allowed is not None else ""
             prefix_ids = self._encode(request.prefix[: len(request.prefix) - len(healed)])
@@ -197,45 +195,11 @@ class Engine:
     def _prefix_cache(self, settings: InfillSettings) -> PrefixCache | None:
         return self.prefix_cache if settings.reuse_prefix else None
 
-    def _token_texts(self) -> list[str]:
-        """The text of every id the model can write (computed once)."""
-        if self._texts is None:
-            size = self.loaded.model.config.get_text_config().vocab_size
-            self._texts = [self.tokenizer.decode([i]) for i in range(size)]
-        return self._texts
-
     def _line_end_ids(self) -> frozenset[int]:
         """Vocabulary ids whose text holds a line break (computed once)."""
         if self._newline_ids is None:
-            self._newline_ids = frozenset(i for i, text in enumerate(self._token_texts()) if "\n" in text)
+            self._newline_ids = frozenset(i for i, text in enumerate(self.healing.texts) if "\n" in text)
         return self._newline_ids
-
-    def _healing_cut(self, prefix: str) -> str:
-        """Token healing: the end of `prefix` that a following word would take into its first token ("" when the
-        prefix ends at a token boundary).
-
-        Byte-level BPE glues a space to the word after it, so "x = " alone ends in a lone ' ' token the model
-        rarely saw, where "x = y" gives ' =' ' y' (and "\\n    " after Enter is one token where "\\n    y" gives
-        '\\n   ' ' y'). Tokenizing the prefix's end with a word after it shows where that boundary is: the prefix is
-        encoded up to it, tokenized alone as in training, and the text past it must start the answer."""
-        window = prefix[max(0, len(prefix.rstrip()) - 32) :]  # the last pretokens: enough to place the boundary
-        cut = ""
-        for probe in HEALING_PROBES:
-            tokens = self._encode(window + probe)
-            kept = ""
-            for end in range(len(tokens), 0, -1):  # the longest run of whole tokens inside the window
-                text = self.tokenizer.decode(tokens[:end])
-                if len(text) <= len(window) and window.startswith(text):
-                    kept = text
-                    break
-            if len(window) - len(kept) > len(cut):
-                cut = window[len(kept) :]
-        if not cut and window[-1:].isalnum():  # a word being typed ("os.pa"): its token may be one of a longer word
-            tokens = self._encode(window)
-            last = self.tokenizer.decode(tokens[-1:])
-            if window.endswith(last) and any(t.startswith(last) and t != last for t in self._token_texts()):
-                cut = last
-        return "" if "\n" in cut else cut
 
     def _first_slot_allowed(self, cut: str) -> torch.Tensor | None:
         """[V] bool: the tokens that start with `cut` (going on past it when it is blank: the same lone space
@@ -243,7 +207,7 @@ class Engine:
         allowed = self._healing_masks.get(cut)
         if allowed is None:
             blank = cut.isspace()
-            texts = self._token_texts()
+            texts = self.healing.texts
             allowed = torch.tensor([text.startswith(cut) and not (blank and text == cut) for text in texts])
             if not bool(allowed.any()):
                 return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -41,3 +42,53 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path | None 
     if out_dir is not None:
         fast.save_pretrained(str(out_dir))
     return fast
+
+
+# Words appended to a prefix's end to find where a following word's first token would start (token healing): BPE
+# glues a space before a word to it, and a small vocabulary may lack some of these merges.
+HEALING_PROBES = ("x", "a", "self", "return")
+
+
+class TokenHealing:
+    """Where a prefix stops being a token boundary, for a tokenizer: the engine cuts the prefix back there (and the
+    answer's first token re-writes the cut), and training cuts its examples the same way, so that the model learns
+    the boundaries it will be shown.
+
+    Byte-level BPE glues a space to the word after it, so "x = " alone ends in a lone ' ' token the model rarely
+    saw, where "x = y" gives ' =' ' y' (and the indentation an editor leaves after Enter, "\\n    ", is one token
+    where "\\n    y" gives '\\n   ' ' y'). Tokenizing the prefix's end with a word after it shows the boundary."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._texts: list[str] | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        """The text of every id the model can write (computed once)."""
+        if self._texts is None:
+            self._texts = [self.tokenizer.decode([i]) for i in range(self.vocab_size)]
+        return self._texts
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def cut(self, prefix: str) -> str:
+        """The end of `prefix` that a following word would take into its first token ("" at a boundary)."""
+        window = prefix[max(0, len(prefix.rstrip()) - 32) :]  # the last pretokens: enough to place the boundary
+        cut = ""
+        for probe in HEALING_PROBES:
+            tokens = self._encode(window + probe)
+            kept = ""
+            for end in range(len(tokens), 0, -1):  # the longest run of whole tokens inside the window
+                text = self.tokenizer.decode(tokens[:end])
+                if len(text) <= len(window) and window.startswith(text):
+                    kept = text
+                    break
+            if len(window) - len(kept) > len(cut):
+                cut = window[len(kept) :]
+        if not cut and window[-1:].isalnum():  # a word being typed ("os.pa"): its token may be one of a longer word
+            last = self.tokenizer.decode(self._encode(window)[-1:])
+            if window.endswith(last) and any(t.startswith(last) and t != last for t in self.texts):
+                cut = last
+        return "" if "\n" in cut else cut

@@ -13,7 +13,9 @@ fill gaps with EOS. Half the steps use self-conditioning: a no-grad decoder pass
 The encoder's hidden states also get a next-token loss (DiffusionGemma's own recipe started from a causal model;
 the shared stack gets that cheapest-per-FLOP signal here on every step, for the price of one LM-head matmul).
 
-Middles: single line (whole line, or the rest of a line), multi-line, random span, empty.
+Middles: single line (whole line, or the rest of a line), multi-line, random span, empty. A cut the engine would
+heal (a prefix ending in the space before a word, or inside a word's token) moves back to the token boundary, as
+the engine's token healing does, so that the model learns the boundaries it will be shown.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engine.corpus import CorpusFile
+from engine.tokenizer import TokenHealing
 
 EOS_FILL_WEIGHT = 0.05
 
@@ -46,9 +49,11 @@ class Example:
 class ExampleSampler:
     """Cuts infill examples out of corpus files, in text space, the way the engine will see them."""
 
-    def __init__(self, files: list[CorpusFile], tokenizer: Any, seed: int, prefix_tokens: int, head_tokens: int):
+    def __init__(self, files: list[CorpusFile], tokenizer: Any, seed: int, prefix_tokens: int, head_tokens: int,
+                 healing: TokenHealing | None = None):  # fmt: skip
         self.files = [f for f in files if f.text.count("\n") >= 3]
         self.tokenizer = tokenizer
+        self.healing = healing
         self.rng = random.Random(seed)
         self.prefix_tokens = prefix_tokens
         self.head_tokens = head_tokens
@@ -85,6 +90,8 @@ class ExampleSampler:
         file = self.rng.choice(self.files)
         text = file.text
         a, b = self._cut(text)
+        if self.healing is not None and a < b:  # the prefix ends where the engine would cut it (token healing)
+            a -= len(self.healing.cut(text[max(0, a - 200) : a]))
         prefix = [self.bos, *self._encode(text[max(0, a - 6 * self.prefix_tokens) : a])[-(self.prefix_tokens - 1) :]]
         middle = self._encode(text[a:b])
         head = self._encode(text[b : b + 8 * self.head_tokens])[: self.head_tokens]
@@ -195,6 +202,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     ar_weight: float = 0.5  # next-token loss on the encoder, relative to the diffusion loss
     self_condition_prob: float = 0.5
+    # Cut training prefixes where the engine's token healing cuts them (held-out examples stay as cut, so the eval
+    # losses compare with runs before this option).
+    token_healing: bool = True
     bf16: bool = True  # autocast; a bf16 matmul ran 2.4x an fp32 one on this project's 2-core CPU
     device: str = "auto"  # "auto": CUDA when there is a GPU, else the CPU
     threads: int = 0  # 0: torch's default
@@ -287,7 +297,9 @@ def train(
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         state = saved["state"]
-    sampler = ExampleSampler(train_files, tokenizer, cfg.seed + state["step"], cfg.prefix_tokens, cfg.head_tokens)
+    healing = TokenHealing(tokenizer, model.config.get_text_config().vocab_size) if cfg.token_healing else None
+    sampler = ExampleSampler(train_files, tokenizer, cfg.seed + state["step"], cfg.prefix_tokens, cfg.head_tokens,
+                             healing)  # fmt: skip
     eval_sampler = ExampleSampler(eval_files, tokenizer, 99, cfg.prefix_tokens, cfg.head_tokens)
     eval_batches = [
         collate([eval_sampler.example(g) for _ in range(cfg.batch_size)], tokenizer.pad_token_id).to(device)

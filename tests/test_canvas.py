@@ -291,7 +291,7 @@ def test_token_healing_finds_the_boundary_a_following_word_would_use(
     tiny_engine: Engine, prefix: str, cut: str
 ) -> None:
     """The text cut is what a word typed next would take into its own token; the rest is tokenized alone."""
-    assert tiny_engine._healing_cut(prefix) == cut
+    assert tiny_engine.healing.cut(prefix) == cut
     word = tiny_engine.tokenizer.encode(prefix + "return", add_special_tokens=False)
     kept = tiny_engine.tokenizer.encode(prefix[: -len(cut)], add_special_tokens=False)
     assert word[: len(kept)] == kept  # the kept ids are the ones the prefix has when a word follows

@@ -11,7 +11,7 @@ from transformers import DiffusionGemmaForBlockDiffusion
 
 from engine.architecture import small_config
 from engine.corpus import CorpusFile, decontamination_report, is_permissive
-from engine.tokenizer import train_tokenizer
+from engine.tokenizer import TokenHealing, train_tokenizer
 from engine.training import ExampleSampler, TrainConfig, collate, evaluate, train
 from tests.conftest import tokenizer_texts
 
@@ -62,6 +62,26 @@ def test_examples_cut_the_text_as_the_engine_will_see_it(tmp_path: Path) -> None
         assert example.gap[example.middle_len :] == [tokenizer.eos_token_id] * (16 - example.middle_len)
         joined = tokenizer.decode(example.prefix[1:] + example.gap[: example.middle_len] + example.head)
         assert any(joined in f.text for f in corpus_files()), joined  # one contiguous span of one file
+
+
+def test_examples_are_cut_where_the_engine_heals(tmp_path: Path) -> None:
+    """With healing, an example's prefix ends where the engine would cut the same prefix back (and the middle starts
+    with the cut text); the same seed draws the same cuts either way."""
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path)
+    healing = TokenHealing(tokenizer, len(tokenizer))
+    plain = ExampleSampler(corpus_files(), tokenizer, 0, 64, 8)
+    healed = ExampleSampler(corpus_files(), tokenizer, 0, 64, 8, healing)
+    moved = 0
+    for _ in range(300):
+        before, after = plain.example(gap_tokens=16), healed.example(gap_tokens=16)
+        if not before.middle_len:
+            continue
+        text = tokenizer.decode(before.prefix[1:])
+        cut = healing.cut(text)
+        assert tokenizer.decode(after.prefix[1:])[-40:] == text[: len(text) - len(cut)][-40:]
+        assert tokenizer.decode(after.gap).startswith(cut)
+        moved += bool(cut)
+    assert moved > 10  # the sampler cuts at any character: many prefixes end in a space or inside a word
 
 
 def test_a_short_run_lowers_the_loss(tmp_path: Path) -> None:
