@@ -138,11 +138,11 @@ class Engine:
         on_step: Callable[[StepView], None] | None = None,
     ) -> InfillResult:
         """Fill the gap between `prefix` and `suffix`. Raises InfillCancelled when `cancel` is set mid-way."""
-        job = self._prepare(InfillRequest(prefix, suffix, overrides, cancel, on_step))
+        prepared = self._prepare(InfillRequest(prefix, suffix, overrides, cancel, on_step))
         with self._lock:
-            out = fill(self.loaded.model, job.encoder_ids, job.head_ids, job.params, self._stop_ids, cancel, on_step,
-                       self._prefix_cache(job.settings))  # fmt: skip
-        return self._result(job, out)
+            out = fill(self.loaded.model, prepared.encoder_ids, prepared.head_ids, prepared.params, self._stop_ids,
+                       cancel, on_step, self._prefix_cache(prepared.settings))  # fmt: skip
+        return self._result(prepared, out)
 
     def infill_batch(self, requests: list[InfillRequest]) -> list[InfillResult | InfillCancelled]:
         """Fill several gaps at once: their canvases share each decoder forward. A cancelled request's slot holds
@@ -217,9 +217,9 @@ class Engine:
                 self._healing_masks[cut] = allowed
         return allowed
 
-    def _result(self, job: Prepared, out: CanvasOutput) -> InfillResult:
+    def _result(self, prepared: Prepared, out: CanvasOutput) -> InfillResult:
         produced = len(out.tokens) + (1 if out.ended_with_eos else 0)
-        healed = job.params.healed if out.tokens else ""
+        healed = prepared.params.healed if out.tokens else ""
         return InfillResult(
             text=self.tokenizer.decode(out.tokens, skip_special_tokens=True).removeprefix(healed),
             tokens=out.tokens,
@@ -233,14 +233,14 @@ class Engine:
             stop_reason="eos" if out.ended_with_eos else "max_tokens",
             encode_ms=round(out.encode_seconds * 1000, 2),
             denoise_ms=round(out.denoise_seconds * 1000, 2),
-            prefix_tokens=len(job.encoder_ids),
+            prefix_tokens=len(prepared.encoder_ids),
             prefix_reused_tokens=out.prefix_reused,
-            suffix_head_tokens=len(job.head_ids),
-            layout=job.settings.layout,
+            suffix_head_tokens=len(prepared.head_ids),
+            layout=prepared.settings.layout,
             model=self.name,
             dtype=self.dtype,
             healed=healed,
-            settings=job.settings.to_dict(),
+            settings=prepared.settings.to_dict(),
         )
 
     # -- layouts -------------------------------------------------------------------------------------------------

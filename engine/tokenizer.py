@@ -62,6 +62,7 @@ class TokenHealing:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._texts: list[str] | None = None
+        self._extendable: dict[str, bool] = {}  # token text -> whether a longer token starts with it
 
     @property
     def texts(self) -> list[str]:
@@ -89,6 +90,11 @@ class TokenHealing:
                 cut = window[len(kept) :]
         if not cut and window[-1:].isalnum():  # a word being typed ("os.pa"): its token may be one of a longer word
             last = self.tokenizer.decode(self._encode(window)[-1:])
-            if window.endswith(last) and any(t.startswith(last) and t != last for t in self.texts):
+            extendable = self._extendable.get(last)
+            if extendable is None:
+                extendable = any(t.startswith(last) and t != last for t in self.texts)
+                if len(self._extendable) < 4096:
+                    self._extendable[last] = extendable
+            if window.endswith(last) and extendable:
                 cut = last
         return "" if "\n" in cut else cut
