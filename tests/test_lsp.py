@@ -153,6 +153,8 @@ async def test_same_context_is_answered_from_the_cache(client: LanguageClient) -
     again = await fill(client, "a.py", COMMENT_POS)
     assert first["source"] == "model" and again["source"] == "cache"
     assert again["edit"]["text"] == first["edit"]["text"]
+    timings = (await request(client, "canvas/stats", {}))["modelCallMs"]  # one model call, timed (bench lsp's split)
+    assert len(timings) == 1 and 0 < timings[0]["engine"] <= timings[0]["call"]
 
 
 async def test_typing_through_is_answered_without_a_model_call(client: LanguageClient) -> None:
