@@ -421,10 +421,9 @@ class CanvasJob:
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
         self.gap_canvas = self.sampler.renoise_canvas(accepted, remaining)
-        processed = self.params.self_condition == "processed"
-        self.self_cond = (self.temperature(None, logits, cur_step=remaining) if processed else logits).to(
-            self.embed_dtype
-        )  # [1, G+S, V]
+        if self.params.self_condition == "processed":
+            logits = self.temperature(None, logits, cur_step=remaining)
+        self.self_cond = logits.to(self.embed_dtype)  # [1, G+S, V]
         if self.left_to_right:
             self.argmax = accepted  # the committed tokens are the answer
             converged = self.sampler.finished(accepted, self.stop_tensor)

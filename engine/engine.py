@@ -165,7 +165,6 @@ class Engine:
         if settings.layout == "canvas":
             healed = self.healing.cut(request.prefix) if settings.token_healing else ""
             allowed = self._first_slot_allowed(healed) if healed else None
-            healed = healed if allowed is not None else ""
             prefix_ids = self._encode(request.prefix[: len(request.prefix) - len(healed)])
             encoder_ids = self._with_bos(prefix_ids[-settings.max_prefix_tokens :])
             head_ids = self._encode(request.suffix)[: settings.suffix_head_tokens]
@@ -201,17 +200,13 @@ class Engine:
             self._newline_ids = frozenset(i for i, text in enumerate(self.healing.texts) if "\n" in text)
         return self._newline_ids
 
-    def _first_slot_allowed(self, cut: str) -> torch.Tensor | None:
-        """[V] bool: the tokens that start with `cut` (going on past it when it is blank: the same lone space
-        again is what healing avoids), and the stop ids (nothing to add is still an answer)."""
+    def _first_slot_allowed(self, cut: str) -> torch.Tensor:
+        """[V] bool on the model's device: the ids that may re-write `cut`, and the stop ids (nothing to add is
+        still an answer)."""
         allowed = self._healing_masks.get(cut)
         if allowed is None:
-            blank = cut.isspace()
-            texts = self.healing.texts
-            allowed = torch.tensor([text.startswith(cut) and not (blank and text == cut) for text in texts])
-            if not bool(allowed.any()):
-                return None
-            allowed[self._stop_ids] = True
+            allowed = torch.zeros(self.healing.vocab_size, dtype=torch.bool)
+            allowed[self.healing.first_tokens(cut) + self._stop_ids] = True
             allowed = allowed.to(self.loaded.model.device)
             if len(self._healing_masks) < 256:
                 self._healing_masks[cut] = allowed

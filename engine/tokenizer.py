@@ -62,7 +62,7 @@ class TokenHealing:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._texts: list[str] | None = None
-        self._extendable: dict[str, bool] = {}  # token text -> whether a longer token starts with it
+        self._first: dict[str, list[int]] = {}  # cut text -> the ids that may re-write it
 
     @property
     def texts(self) -> list[str]:
@@ -71,11 +71,23 @@ class TokenHealing:
             self._texts = [self.tokenizer.decode([i]) for i in range(self.vocab_size)]
         return self._texts
 
+    def first_tokens(self, cut: str) -> list[int]:
+        """The ids that may start an answer re-writing `cut`: those whose text starts with it (and goes on past it
+        when it is blank: the same lone space again is what healing avoids)."""
+        ids = self._first.get(cut)
+        if ids is None:
+            blank = cut.isspace()
+            ids = [i for i, text in enumerate(self.texts) if text.startswith(cut) and not (blank and text == cut)]
+            if len(self._first) < 4096:
+                self._first[cut] = ids
+        return ids
+
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def cut(self, prefix: str) -> str:
-        """The end of `prefix` that a following word would take into its first token ("" at a boundary)."""
+        """The end of `prefix` that a following word would take into its first token: "" at a boundary, or when
+        no token could re-write it."""
         window = prefix[max(0, len(prefix.rstrip()) - 32) :]  # the last pretokens: enough to place the boundary
         cut = ""
         for probe in HEALING_PROBES:
@@ -90,11 +102,7 @@ class TokenHealing:
                 cut = window[len(kept) :]
         if not cut and window[-1:].isalnum():  # a word being typed ("os.pa"): its token may be one of a longer word
             last = self.tokenizer.decode(self._encode(window)[-1:])
-            extendable = self._extendable.get(last)
-            if extendable is None:
-                extendable = any(t.startswith(last) and t != last for t in self.texts)
-                if len(self._extendable) < 4096:
-                    self._extendable[last] = extendable
-            if window.endswith(last) and extendable:
+            texts = self.texts
+            if window.endswith(last) and any(len(texts[i]) > len(last) for i in self.first_tokens(last)):
                 cut = last
-        return "" if "\n" in cut else cut
+        return cut if cut and "\n" not in cut and self.first_tokens(cut) else ""

@@ -158,7 +158,7 @@ class Completer:
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
-    def _overrides(self, context: CompletionContext, invoked: bool = False) -> dict[str, Any]:
+    def _overrides(self, context: CompletionContext, invoked: bool) -> dict[str, Any]:
         options = self.config.completion
         return {
             "min_new_tokens": 1 if invoked else None,  # None: the model's own setting
