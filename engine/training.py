@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engine.corpus import CorpusFile
+from engine.loss import softcapped_cross_entropy
 from engine.tokenizer import TokenHealing
 
 EOS_FILL_WEIGHT = 0.05
@@ -142,12 +142,6 @@ def collate(examples: list[Example], pad: int) -> Batch:
     return Batch(prefix, mask, positions, gap, weight, head, head_mask)
 
 
-def _softcapped(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    cap = model.final_logit_softcapping
-    logits = model.lm_head(hidden).float()
-    return torch.tanh(logits / cap) * cap if cap else logits
-
-
 def losses(model: Any, batch: Batch, generator: torch.Generator, self_condition: bool) -> dict[str, torch.Tensor]:
     """Diffusion loss on the gap and next-token loss on the prefix, for one batch."""
     vocab = model.config.text_config.vocab_size
@@ -162,9 +156,12 @@ def losses(model: Any, batch: Batch, generator: torch.Generator, self_condition:
         past_key_values=cache,
         use_cache=True,
     )
-    ar_logits = _softcapped(model, encoded.last_hidden_state[:, :-1])
-    ar_targets = batch.prefix[:, 1:].masked_fill(~batch.prefix_mask[:, 1:], -100)
-    ar_loss = F.cross_entropy(ar_logits.reshape(-1, vocab), ar_targets.reshape(-1), ignore_index=-100)
+    hidden = model.config.text_config.hidden_size
+    ar_weights = (batch.prefix_mask[:, 1:] & batch.prefix_mask[:, :-1]).float()
+    ar_loss = softcapped_cross_entropy(
+        encoded.last_hidden_state[:, :-1].reshape(-1, hidden), model.lm_head.weight, batch.prefix[:, 1:].reshape(-1),
+        (ar_weights / ar_weights.sum().clamp(min=1)).reshape(-1), model.final_logit_softcapping,
+    )  # fmt: skip
 
     # 2. Canvas: noise the gap at level t, clamp the suffix head.
     device = batch.gap.device
@@ -182,10 +179,11 @@ def losses(model: Any, batch: Batch, generator: torch.Generator, self_condition:
     if self_condition:
         with torch.no_grad():
             self_cond = model(decoder_input_ids=canvas, **decoder_kwargs).logits.detach()
-    logits = model(decoder_input_ids=canvas, self_conditioning_logits=self_cond, **decoder_kwargs).logits
-    gap_logits = logits[:, :gap_len].float()
-    token_loss = F.cross_entropy(gap_logits.reshape(-1, vocab), batch.gap.reshape(-1), reduction="none")
-    diffusion_loss = (token_loss.view(bsz, gap_len) * batch.gap_weight).sum(dim=1).mean()
+    decoded = model.model(decoder_input_ids=canvas, self_conditioning_logits=self_cond, **decoder_kwargs)
+    diffusion_loss = softcapped_cross_entropy(
+        decoded.last_hidden_state[:, :gap_len].reshape(-1, hidden), model.lm_head.weight, batch.gap.reshape(-1),
+        (batch.gap_weight / bsz).reshape(-1), model.final_logit_softcapping,
+    )  # fmt: skip
     return {"diffusion": diffusion_loss, "ar": ar_loss}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from engine import DEFAULT_MODEL_DIR, Engine
-from engine.bench import load_tasks
+from engine.bench import load_tasks, normalise
 from tests.conftest import FIXTURES
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "config.json").is_file(), reason="no default model shipped")
@@ -29,11 +30,30 @@ def test_complete_uses_the_shipped_model_offline() -> None:
     assert result["layout"] == "canvas" and result["suffix_head_tokens"] > 0
 
 
-def test_the_shipped_model_answers_the_fixture_cases() -> None:
+@functools.cache
+def _fixture_answers() -> list[tuple[str, str, str]]:
+    """(case name, wanted, the shipped model's answer) for each fixture case, as the editor would insert it."""
     engine = Engine.load(None, "cpu")
     assert engine.settings.layout == "canvas"  # what it was trained for, from its canvas_ls.json
+    answers = []
     for task in load_tasks(FIXTURES / "cases" / "python.jsonl"):
         result = engine.infill(task.prompt, task.suffix, {"max_new_tokens": 16})
         assert result.steps >= 1 and len(result.tokens) <= 16
         assert result.stop_reason in ("eos", "max_tokens")
         assert all(0.0 <= c <= 1.0 for c in result.confidence)
+        answers.append((task.task_id, task.solution, result.text))
+    return answers
+
+
+def test_the_shipped_model_answers_the_fixture_cases() -> None:
+    assert len(_fixture_answers()) == 10  # each answer well-formed (asserted per case above)
+
+
+# Issue 3's target. The model trained on this project's 2-core CPU (37 M tokens seen) does not reach it: it answers
+# code-like words ("return", "sys", "key") but 0 of the 10 right. Strict: a model that reaches it makes this fail
+# until the mark is removed.
+@pytest.mark.xfail(strict=True, reason="issue 3: the shipped model completes 0 of the 10 fixture cases (target 8)")
+def test_the_shipped_model_completes_8_of_10_fixture_cases() -> None:
+    answers = _fixture_answers()
+    solved = [name for name, wanted, got in answers if normalise(got) == normalise(wanted)]
+    assert len(solved) >= 8, f"solved {solved}; answers: {answers}"

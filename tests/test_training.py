@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import DiffusionGemmaForBlockDiffusion
 
 from engine.architecture import small_config
 from engine.corpus import CorpusFile, decontamination_report, is_permissive
+from engine.loss import CHUNK_ROWS, softcapped_cross_entropy
 from engine.tokenizer import TokenHealing, train_tokenizer
 from engine.training import ExampleSampler, TrainConfig, collate, evaluate, train
 from tests.conftest import tokenizer_texts
@@ -99,3 +101,25 @@ def test_a_short_run_lowers_the_loss(tmp_path: Path) -> None:
     assert summary["step"] > 5
     assert after["diffusion"] < before["diffusion"] and after["ar"] < before["ar"]
     assert (tmp_path / "run" / "checkpoint.pt").is_file() and (tmp_path / "run" / "log.jsonl").is_file()
+
+
+def test_the_fused_head_loss_is_the_models_softcapped_cross_entropy() -> None:
+    """Chunked head + soft-cap + cross-entropy: the loss and gradients of the model's logits through F.cross_entropy."""
+    torch.manual_seed(0)
+    rows, width, vocab, cap = 3 * CHUNK_ROWS + 17, 32, 500, 30.0  # several chunks, the last one partial
+    hidden = torch.randn(rows, width, requires_grad=True)
+    weight = (3 * torch.randn(vocab, width)).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,))
+    row_weights = torch.rand(rows)
+    row_weights[::7] = 0.0  # padding rows: skipped, no gradient
+    logits = torch.tanh(hidden @ weight.T / cap) * cap  # the model's soft-capped head
+    expected = (F.cross_entropy(logits, targets, reduction="none") * row_weights).sum()
+    expected_grads = torch.autograd.grad(2 * expected, (hidden, weight))
+    got = softcapped_cross_entropy(hidden, weight, targets, row_weights, cap)
+    got_grads = torch.autograd.grad(2 * got, (hidden, weight))
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+    assert bool((got_grads[0][::7] == 0).all())
+    with torch.no_grad():  # evaluation: the loss alone
+        torch.testing.assert_close(softcapped_cross_entropy(hidden, weight, targets, row_weights, cap), expected)
