@@ -490,3 +490,78 @@ def format_engine(report: dict[str, Any]) -> str:
         ratio = f"{row['per_row_vs_one']:.2f}" if row["per_row_vs_one"] else "-"
         lines.append(f"{row['rows']:>6}{row['steps']:>8}{row['mean_ms']:>8.1f}{ratio:>14}")
     return "\n".join(lines)
+
+
+# -- `canvas-ls bench train`: what one training step costs ----------------------------------------------------------
+
+
+def run_train_bench(preset: str = "cpu", steps: int = 5, runs: int = 3) -> dict[str, Any]:
+    """Seconds per training step of the preset's model (fresh weights, the shipped tokenizer, batches cut from this
+    machine's sources as `canvas-ls train` cuts them), with the LM head's loss fused (engine/loss.py) and plain.
+    The two alternate on the same batches, `runs` times `steps` steps each, after one warm-up step each."""
+    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+    from engine import DEFAULT_MODEL_DIR, corpus
+    from engine.architecture import small_config
+    from engine.loading import quiet_libraries
+    from engine.training import PRESETS, ExampleSampler, TrainConfig, collate, losses
+
+    quiet_libraries()
+    spec = PRESETS[preset]
+    cfg = TrainConfig(**spec["train"])
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    torch.manual_seed(0)
+    model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer), sliding_window=512, **spec["model"]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sampler = ExampleSampler(corpus.collect(4_000_000), tokenizer, 0, cfg.prefix_tokens, cfg.head_tokens)
+    batches = [
+        (collate([sampler.example(gap) for _ in range(cfg.batch_size)], tokenizer.pad_token_id), self_condition)
+        for gap in cfg.gap_choices
+        for self_condition in (False, True)
+    ]
+    generator = torch.Generator().manual_seed(0)
+
+    def step(index: int, fused: bool) -> float:
+        batch, self_condition = batches[index % len(batches)]
+        started = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            parts = losses(model, batch, generator, self_condition, fused_head=fused)
+        optimizer.zero_grad(set_to_none=True)
+        (parts["diffusion"] + cfg.ar_weight * parts["ar"]).backward()
+        optimizer.step()
+        return time.perf_counter() - started
+
+    seconds: dict[str, list[float]] = {"fused": [], "plain": []}
+    for fused in (True, False):
+        step(0, fused)
+    for run in range(runs):
+        for name in ("fused", "plain") if run % 2 == 0 else ("plain", "fused"):
+            seconds[name].append(statistics.fmean(step(i, name == "fused") for i in range(steps)))
+    rows = {name: statistics.median(values) for name, values in seconds.items()}
+    tokens = statistics.fmean(int(b.prefix_mask.sum()) + b.gap.numel() + int(b.head_mask.sum()) for b, _ in batches)
+    return {
+        "machine": machine(),
+        "preset": preset,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "batch_size": cfg.batch_size,
+        "tokens_per_step": tokens,
+        "threads": torch.get_num_threads(),
+        "seconds_per_step": rows,
+        "runs": seconds,
+        "plain_over_fused": rows["plain"] / rows["fused"],
+    }
+
+
+def format_train(report: dict[str, Any]) -> str:
+    lines = [
+        f"preset {report['preset']}: {report['parameters'] / 1e6:.1f} M parameters, batch {report['batch_size']}, "
+        f"{report['tokens_per_step']:.0f} tokens per step",
+        report["machine"],
+        "",
+        f"{'LM head loss':<14}{'s/step':>8}{'examples/s':>12}{'tokens/s':>10}",
+    ]
+    for name, seconds in report["seconds_per_step"].items():
+        rate = report["batch_size"] / seconds
+        lines.append(f"{name:<14}{seconds:>8.3f}{rate:>12.1f}{report['tokens_per_step'] / seconds:>10.0f}")
+    lines.append(f"\nplain / fused: {report['plain_over_fused']:.2f}x")
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 CHUNK_ROWS = 256
 
@@ -76,10 +77,21 @@ class _SoftcappedLinearCrossEntropy(torch.autograd.Function):
 
 
 def softcapped_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor, cap: float | None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor,
+    cap: float | None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """sum_i row_weights[i] * CE(cap * tanh(hidden[i] @ weight.T / cap), targets[i]) over rows [N, H]; rows of
-    weight 0 are skipped (use them for padding). Matmuls run in the autocast dtype when autocast is on."""
+    weight 0 are skipped (use them for padding). Matmuls run in the autocast dtype when autocast is on.
+    `fused=False`: the same in plain eager PyTorch (the reference, and the baseline of `bench train`)."""
+    if not fused:
+        logits = (hidden @ weight.T).float()
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return (F.cross_entropy(logits, targets, reduction="none") * row_weights).sum()
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     with torch.autocast(device, enabled=False):

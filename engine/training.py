@@ -142,7 +142,9 @@ def collate(examples: list[Example], pad: int) -> Batch:
     return Batch(prefix, mask, positions, gap, weight, head, head_mask)
 
 
-def losses(model: Any, batch: Batch, generator: torch.Generator, self_condition: bool) -> dict[str, torch.Tensor]:
+def losses(
+    model: Any, batch: Batch, generator: torch.Generator, self_condition: bool, fused_head: bool = True
+) -> dict[str, torch.Tensor]:
     """Diffusion loss on the gap and next-token loss on the prefix, for one batch."""
     vocab = model.config.text_config.vocab_size
     bsz, gap_len = batch.gap.shape
@@ -160,7 +162,7 @@ def losses(model: Any, batch: Batch, generator: torch.Generator, self_condition:
     ar_weights = (batch.prefix_mask[:, 1:] & batch.prefix_mask[:, :-1]).float()
     ar_loss = softcapped_cross_entropy(
         encoded.last_hidden_state[:, :-1].reshape(-1, hidden), model.lm_head.weight, batch.prefix[:, 1:].reshape(-1),
-        (ar_weights / ar_weights.sum().clamp(min=1)).reshape(-1), model.final_logit_softcapping,
+        (ar_weights / ar_weights.sum().clamp(min=1)).reshape(-1), model.final_logit_softcapping, fused_head,
     )  # fmt: skip
 
     # 2. Canvas: noise the gap at level t, clamp the suffix head.
@@ -182,7 +184,7 @@ def losses(model: Any, batch: Batch, generator: torch.Generator, self_condition:
     decoded = model.model(decoder_input_ids=canvas, self_conditioning_logits=self_cond, **decoder_kwargs)
     diffusion_loss = softcapped_cross_entropy(
         decoded.last_hidden_state[:, :gap_len].reshape(-1, hidden), model.lm_head.weight, batch.gap.reshape(-1),
-        (batch.gap_weight / bsz).reshape(-1), model.final_logit_softcapping,
+        (batch.gap_weight / bsz).reshape(-1), model.final_logit_softcapping, fused_head,
     )  # fmt: skip
     return {"diffusion": diffusion_loss, "ar": ar_loss}
 

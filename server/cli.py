@@ -100,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     engine_bench.add_argument("--per-client", type=int, default=8, help="requests per client in the throughput runs")
     engine_bench.add_argument("--out", type=Path, help="JSON report path")
 
+    train_bench = benches.add_parser("train", help="seconds per training step, the LM head's loss fused vs plain")
+    train_bench.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
+    train_bench.add_argument("--steps", type=int, default=5, help="steps per timed run")
+    train_bench.add_argument("--runs", type=int, default=3, help="alternating runs per variant (median)")
+    train_bench.add_argument("--out", type=Path, help="JSON report path")
+
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
@@ -238,7 +244,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine}
+    handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
+                "train": _bench_train}  # fmt: skip
     return handlers[args.bench](args)
 
 
@@ -255,6 +262,12 @@ def _bench_sampler(args: argparse.Namespace) -> int:
     from engine.bench import format_sampler, run_sampler
 
     return _report("sampler", run_sampler(args.device, steps=args.steps), format_sampler, args.out)
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    from engine.bench import format_train, run_train_bench
+
+    return _report("train", run_train_bench(args.preset, args.steps, args.runs), format_train, args.out)
 
 
 def _bench_lsp(args: argparse.Namespace) -> int:
