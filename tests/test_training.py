@@ -106,7 +106,7 @@ def test_a_short_run_lowers_the_loss(tmp_path: Path) -> None:
 def test_the_fused_head_loss_is_the_models_softcapped_cross_entropy() -> None:
     """Chunked head + soft-cap + cross-entropy: the loss and gradients of the model's logits through F.cross_entropy."""
     torch.manual_seed(0)
-    rows, width, vocab, cap = 3 * CHUNK_ROWS + 17, 32, 500, 30.0  # several chunks, the last one partial
+    rows, width, vocab, cap = 3 * CHUNK_ROWS["cpu"] + 17, 32, 500, 30.0  # several chunks, the last one partial
     hidden = torch.randn(rows, width, requires_grad=True)
     weight = (3 * torch.randn(vocab, width)).requires_grad_()
     targets = torch.randint(0, vocab, (rows,))
