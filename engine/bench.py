@@ -336,8 +336,10 @@ def run_engine_bench(
     runs: int = 5,
     per_client: int = 8,
     dtype: str = "auto",
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Start `canvas-ls engine` on a private socket and measure it as editors would use it."""
+    """Start `canvas-ls engine` on a private socket and measure it as editors would use it (every request with
+    `settings` on top of the benchmark's own)."""
 
     import httpx
 
@@ -362,9 +364,9 @@ def run_engine_bench(
             return f"# {tag}\n" + text[-int(tokens * tokenizer_ratio) :] + "\n    "
 
         def infill(prefix: str, http: httpx.Client = client, **extra: Any) -> tuple[float, dict[str, Any]]:
-            settings = {"max_prefix_tokens": 8192, "max_new_tokens": 16, "gap_tokens": 16, **extra}
+            sent = {"max_prefix_tokens": 8192, "max_new_tokens": 16, "gap_tokens": 16, **(settings or {}), **extra}
             started = time.perf_counter()
-            result = http.post("/v1/infill", json={"prefix": prefix, "suffix": "\n", "settings": settings}).json()
+            result = http.post("/v1/infill", json={"prefix": prefix, "suffix": "\n", "settings": sent}).json()
             return (time.perf_counter() - started) * 1000, result
 
         infill(prefix_of(64, "warm-up"))
@@ -398,8 +400,9 @@ def run_engine_bench(
             single = next(r for r in throughput_rows if r["mode"] == row["mode"] and r["clients"] == clients[0])
             row["vs_one_client"] = row["requests_per_s"] / single["requests_per_s"]
         health = client.get("/health").json()
-        return {"machine": machine(), "model": model or "(default)", "dtype": health["dtype"], "prefix": prefix_rows,
-                "throughput": throughput_rows, "steps": _step_costs(client.get("/metrics").text)}  # fmt: skip
+        return {"machine": machine(), "model": model or "(default)", "dtype": health["dtype"],
+                "settings": settings or {}, "prefix": prefix_rows, "throughput": throughput_rows,
+                "steps": _step_costs(client.get("/metrics").text)}  # fmt: skip
     finally:
         client.close()
         process.kill()
@@ -471,7 +474,7 @@ def _throughput(socket: Path, count: int, per_client: int, mode: str, prefix_of:
 
 def format_engine(report: dict[str, Any]) -> str:
     lines = [
-        f"model {report['model']} ({report.get('dtype', '?')})",
+        f"model {report['model']} ({report.get('dtype', '?')}), settings {report.get('settings') or 'default'}",
         report["machine"],
         "",
         "prefix reuse (median ms per request):",

@@ -83,7 +83,7 @@ class DenoiseParams:
     # tokens allowed in the first canvas's first gap slot ([V] bool: those starting with it, and the stop ids).
     healed: str = ""
     first_slot_allowed: torch.Tensor | None = None
-    # Self-conditioning reads the step's "processed" (temperature-scaled) logits, or its "raw" ones.
+    # Self-conditioning reads the step's "processed" (temperature-scaled) logits, its "raw" ones, or nothing ("off").
     self_condition: str = "processed"
 
 
@@ -421,9 +421,10 @@ class CanvasJob:
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
         self.gap_canvas = self.sampler.renoise_canvas(accepted, remaining)
-        if self.params.self_condition == "processed":
-            logits = self.temperature(None, logits, cur_step=remaining)
-        self.self_cond = logits.to(self.embed_dtype)  # [1, G+S, V]
+        if self.params.self_condition != "off":
+            if self.params.self_condition == "processed":
+                logits = self.temperature(None, logits, cur_step=remaining)
+            self.self_cond = logits.to(self.embed_dtype)  # [1, G+S, V]
         if self.left_to_right:
             self.argmax = accepted  # the committed tokens are the answer
             converged = self.sampler.finished(accepted, self.stop_tensor)

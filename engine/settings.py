@@ -71,8 +71,10 @@ class InfillSettings:
     # the user asked for a completion (an empty line, a finished statement), an empty answer shows nothing.
     min_new_tokens: int = 0
     # What the next step's self-conditioning reads: "processed" logits (temperature-scaled, as transformers'
-    # DiffusionGemma sampler feeds them) or the "raw" logits (what `canvas-ls train` feeds its no-grad pass).
-    self_condition: Literal["processed", "raw"] = "processed"
+    # DiffusionGemma sampler feeds them), the "raw" logits (what `canvas-ls train` feeds its no-grad pass), or
+    # nothing ("off": every step as the first, which half of `canvas-ls train`'s steps are; saves the softmax and
+    # the probabilities @ embeddings over the canvas, a quarter of a step's FLOPs with an 8k vocabulary).
+    self_condition: Literal["processed", "raw", "off"] = "processed"
     # Token healing ("canvas" layout): a prefix that ends inside what would be one token (typically the space or
     # indentation before the next word: "x = " tokenizes as ' =' ' ' where the model saw ' =' ' y') is cut back to
     # the token boundary, and the first gap slot may only hold tokens that re-write the cut text (or EOS).
@@ -107,8 +109,8 @@ class InfillSettings:
             raise SettingsError(f"stop_scope must be 'gap' or 'answer', got '{self.stop_scope}'")
         if self.order not in ("diffusion", "left_to_right"):
             raise SettingsError(f"order must be 'diffusion' or 'left_to_right', got '{self.order}'")
-        if self.self_condition not in ("processed", "raw"):
-            raise SettingsError(f"self_condition must be 'processed' or 'raw', got '{self.self_condition}'")
+        if self.self_condition not in ("processed", "raw", "off"):
+            raise SettingsError(f"self_condition must be 'processed', 'raw' or 'off', got '{self.self_condition}'")
         if self.layout not in LAYOUTS:
             raise SettingsError(f"layout must be one of {LAYOUTS}, got '{self.layout}'")
         for name in ("gap_tokens", "max_new_tokens", "max_prefix_tokens", "max_steps"):

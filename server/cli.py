@@ -98,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     engine_bench.add_argument("--clients", default="1,4,8", help="concurrent client counts")
     engine_bench.add_argument("--runs", type=int, default=5, help="cold/warm pairs per prefix size")
     engine_bench.add_argument("--per-client", type=int, default=8, help="requests per client in the throughput runs")
+    _settings_argument(engine_bench)
     engine_bench.add_argument("--out", type=Path, help="JSON report path")
 
     train_bench = benches.add_parser("train", help="seconds per training step, the LM head's loss fused vs plain")
@@ -254,7 +255,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     clients = tuple(int(x) for x in args.clients.split(","))
-    report = run_engine_bench(args.model, prefixes, clients, args.runs, args.per_client, args.dtype)
+    report = run_engine_bench(
+        args.model, prefixes, clients, args.runs, args.per_client, args.dtype, _settings(args.settings)
+    )
     return _report("engine", report, format_engine, args.out)
 
 

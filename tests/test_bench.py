@@ -91,10 +91,11 @@ def test_bench_infill_prints_the_table_and_writes_the_report(tiny_model_dir: Pat
 def test_bench_engine_measures_prefix_reuse_and_both_throughput_modes(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
     done = canvas_ls("bench", "engine", "--model", str(tiny_model_dir), "--prefixes", "128", "--clients", "1,2",
-                     "--runs", "1", "--per-client", "2", "--dtype", "float32", "--out", str(out))  # fmt: skip
+                     "--runs", "1", "--per-client", "2", "--dtype", "float32", "--set", "self_condition=off",
+                     "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
-    assert report["dtype"] == "float32"
+    assert report["dtype"] == "float32" and report["settings"] == {"self_condition": "off"}
     (row,) = report["prefix"]
     assert row["cold_ms"] > 0 and row["warm_ms"] > 0 and row["reused_tokens"] > 0  # the keystroke reused the KV
     modes = {(r["mode"], r["clients"]): r for r in report["throughput"]}

@@ -260,10 +260,10 @@ def test_streamed_drafts_leave_the_healed_text_out(tiny_engine: Engine) -> None:
     assert all(text.startswith(" ") for text in firsts)  # the constraint held on the slot the drafts start with
 
 
-@pytest.mark.parametrize("mode", ["processed", "raw"])
+@pytest.mark.parametrize("mode", ["processed", "raw", "off"])
 def test_self_conditioning_reads_the_processed_or_the_raw_logits(tiny_engine_fp32: Engine, mode: str) -> None:
     """Step 2 reads step 1's logits: temperature-scaled (transformers' sampler) or as the model gave them (what
-    `canvas-ls train` feeds its no-grad pass)."""
+    `canvas-ls train` feeds its no-grad pass); or none, every step run as the first."""
     model = tiny_engine_fp32.loaded.model
     real_forward, seen = model.forward, []
 
@@ -279,6 +279,9 @@ def test_self_conditioning_reads_the_processed_or_the_raw_logits(tiny_engine_fp3
     finally:
         del model.forward
     assert seen[0][0] is None and len(seen) >= 2
+    if mode == "off":
+        assert all(given is None for given, _ in seen)
+        return
     first_logits, second_input = seen[0][1], seen[1][0]
     temperature = 0.6  # the first step runs at t_max
     torch.testing.assert_close(second_input, first_logits / temperature if mode == "processed" else first_logits)
