@@ -506,32 +506,36 @@ def run_train_bench(preset: str = "cpu", steps: int = 5, runs: int = 3) -> dict[
 
     from engine import DEFAULT_MODEL_DIR, corpus
     from engine.architecture import small_config
-    from engine.loading import quiet_libraries
+    from engine.loading import quiet_libraries, resolve_device
     from engine.training import PRESETS, ExampleSampler, TrainConfig, collate, losses
 
     quiet_libraries()
     spec = PRESETS[preset]
     cfg = TrainConfig(**spec["train"])
+    device = resolve_device(cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
     torch.manual_seed(0)
     model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer), sliding_window=512, **spec["model"]))
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sampler = ExampleSampler(corpus.collect(4_000_000), tokenizer, 0, cfg.prefix_tokens, cfg.head_tokens)
     batches = [
-        (collate([sampler.example(gap) for _ in range(cfg.batch_size)], tokenizer.pad_token_id), self_condition)
+        (collate([sampler.example(gap) for _ in range(cfg.batch_size)], tokenizer.pad_token_id).to(device), self_cond)
         for gap in cfg.gap_choices
-        for self_condition in (False, True)
+        for self_cond in (False, True)
     ]
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def step(index: int, fused: bool) -> float:
         batch, self_condition = batches[index % len(batches)]
         started = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             parts = losses(model, batch, generator, self_condition, fused_head=fused)
         optimizer.zero_grad(set_to_none=True)
         (parts["diffusion"] + cfg.ar_weight * parts["ar"]).backward()
         optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - started
 
     seconds: dict[str, list[float]] = {"fused": [], "plain": []}
@@ -548,7 +552,7 @@ def run_train_bench(preset: str = "cpu", steps: int = 5, runs: int = 3) -> dict[
         "parameters": sum(p.numel() for p in model.parameters()),
         "batch_size": cfg.batch_size,
         "tokens_per_step": tokens,
-        "threads": torch.get_num_threads(),
+        "device": str(device),
         "seconds_per_step": rows,
         "runs": seconds,
         "plain_over_fused": rows["plain"] / rows["fused"],
@@ -559,7 +563,7 @@ def format_train(report: dict[str, Any]) -> str:
     lines = [
         f"preset {report['preset']}: {report['parameters'] / 1e6:.1f} M parameters, batch {report['batch_size']}, "
         f"{report['tokens_per_step']:.0f} tokens per step",
-        report["machine"],
+        f"{report['machine']}; on {report['device']}",
         "",
         f"{'LM head loss':<14}{'s/step':>8}{'examples/s':>12}{'tokens/s':>10}",
     ]

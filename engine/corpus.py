@@ -16,6 +16,7 @@ import random
 import re
 import sysconfig
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import Distribution, distributions
 from pathlib import Path
@@ -82,6 +83,13 @@ def _distribution_files() -> Iterator[tuple[Path, str]]:
                 yield Path(str(dist.locate_file(file))), name
 
 
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _usable(text: str) -> bool:
     lines = text.splitlines()
     if len(lines) < 5 or len(text) > MAX_FILE_BYTES:
@@ -99,23 +107,20 @@ def _fingerprint(text: str) -> str:
 def collect(max_bytes: int = 120_000_000, seed: int = 0, exclude: Iterable[Path] = ()) -> list[CorpusFile]:
     """Gather, filter and deduplicate source files, at most `max_bytes` of text, Python first."""
     excluded = [p.resolve() for p in exclude]
+    candidates = [(path, source) for path, source in [*_stdlib_files(), *_distribution_files()]
+                  if not any(path.resolve().is_relative_to(e) for e in excluded)]  # fmt: skip
     seen: set[str] = set()
     files: list[CorpusFile] = []
-    for path, source in [*_stdlib_files(), *_distribution_files()]:
-        resolved = path.resolve()
-        if any(resolved.is_relative_to(e) for e in excluded):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        if not _usable(text):
-            continue
-        key = _fingerprint(text)
-        if key in seen:
-            continue
-        seen.add(key)
-        files.append(CorpusFile(str(path), EXTENSIONS[path.suffix], source, text))
+    # Reading is the slow part (tens of thousands of small files): threads overlap it; the order stays fixed.
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        for (path, source), text in zip(candidates, pool.map(_read, (p for p, _ in candidates)), strict=True):
+            if text is None or not _usable(text):
+                continue
+            key = _fingerprint(text)
+            if key in seen:
+                continue
+            seen.add(key)
+            files.append(CorpusFile(str(path), EXTENSIONS[path.suffix], source, text))
 
     random.Random(seed).shuffle(files)
     chosen: list[CorpusFile] = []

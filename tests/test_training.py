@@ -14,7 +14,7 @@ from engine.architecture import small_config
 from engine.corpus import CorpusFile, decontamination_report, is_permissive
 from engine.loss import CHUNK_ROWS, softcapped_cross_entropy
 from engine.tokenizer import TokenHealing, train_tokenizer
-from engine.training import ExampleSampler, TrainConfig, collate, evaluate, train
+from engine.training import BatchStream, ExampleSampler, TrainConfig, collate, evaluate, train
 from tests.conftest import tokenizer_texts
 
 
@@ -101,6 +101,18 @@ def test_a_short_run_lowers_the_loss(tmp_path: Path) -> None:
     assert summary["step"] > 5
     assert after["diffusion"] < before["diffusion"] and after["ar"] < before["ar"]
     assert (tmp_path / "run" / "checkpoint.pt").is_file() and (tmp_path / "run" / "log.jsonl").is_file()
+
+
+def test_data_workers_cut_batches_of_their_own(tmp_path: Path) -> None:
+    """On a GPU, batches come from DataLoader workers: each worker cuts different examples, in the loop's format."""
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path / "tok")
+    cfg = TrainConfig(batch_size=4, prefix_tokens=64, head_tokens=8, gap_choices=(16,))
+    stream = BatchStream(corpus_files(), tokenizer, 0, cfg, None)
+    inline = next(stream.batches(0, pin_memory=False))
+    workers = stream.batches(2, pin_memory=False)
+    first, second = next(workers), next(workers)  # one from each worker
+    assert first.prefix.shape[0] == second.prefix.shape[0] == 4 and first.gap.shape == inline.gap.shape == (4, 16)
+    assert not torch.equal(first.gap, second.gap)
 
 
 def test_the_fused_head_loss_is_the_models_softcapped_cross_entropy() -> None:
