@@ -348,12 +348,15 @@ def train(
     last_checkpoint = time.perf_counter()
     model.train()
     record: dict[str, Any] = {}
+    data_seconds = 0.0
     while (elapsed := time.perf_counter() - started) < budget:
         step = state["step"]
         lr = lr_at(cfg, step, elapsed / budget)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        waited = time.perf_counter()
         batch = next(batches).to(device)
+        data_seconds += time.perf_counter() - waited
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             parts = losses(model, batch, generator, self_condition=rng.random() < cfg.self_condition_prob)
         loss = parts["diffusion"] + cfg.ar_weight * parts["ar"]
@@ -373,7 +376,10 @@ def train(
                 "lr": round(lr, 6),
                 "diffusion": round(parts["diffusion"].item(), 4),
                 "ar": round(parts["ar"].item(), 4),
+                # time the steps waited for their batches (a GPU run starved by the batch workers shows it here)
+                "data_s_per_step": round(data_seconds / cfg.log_every, 4),
             }
+            data_seconds = 0.0
             if state["step"] % cfg.eval_every == 0:
                 record.update({f"eval_{k}": round(v, 4) for k, v in evaluate(model, eval_batches, cfg.bf16).items()})
             log.write(json.dumps(record) + "\n")
