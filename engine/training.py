@@ -398,8 +398,9 @@ def train(
 # -- the whole pipeline: corpus -> tokenizer -> model -> train -> export ----------------------------------------
 
 # Model sizes per preset, measured on the project's 2-core CPU: h256/4 layers (7.9M parameters, 8k vocabulary)
-# ran a 16-example step in ~1.7 s with bf16 autocast (before the fused head loss); h320/5 layers (13.7M) in ~2.8 s;
-# a model too big for the token budget learns less, so the CPU preset takes the former. The GPU preset's model
+# ran a 16-example step in ~1.7 s with bf16 autocast (0.94 s with the fused head loss, `bench train`); h320/5
+# layers (13.7M) in ~2.8 s; a model too big for the token budget learns less, so the CPU preset takes the former.
+# The GPU preset's model
 # is what the CPU default can afford: it ships (<= 40 MB: 11.6M parameters are 22 MiB in bf16) and must answer a
 # 1k-token prefix within ~100 ms on 2 cores; h320/4 layers costs 1.25x the CPU preset's encode + 5 steps there.
 PRESETS: dict[str, dict[str, Any]] = {
