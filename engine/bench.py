@@ -502,21 +502,18 @@ def run_train_bench(preset: str = "cpu", steps: int = 5, runs: int = 3) -> dict[
     """Seconds per training step of the preset's model (fresh weights, the shipped tokenizer, batches cut from this
     machine's sources as `canvas-ls train` cuts them), with the LM head's loss fused (engine/loss.py) and plain.
     The two alternate on the same batches, `runs` times `steps` steps each, after one warm-up step each."""
-    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+    from transformers import AutoTokenizer
 
     from engine import DEFAULT_MODEL_DIR, corpus
-    from engine.architecture import small_config
     from engine.loading import quiet_libraries, resolve_device
-    from engine.training import PRESETS, ExampleSampler, TrainConfig, collate, losses
+    from engine.training import PRESETS, ExampleSampler, TrainConfig, collate, preset_model, train_step
 
     quiet_libraries()
-    spec = PRESETS[preset]
-    cfg = TrainConfig(**spec["train"])
+    cfg = TrainConfig(**PRESETS[preset]["train"])
     device = resolve_device(cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
     torch.manual_seed(0)
-    model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer), sliding_window=512, **spec["model"]))
-    model.to(device)
+    model = preset_model(preset, len(tokenizer)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sampler = ExampleSampler(corpus.collect(4_000_000), tokenizer, 0, cfg.prefix_tokens, cfg.head_tokens)
     batches = [
@@ -529,11 +526,7 @@ def run_train_bench(preset: str = "cpu", steps: int = 5, runs: int = 3) -> dict[
     def step(index: int, fused: bool) -> float:
         batch, self_condition = batches[index % len(batches)]
         started = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            parts = losses(model, batch, generator, self_condition, fused_head=fused)
-        optimizer.zero_grad(set_to_none=True)
-        (parts["diffusion"] + cfg.ar_weight * parts["ar"]).backward()
-        optimizer.step()
+        train_step(model, optimizer, batch, generator, cfg, self_condition, fused_head=fused)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - started

@@ -421,9 +421,10 @@ class CanvasJob:
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
         self.gap_canvas = self.sampler.renoise_canvas(accepted, remaining)
-        if self.params.self_condition != "off":
-            if self.params.self_condition == "processed":
-                logits = self.temperature(None, logits, cur_step=remaining)
+        mode = self.params.self_condition
+        if mode == "processed":
+            logits = self.temperature(None, logits, cur_step=remaining)
+        if mode != "off":
             self.self_cond = logits.to(self.embed_dtype)  # [1, G+S, V]
         if self.left_to_right:
             self.argmax = accepted  # the committed tokens are the answer

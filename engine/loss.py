@@ -31,8 +31,9 @@ class _SoftcappedLinearCrossEntropy(torch.autograd.Function):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         w = weight.to(dtype)
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        need_grads = any(ctx.needs_input_grad[:2])  # False under no_grad (evaluation): the loss alone
+        grad_hidden = torch.zeros(hidden.shape if need_grads else 0, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape if need_grads else 0, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         chunk = CHUNK_ROWS.get(hidden.device.type, CHUNK_ROWS["cpu"])
         for start in range(0, hidden.shape[0], chunk):
@@ -50,7 +51,7 @@ class _SoftcappedLinearCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, target[:, None]).squeeze(1)
             total += ((lse - picked) * scale).sum()
-            if not any(ctx.needs_input_grad[:2]):
+            if not need_grads:
                 continue
             grad = logits.sub_(lse[:, None]).exp_()  # softmax
             grad[torch.arange(len(target), device=grad.device), target] -= 1.0

@@ -222,6 +222,18 @@ def losses(
     return {"diffusion": diffusion_loss, "ar": ar_loss}
 
 
+def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, generator: torch.Generator,
+               cfg: TrainConfig, self_condition: bool, fused_head: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    """One optimizer step on `batch` (what `train` runs and `bench train` times); returns the two losses."""
+    with torch.autocast(batch.gap.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        parts = losses(model, batch, generator, self_condition, fused_head)
+    optimizer.zero_grad(set_to_none=True)
+    (parts["diffusion"] + cfg.ar_weight * parts["ar"]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return parts
+
+
 @dataclass
 class TrainConfig:
     minutes: float = 150.0  # wall-clock budget; the learning-rate schedule follows elapsed time
@@ -357,13 +369,7 @@ def train(
         waited = time.perf_counter()
         batch = next(batches).to(device)
         data_seconds += time.perf_counter() - waited
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            parts = losses(model, batch, generator, self_condition=rng.random() < cfg.self_condition_prob)
-        loss = parts["diffusion"] + cfg.ar_weight * parts["ar"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        parts = train_step(model, optimizer, batch, generator, cfg, rng.random() < cfg.self_condition_prob)
         state["step"] += 1
         state["examples"] += cfg.batch_size
         state["elapsed"] = time.perf_counter() - started
@@ -427,6 +433,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 TRAINED_INFILL = {"layout": "canvas", "gap_tokens": 16, "suffix_head_tokens": 16, "max_steps": 8}
 
 
+def preset_model(preset: str, vocab_size: int) -> Any:
+    """A freshly initialised model of the preset's size."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from engine.architecture import small_config
+
+    return DiffusionGemmaForBlockDiffusion(small_config(vocab_size, sliding_window=512, **PRESETS[preset]["model"]))
+
+
 def run(
     preset: str,
     out_dir: Path,
@@ -436,10 +451,9 @@ def run(
     progress: Any = None,
 ) -> dict[str, Any]:
     """Build (or reuse) the corpus and tokenizer under out_dir, train (resuming), export to out_dir/model."""
-    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+    from transformers import AutoTokenizer
 
     from engine import corpus
-    from engine.architecture import small_config
     from engine.loading import quiet_libraries
     from engine.settings import MODEL_SETTINGS_FILE
     from engine.tokenizer import train_tokenizer
@@ -470,7 +484,7 @@ def run(
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
     torch.manual_seed(0)
-    model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer), sliding_window=512, **spec["model"]))
+    model = preset_model(preset, len(tokenizer))
     cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {})})
     summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress)
 

@@ -49,7 +49,7 @@ def test_the_shipped_model_answers_the_fixture_cases() -> None:
     assert len(_fixture_answers()) == 10  # each answer well-formed (asserted per case above)
 
 
-# Issue 3's target. The model trained on this project's 2-core CPU (37 M tokens seen) does not reach it: it answers
+# Issue 3's target. The model trained on this project's 2-core CPU (176k examples) does not reach it: it answers
 # code-like words ("return", "sys", "key") but 0 of the 10 right. Strict: a model that reaches it makes this fail
 # until the mark is removed.
 @pytest.mark.xfail(strict=True, reason="issue 3: the shipped model completes 0 of the 10 fixture cases (target 8)")
