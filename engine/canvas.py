@@ -15,6 +15,12 @@ Token ids in, token ids out: this file knows nothing about text, files or editor
         answer += argmax gap up to the first EOS/pad
         no EOS in the gap: encode the gap into the KV cache and open the next canvas
 
+Several gaps (`fill`'s holes, span rewrites) share one canvas: [gap 1 | clamped 1 | gap 2 | ... | suffix head]. Every
+clamped segment is written back every step; acceptance, renoising and stopping read only gap slots (all gaps
+together, one entropy budget); each gap's answer ends at its own first EOS. A gap that fills without an EOS is grown
+and the canvas re-run from the drafts so far (it cannot be encoded: clamped text follows it), up to its token budget,
+or reported truncated. A rewrite gap starts from the span's current tokens with a share `strength` renoised.
+
 The sampler, the temperature schedule and the stopping rule are transformers' own DiffusionGemma classes; the
 only subclass adds a torch.Generator so that one request's noise is reproducible and independent of any other.
 """
@@ -22,6 +28,7 @@ only subclass adds a torch.Generator so that one request's noise is reproducible
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -99,6 +106,37 @@ class StepView:
     healed: str = ""  # text the gap's first token re-writes from the prefix (token healing): not part of the answer
 
 
+@dataclass(frozen=True)
+class GapSpec:
+    """One gap of the canvas: `length` slots to fill. A rewrite starts from `init` (the span's current tokens, EOS
+    after them) with a share `strength` of the slots renoised; strength 1 is a plain hole (all noise).
+    `allowed_first` ([V] bool): token healing's mask for the gap's first slot; `healed`: the text it re-writes."""
+
+    length: int
+    init: tuple[int, ...] = ()
+    strength: float = 1.0
+    allowed_first: torch.Tensor | None = None
+    healed: str = ""
+    max_length: int = 0  # how far the gap may grow when it fills without an EOS (0: its length)
+
+
+@dataclass(frozen=True)
+class Clamp:
+    """Text between gaps (or the suffix head after the last one): written back after every step."""
+
+    ids: tuple[int, ...]
+
+
+Segment = GapSpec | Clamp
+
+
+@dataclass
+class GapOutput:
+    tokens: list[int]  # this gap's answer, its first EOS and everything after it excluded
+    confidence: list[float]
+    ended_with_eos: bool  # False: the gap filled up within its budget without an EOS (truncated)
+
+
 @dataclass
 class CanvasOutput:
     tokens: list[int]  # the answer, first EOS and everything after it excluded
@@ -111,6 +149,7 @@ class CanvasOutput:
     encode_seconds: float = 0.0
     denoise_seconds: float = 0.0
     prefix_reused: int = 0  # prefix tokens whose encoder KV came from the prefix cache
+    gaps: list[GapOutput] = field(default_factory=list)  # per gap, in canvas order (one: the fields above)
 
 
 class SeededEntropyBoundSampler(EntropyBoundSampler):
@@ -151,13 +190,17 @@ class EntropyStableAndConfident(StableAndConfidentStoppingCriteria):
     argmax canvas (what `_close_canvas` keeps). The EOS fill after it can still flicker without holding the answer
     back, as an autoregressive decoder stops at its EOS without settling what would come after."""
 
-    def __call__(self, argmax_canvas, logits=None, token_entropy=None, stop_ids=None, **kwargs):  # type: ignore[override]
+    def __call__(self, argmax_canvas, logits=None, token_entropy=None, stop_ids=None, gap_starts=None, **kwargs):  # type: ignore[override]
+        """`gap_starts` ([G] long, several gaps): each slot's gap's first slot; the answer scope is then per gap."""
         if token_entropy is None:
             return super().__call__(argmax_canvas, logits)
         scope = torch.ones_like(argmax_canvas, dtype=torch.bool)
         if stop_ids is not None:
             is_stop = torch.isin(argmax_canvas, stop_ids)
-            scope = (is_stop.cumsum(dim=-1) - is_stop.long()) == 0  # no stop token before this slot
+            before = is_stop.cumsum(dim=-1) - is_stop.long()  # stop tokens before this slot
+            if gap_starts is not None:
+                before = before - before[:, gap_starts]  # ...within its own gap
+            scope = before == 0
             argmax_canvas = argmax_canvas.masked_fill(~scope, -2)  # past the answer: a constant, always stable
         # The parent's stability bookkeeping, fed a one-class stand-in (entropy 0, so "confident" always holds)...
         stand_in = torch.zeros((*argmax_canvas.shape, 1), device=argmax_canvas.device)
@@ -344,6 +387,10 @@ class CanvasJob:
 
     `fill` drives one job; `DenoisingBatch` drives several through shared decoder forwards. Both call the same
     `inputs()` -> forward -> `advance(logits)` cycle, so a batched request takes exactly the single path's steps.
+
+    The canvas after the prefix is `segments` (default: one gap of `params.gap_tokens`, then the suffix head). One
+    gap first: the answer continues canvas after canvas (the gap is encoded into the cache). Otherwise each gap that
+    fills without an EOS is grown and the canvas re-run, within its budget.
     """
 
     def __init__(
@@ -357,66 +404,138 @@ class CanvasJob:
         on_step: Callable[[StepView], None] | None = None,
         prefix_cache: PrefixCache | None = None,
         encoded: EncodedPrefix | None = None,
+        segments: Sequence[Segment] | None = None,
     ):
         self.model, self.params, self.cancel, self.on_step = model, params, cancel, on_step
         self.serial = next(_SERIALS)  # identifies the job in a batch (an id() can be reused once a job is freed)
         self.device = device = model.device
         self.vocab_size = model.config.text_config.vocab_size
-        self.gap = params.gap_tokens
         self.generator = make_generator(params.seed, device)
         self.stop_tensor = torch.tensor(sorted(set(stop_ids)), device=device)
-        self.suffix_head = torch.tensor([list(suffix_head_ids)], dtype=torch.long, device=device)  # [1, S]
+        self.fill_id = next(iter(stop_ids))  # what a gap holds after its answer (EOS)
         self.embed_dtype = model.model.decoder.embed_tokens.weight.dtype
         self.left_to_right = params.order == "left_to_right"
-        self.steps_cap = self.gap if self.left_to_right else params.max_steps
+        if segments is None:
+            segments = [GapSpec(params.gap_tokens, allowed_first=params.first_slot_allowed, healed=params.healed),
+                        Clamp(tuple(suffix_head_ids))]  # fmt: skip
+        self.segments = list(segments)
+        gaps = [s for s in self.segments if isinstance(s, GapSpec)]
+        if not gaps:
+            raise ValueError("a canvas needs at least one gap")
+        # One gap at the start of the canvas: today's single infill, continued block by block.
+        self.continues = len(gaps) == 1 and isinstance(self.segments[0], GapSpec)
+        if self.left_to_right and not self.continues:
+            raise ValueError("left_to_right order fills one gap only")
 
         # 1. The prefix goes through the causal encoder once, into the KV cache (reusing a snapshot when one fits),
         # unless the caller encoded it already, together with other requests' prefixes.
         if encoded is None:
             encoded = encode_prefixes(model, [prefix_ids], prefix_cache)[0]
         self.cache = encoded.cache
-        self.cursor = len(prefix_ids)  # position of the first gap slot
+        self.cursor = len(prefix_ids)  # position of the first canvas slot
         self.out = CanvasOutput(tokens=[], confidence=[], ended_with_eos=False, steps=0, forward_passes=0,
                                 canvases=0, encode_seconds=encoded.seconds, prefix_reused=encoded.reused)  # fmt: skip
         self.started = time.perf_counter()
         self.done = False
         self.error: InfillCancelled | None = None  # set by fill_batch when this job was cancelled
-        self._open_canvas()
+        self._lay_out()
+        self._open_canvas(self._first_gap_canvas())
 
-    def _open_canvas(self) -> None:
-        """2. A fresh canvas: G noise slots after the cursor, then the clamped suffix head."""
+    def _lay_out(self) -> None:
+        """The canvas template ([1, L]: clamped ids, 0 in gap slots) and where the gap slots are."""
+        template: list[int] = []
+        slots: list[int] = []
+        self.gap_bounds: list[tuple[int, int]] = []  # per gap, [start, end) in gap-slot coordinates
+        for segment in self.segments:
+            if isinstance(segment, Clamp):
+                template += segment.ids
+                continue
+            self.gap_bounds.append((len(slots), len(slots) + segment.length))
+            slots += range(len(template), len(template) + segment.length)
+            template += [0] * segment.length
+        self.gap = len(slots)  # G: gap slots in all
+        self.template = torch.tensor([template], dtype=torch.long, device=self.device)  # [1, L]
+        self.length = len(template)
+        # The single infill's gap is the canvas's first G slots: plain slices, as before several gaps existed.
+        self.gap_index = None if self.continues else torch.tensor(slots, device=self.device)  # [G]
+        starts = [start for start, end in self.gap_bounds for _ in range(end - start)]
+        self.gap_starts = None if self.continues else torch.tensor(starts, device=self.device)  # [G]
+        # Logit bars per canvas (gap-slot index, allowed [V] or None for "no stop token here"): token healing's
+        # first slot, and min_new_tokens' first slots of each gap.
+        self.bars: list[tuple[int, torch.Tensor | None]] = []
+        gaps = [s for s in self.segments if isinstance(s, GapSpec)]
+        for (start, end), spec in zip(self.gap_bounds, gaps, strict=True):
+            if spec.allowed_first is not None:
+                self.bars.append((start, spec.allowed_first))
+            self.bars += [(start + i, None) for i in range(min(self.params.min_new_tokens, end - start))]
+
+    def _first_gap_canvas(self) -> torch.Tensor:
+        """The first canvas's gap slots [1, G]: uniform noise; a rewrite gap keeps its span's tokens outside the
+        renoised share (SDEdit for text)."""
+        noise = torch.randint(0, self.vocab_size, (1, self.gap), device=self.device, generator=self.generator)
+        gaps = [s for s in self.segments if isinstance(s, GapSpec)]
+        for (start, end), spec in zip(self.gap_bounds, gaps, strict=True):
+            if spec.strength >= 1.0:
+                continue
+            length = end - start
+            init = torch.tensor([*spec.init[:length], *[self.fill_id] * (length - len(spec.init))], device=self.device)
+            renoised = round(spec.strength * length)
+            order = torch.randperm(length, generator=self.generator, device=self.device)
+            keep = torch.ones(length, dtype=torch.bool, device=self.device)
+            keep[order[:renoised]] = False
+            noise[0, start:end] = torch.where(keep, init, noise[0, start:end])
+        return noise
+
+    def _open_canvas(self, gap_canvas: torch.Tensor) -> None:
+        """2. A fresh canvas: the gap slots (noise, or a rewrite's or a re-run's start) among the clamped segments."""
         params = self.params
+        self.steps_cap = self.gap if self.left_to_right else params.max_steps
         sampler_class = LeftToRightSampler if self.left_to_right else SeededEntropyBoundSampler
         config = EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound)
         self.sampler = sampler_class(config, self.gap, self.vocab_size, self.steps_cap, self.generator)
         self.temperature = LinearTemperatureScheduleLogitsProcessor(params.t_min, params.t_max, self.steps_cap)
         self.stopping = EntropyStableAndConfident(params.stability_threshold, params.confidence_threshold)
-        length = self.gap + self.suffix_head.shape[1]
-        self.positions = torch.arange(self.cursor, self.cursor + length, device=self.device).unsqueeze(0)  # [1, G+S]
-        self.gap_canvas = self.sampler.initialize_canvas(1, self.device)  # [1, G] uniform noise
+        self.positions = torch.arange(self.cursor, self.cursor + self.length, device=self.device)[None]  # [1, L]
+        self.gap_canvas = gap_canvas  # [1, G]
         self.argmax = self.gap_canvas
-        self.self_cond: torch.Tensor | None = None  # [1, G+S, V] last step's tempered logits
+        self.self_cond: torch.Tensor | None = None  # [1, L, V] last step's tempered logits
         self.raw_gap_logits: torch.Tensor | None = None
         self.step = 0
 
+    def canvas(self) -> torch.Tensor:
+        """[1, L]: the gap slots written into the clamped template."""
+        if self.gap_index is None:
+            return torch.cat([self.gap_canvas, self.template[:, self.gap :]], dim=1)
+        canvas = self.template.clone()
+        canvas[:, self.gap_index] = self.gap_canvas
+        return canvas
+
+    def gap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[1, L, V] canvas logits -> [1, G, V] the gap slots' (a view for the single infill)."""
+        return logits[:, : self.gap] if self.gap_index is None else logits[:, self.gap_index]
+
+    def barred(self) -> list[tuple[int, torch.Tensor | None]]:
+        """The logit bars of this step: a continued canvas carries on an answer, so only the first one has them."""
+        return self.bars if not (self.continues and self.out.canvases > 0) else []
+
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The canvas to denoise next ([1, G+S]; the suffix head written back every step) and its positions."""
+        """The canvas to denoise next ([1, L]; clamped segments written back every step) and its positions."""
         if self.cancel is not None and self.cancel.is_set():
             raise InfillCancelled(self.out.steps)
-        return torch.cat([self.gap_canvas, self.suffix_head], dim=1), self.positions
+        return self.canvas(), self.positions
 
     def temperature_now(self) -> float:
         """The temperature of the step about to run (transformers counts steps down, N..1)."""
         return float(self.temperature(None, torch.ones(()), cur_step=self.steps_cap - self.step)) ** -1
 
     def advance(self, logits: torch.Tensor, stats: StepStats) -> None:
-        """3-6. One denoising step from this canvas's logits [1, G+S, V] and its gap's stats at `temperature_now()`
-        (sample, argmax and entropy in one pass over the gap logits, batched across jobs; fused on GPU)."""
+        """3-6. One denoising step from this canvas's logits [1, L, V] and its gap slots' stats at
+        `temperature_now()` (sample, argmax and entropy in one pass over the gap logits, batched across jobs)."""
         self.step += 1
         remaining = self.steps_cap - self.step + 1
         self.out.steps += 1
         self.out.forward_passes += 1
-        self.raw_gap_logits = logits[:, : self.gap]
+        self.raw_gap_logits = self.gap_logits(logits)
         self.argmax = stats.argmax
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
@@ -425,19 +544,20 @@ class CanvasJob:
         if mode == "processed":
             logits = self.temperature(None, logits, cur_step=remaining)
         if mode != "off":
-            self.self_cond = logits.to(self.embed_dtype)  # [1, G+S, V]
+            self.self_cond = logits.to(self.embed_dtype)  # [1, L, V]
         if self.left_to_right:
             self.argmax = accepted  # the committed tokens are the answer
             converged = self.sampler.finished(accepted, self.stop_tensor)
         else:
             scoped = self.stop_tensor if self.params.stop_scope == "answer" else None
-            converged = bool(self.stopping(self.argmax, token_entropy=stats.entropy, stop_ids=scoped)[0])
+            converged = bool(self.stopping(self.argmax, token_entropy=stats.entropy, stop_ids=scoped,
+                                           gap_starts=self.gap_starts)[0])  # fmt: skip
         if self.on_step is not None:
-            canvas = torch.cat([self.gap_canvas, self.suffix_head], dim=1)[0]
-            self.on_step(StepView(self.out.canvases, self.step, canvas, self.argmax[0],
+            self.on_step(StepView(self.out.canvases, self.step, self.canvas()[0], self.argmax[0],
                                   self.sampler.accepted_token_mask[0], self.params.healed))  # fmt: skip
         if converged or self.step >= self.steps_cap:
-            self._close_canvas("converged" if converged else "step_cap")
+            stop = "converged" if converged else "step_cap"
+            (self._close_canvas if self.continues else self._close_gaps)(stop)
 
     def _close_canvas(self, stop: str) -> None:
         """The answer is the gap's argmax up to the first EOS/pad; with no EOS, the next canvas continues it."""
@@ -456,13 +576,64 @@ class CanvasJob:
         if end < gap or line_ended or len(out.tokens) >= self.params.max_new_tokens:
             del out.tokens[self.params.max_new_tokens :]
             del out.confidence[self.params.max_new_tokens :]
-            out.denoise_seconds = time.perf_counter() - self.started
-            self.done = True
+            out.gaps = [GapOutput(out.tokens, out.confidence, out.ended_with_eos)]
+            self._finish()
             return
         # No EOS: the gap is all answer and the answer goes on. Encode it and open the next canvas after it.
         encode(self.model, block[None, :], self.cache, start=self.cursor)
         self.cursor += gap
-        self._open_canvas()
+        self._open_canvas(self.sampler.initialize_canvas(1, self.device))
+
+    def _close_gaps(self, stop: str) -> None:
+        """Several gaps: each answer is its gap's argmax up to its first EOS. Gaps that filled without one grow (to
+        twice their length, within their budget and the canvas's) and the canvas is re-run from the drafts so far;
+        what cannot grow is truncated."""
+        out = self.out
+        out.canvases += 1
+        out.canvas_stops.append(stop)
+        block = self.argmax[0]
+        is_stop = torch.isin(block, self.stop_tensor)
+        probs = torch.softmax(self.raw_gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
+        answers: list[GapOutput] = []
+        for start, end in self.gap_bounds:
+            stops = is_stop[start:end].nonzero()
+            cut = int(stops[0]) if len(stops) else end - start
+            answers.append(GapOutput(block[start : start + cut].tolist(), probs[start : start + cut].tolist(),
+                                     bool(len(stops))))  # fmt: skip
+        room = self.params.max_new_tokens - self.gap  # slots the canvas may still add over all gaps
+        grown: list[Segment] = []
+        starts: list[list[int]] = []
+        index = 0
+        for segment in self.segments:
+            if isinstance(segment, Clamp):
+                grown.append(segment)
+                continue
+            answer = answers[index]
+            index += 1
+            extra = 0
+            if not answer.ended_with_eos:
+                extra = min(segment.length, max(segment.max_length - segment.length, 0), max(room, 0))
+                room -= extra
+            grown.append(dataclasses.replace(segment, length=segment.length + extra))
+            # The re-run starts from the answer so far, EOS after a finished one, noise in the new slots.
+            fill = [self.fill_id] * (segment.length - len(answer.tokens)) if answer.ended_with_eos else []
+            starts.append([*answer.tokens, *fill, *[-1] * extra])
+        if sum(len(start) for start in starts) == self.gap:  # nothing grew: these are the answers
+            out.gaps = answers
+            out.tokens = [t for answer in answers for t in answer.tokens]
+            out.confidence = [c for answer in answers for c in answer.confidence]
+            out.ended_with_eos = all(answer.ended_with_eos for answer in answers)
+            self._finish()
+            return
+        self.segments = grown
+        self._lay_out()
+        flat = torch.tensor([t for start in starts for t in start], device=self.device)
+        noise = torch.randint(0, self.vocab_size, (self.gap,), device=self.device, generator=self.generator)
+        self._open_canvas(torch.where(flat >= 0, flat, noise)[None])
+
+    def _finish(self) -> None:
+        self.out.denoise_seconds = time.perf_counter() - self.started
+        self.done = True
 
 
 @torch.inference_mode()
@@ -475,17 +646,20 @@ def fill(
     cancel: CancelToken | None = None,
     on_step: Callable[[StepView], None] | None = None,
     prefix_cache: PrefixCache | None = None,
+    segments: Sequence[Segment] | None = None,
 ) -> CanvasOutput:
-    """Fill the gap after `prefix_ids` (non-empty) and before `suffix_head_ids` (may be empty).
+    """Fill the gap after `prefix_ids` (non-empty) and before `suffix_head_ids` (may be empty), or the gaps of
+    `segments`.
 
     With a `prefix_cache`, the encoder KV of an earlier request's prefix is reused and only the new tail encoded."""
-    job = CanvasJob(model, prefix_ids, suffix_head_ids, params, stop_ids, cancel, on_step, prefix_cache)
+    job = CanvasJob(model, prefix_ids, suffix_head_ids, params, stop_ids, cancel, on_step, prefix_cache,
+                    segments=segments)  # fmt: skip
     while not job.done:
         canvas, positions = job.inputs()
         logits = model(
             decoder_input_ids=canvas, past_key_values=job.cache, self_conditioning_logits=job.self_cond,
             decoder_position_ids=positions,
-        ).logits  # [1, G+S, V]  # fmt: skip
+        ).logits  # [1, L, V]  # fmt: skip
         advance([job], logits)
     return job.out
 
@@ -493,18 +667,26 @@ def fill(
 def advance(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
     """One step for each job from its row of a (shared) decoder forward's logits [B, Lc, V]."""
     for row, job in enumerate(jobs):
-        if job.out.canvases > 0:
-            continue
-        allowed = job.params.first_slot_allowed
-        if allowed is not None:  # token healing: the first token re-writes the text cut from the prefix
-            logits[row, 0, ~allowed] = BARRED_LOGIT
-        barred = min(job.params.min_new_tokens, job.gap)
-        if barred:  # a finite floor: -inf would turn the entropies into NaN (0 * -inf)
-            logits[row, :barred, job.stop_tensor] = BARRED_LOGIT
-    gaps = [job.gap for job in jobs]
-    stats = step_stats_rows(logits, [job.temperature_now() for job in jobs], [job.generator for job in jobs], gaps)
+        rows = job.gap_logits(logits[row : row + 1])  # a view for the single infill; else written back below
+        for slot, allowed in job.barred():
+            if allowed is not None:  # token healing: the first token re-writes the text cut before the gap
+                rows[0, slot, ~allowed] = BARRED_LOGIT
+            else:  # min_new_tokens; a finite floor: -inf would turn the entropies into NaN (0 * -inf)
+                rows[0, slot, job.stop_tensor] = BARRED_LOGIT
+        if job.gap_index is not None:
+            logits[row, job.gap_index] = rows[0]
+    if all(job.gap_index is None for job in jobs):
+        gap_logits = logits  # each row's gap is its first G slots
+    else:
+        width = max(job.gap for job in jobs)
+        gap_logits = torch.stack([
+            torch.nn.functional.pad(job.gap_logits(logits[row : row + 1])[0], (0, 0, 0, width - job.gap))
+            for row, job in enumerate(jobs)
+        ])  # fmt: skip
+    stats = step_stats_rows(gap_logits, [job.temperature_now() for job in jobs], [job.generator for job in jobs],
+                            [job.gap for job in jobs])  # fmt: skip
     for row, job in enumerate(jobs):
-        job.advance(logits[row : row + 1, : job.gap + job.suffix_head.shape[1]], stats[row])
+        job.advance(logits[row : row + 1, : job.length], stats[row])
 
 
 class BatchedKV:

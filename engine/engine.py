@@ -2,8 +2,9 @@
 
 `Engine` owns one loaded model and its tokenizer. `Engine.infill(prefix, suffix)` tokenizes, lays the request out
 as the model's settings say ("canvas": suffix head clamped in the canvas; "prompt": suffix in the encoder prompt),
-runs the denoising loop in `engine.canvas`, and decodes. Callers (the CLI, the LSP server, the resident engine)
-use only this module's names; nothing outside `engine/` touches a tensor.
+runs the denoising loop in `engine.canvas`, and decodes. `Engine.fill(prefix, middle, suffix)` does the same for
+several holes (and span rewrites) in one canvas, the code between them clamped. Callers (the CLI, the LSP server,
+the resident engine) use only this module's names; nothing outside `engine/` touches a tensor.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from engine.canvas import (
     CancelToken,
     CanvasJob,
     CanvasOutput,
+    Clamp,
     DenoiseParams,
     DenoisingBatch,
+    GapSpec,
     InfillCancelled,
+    Segment,
     StepView,
     encode_prefixes,
     fill,
@@ -31,13 +35,26 @@ from engine.prefix_cache import PrefixCache
 from engine.settings import InfillSettings, model_settings
 from engine.tokenizer import TokenHealing
 
-__all__ = ["Engine", "EngineBatch", "InfillCancelled", "InfillRequest", "InfillResult"]
+__all__ = ["Engine", "EngineBatch", "FillError", "Hole", "InfillCancelled", "InfillRequest", "InfillResult"]
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 INSTRUCTION = (
     "Complete the code at <CURSOR>. Answer with only the code that goes there, nothing else.\n\n"
     "{prefix}<CURSOR>{suffix}"
 )
+
+
+@dataclass(frozen=True)
+class Hole:
+    """A hole in `Engine.fill`'s middle. A plain hole (strength 1) starts from noise; a span rewrite starts from
+    the span's current `text` with a share `strength` (0 < strength < 1) of its tokens renoised (SDEdit for text)."""
+
+    text: str = ""
+    strength: float = 1.0
+
+
+class FillError(ValueError):
+    """A fill the engine cannot lay out: no hole, too many, a canvas over its budget, a bad strength."""
 
 
 @dataclass
@@ -47,6 +64,8 @@ class InfillRequest:
     overrides: dict[str, Any] | None = None
     cancel: CancelToken | None = None
     on_step: Callable[[StepView], None] | None = None
+    # Between prefix and suffix: holes and the code between them (`Engine.fill`); None is one plain hole.
+    middle: list[str | Hole] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,7 @@ class Prepared:
     encoder_ids: list[int]
     head_ids: list[int]
     params: DenoiseParams
+    segments: tuple[Segment, ...] | None = None  # several gaps; None: one gap, then head_ids
 
 
 @dataclass
@@ -83,6 +103,9 @@ class InfillResult:
     # (`text` is what goes at the cursor; `tokens` are what the model wrote, healed text included).
     healed: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
+    # Per gap, in document order: text, tokens, confidence, healed, stop_reason ("eos", or "truncated": it filled its
+    # budget without one). One entry for `infill`, whose `text` is that gap's; `fill` fills several.
+    gaps: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,10 +161,27 @@ class Engine:
         on_step: Callable[[StepView], None] | None = None,
     ) -> InfillResult:
         """Fill the gap between `prefix` and `suffix`. Raises InfillCancelled when `cancel` is set mid-way."""
-        prepared = self._prepare(InfillRequest(prefix, suffix, overrides, cancel, on_step))
+        return self.run(InfillRequest(prefix, suffix, overrides, cancel, on_step))
+
+    def fill(
+        self,
+        prefix: str,
+        middle: list[str | Hole],
+        suffix: str,
+        overrides: dict[str, Any] | None = None,
+        cancel: CancelToken | None = None,
+    ) -> InfillResult:
+        """Fill every `Hole` of `middle` (holes and the code between them) in one canvas after `prefix`, before
+        `suffix`: each gap sees the code on both sides and the other gaps' drafts. The answers are `result.gaps`.
+        Raises FillError for a request that cannot be laid out, InfillCancelled when cancelled."""
+        return self.run(InfillRequest(prefix, suffix, overrides, cancel, middle=middle))
+
+    def run(self, request: InfillRequest) -> InfillResult:
+        prepared = self._prepare(request)
         with self._lock:
             out = fill(self.loaded.model, prepared.encoder_ids, prepared.head_ids, prepared.params, self._stop_ids,
-                       cancel, on_step, self._prefix_cache(prepared.settings))  # fmt: skip
+                       request.cancel, request.on_step, self._prefix_cache(prepared.settings),
+                       prepared.segments)  # fmt: skip
         return self._result(prepared, out)
 
     def infill_batch(self, requests: list[InfillRequest]) -> list[InfillResult | InfillCancelled]:
@@ -161,6 +201,8 @@ class Engine:
 
     def _prepare(self, request: InfillRequest) -> Prepared:
         settings = self.settings.merged(request.overrides)
+        if request.middle is not None:
+            return self._prepare_fill(request, settings)
         healed, allowed = "", None
         if settings.layout == "canvas":
             healed = self.healing.cut(request.prefix) if settings.token_healing else ""
@@ -171,25 +213,58 @@ class Engine:
         else:
             encoder_ids = self._prompt_ids(request.prefix, request.suffix, settings)
             head_ids = []
-        params = DenoiseParams(
-            gap_tokens=settings.gap_tokens,
-            max_new_tokens=settings.max_new_tokens,
-            max_steps=settings.max_steps,
-            entropy_bound=settings.entropy_bound,
-            t_min=settings.t_min,
-            t_max=settings.t_max,
-            stability_threshold=settings.stability_threshold,
-            confidence_threshold=settings.confidence_threshold,
-            seed=settings.seed,
-            order=settings.order,
-            min_new_tokens=min(settings.min_new_tokens, settings.max_new_tokens),
-            stop_scope=settings.stop_scope,
-            line_end_ids=self._line_end_ids() if settings.single_line else frozenset(),
-            healed=healed,
-            first_slot_allowed=allowed,
-            self_condition=settings.self_condition,
-        )
-        return Prepared(settings, encoder_ids, head_ids, params)
+        line_ends = self._line_end_ids() if settings.single_line else frozenset()
+        return Prepared(settings, encoder_ids, head_ids, _params(settings, settings.max_new_tokens, line_ends, healed,
+                                                                 allowed))  # fmt: skip
+
+    def _prepare_fill(self, request: InfillRequest, settings: InfillSettings) -> Prepared:
+        """Lay out [prefix] -> encoder, then [gap | clamped | gap | ... | suffix head] in the canvas. Each gap is
+        token-healed against the text before it; a rewrite gap starts from its span's tokens."""
+        if settings.layout != "canvas":
+            raise FillError("several holes need the 'canvas' layout (this model's layout is 'prompt')")
+        texts, holes = [request.prefix], []
+        for part in request.middle or []:
+            if isinstance(part, Hole):
+                holes.append(part)
+                texts.append("")
+            else:
+                texts[-1] += part
+        texts[-1] += request.suffix
+        if not holes:
+            raise FillError("nothing to fill: no hole given")
+        if len(holes) > settings.max_holes:
+            raise FillError(f"{len(holes)} holes, over the limit of {settings.max_holes} (setting max_holes)")
+        segments: list[Segment] = []
+        encoder_ids: list[int] = []
+        seen = ""  # the document's text before the current gap (the holes' own text left out)
+        for index, hole in enumerate(holes):
+            if not 0 < hole.strength <= 1:
+                raise FillError(f"hole {index + 1}: strength must be in (0, 1], got {hole.strength}")
+            before = texts[index]
+            seen += before
+            cut = self.healing.cut(seen) if settings.token_healing and before else ""
+            kept = self._encode(before[: len(before) - len(cut)])
+            if index == 0:
+                encoder_ids = self._with_bos(kept[-settings.max_prefix_tokens :])
+            else:
+                segments.append(Clamp(tuple(kept)))
+            allowed = self._first_slot_allowed(cut) if cut else None
+            init: list[int] = self._encode(cut + hole.text) if hole.strength < 1 else []
+            length = len(init) + max(4, len(init) // 2) if init else settings.gap_tokens
+            segments.append(GapSpec(length, tuple(init), hole.strength, allowed, cut,
+                                    max(settings.max_new_tokens, length)))  # fmt: skip
+        segments.append(Clamp(tuple(self._encode(texts[-1])[: settings.suffix_head_tokens])))
+        gap_slots = sum(s.length for s in segments if isinstance(s, GapSpec))
+        canvas = gap_slots + sum(len(s.ids) for s in segments if isinstance(s, Clamp))
+        if gap_slots > settings.fill_tokens:
+            raise FillError(f"the holes need {gap_slots} gap slots, over fill_tokens={settings.fill_tokens}")
+        if canvas > settings.max_canvas_tokens:
+            raise FillError(f"the holes and the code between them take {canvas} tokens, over "
+                            f"max_canvas_tokens={settings.max_canvas_tokens}: select a smaller region")  # fmt: skip
+        # One hole continues canvas after canvas up to its answer's bound; several share the fill's budget.
+        budget = max(settings.max_new_tokens, gap_slots) if len(holes) == 1 else max(settings.fill_tokens, gap_slots)
+        params = _params(settings, budget, frozenset(), "", None)
+        return Prepared(settings, encoder_ids, [], params, tuple(segments))
 
     def _prefix_cache(self, settings: InfillSettings) -> PrefixCache | None:
         return self.prefix_cache if settings.reuse_prefix else None
@@ -213,10 +288,18 @@ class Engine:
         return allowed
 
     def _result(self, prepared: Prepared, out: CanvasOutput) -> InfillResult:
-        produced = len(out.tokens) + (1 if out.ended_with_eos else 0)
-        healed = prepared.params.healed if out.tokens else ""
+        specs = [s for s in prepared.segments or () if isinstance(s, GapSpec)]
+        cuts = [spec.healed for spec in specs] if specs else [prepared.params.healed]
+        gaps = [{
+            "text": self.tokenizer.decode(gap.tokens, skip_special_tokens=True).removeprefix(cut if gap.tokens else ""),
+            "tokens": gap.tokens,
+            "confidence": [round(c, 4) for c in gap.confidence],
+            "healed": cut if gap.tokens else "",
+            "stop_reason": "eos" if gap.ended_with_eos else "truncated",
+        } for gap, cut in zip(out.gaps, cuts, strict=True)]  # fmt: skip
+        produced = len(out.tokens) + sum(1 for gap in out.gaps if gap.ended_with_eos)
         return InfillResult(
-            text=self.tokenizer.decode(out.tokens, skip_special_tokens=True).removeprefix(healed),
+            text=gaps[0]["text"],
             tokens=out.tokens,
             token_texts=[self.tokenizer.decode([t]) for t in out.tokens],
             confidence=[round(c, 4) for c in out.confidence],
@@ -230,12 +313,15 @@ class Engine:
             denoise_ms=round(out.denoise_seconds * 1000, 2),
             prefix_tokens=len(prepared.encoder_ids),
             prefix_reused_tokens=out.prefix_reused,
-            suffix_head_tokens=len(prepared.head_ids),
+            suffix_head_tokens=sum(len(s.ids) for s in prepared.segments[-1:] if isinstance(s, Clamp))
+            if specs
+            else len(prepared.head_ids),
             layout=prepared.settings.layout,
             model=self.name,
             dtype=self.dtype,
-            healed=healed,
+            healed=gaps[0]["healed"],
             settings=prepared.settings.to_dict(),
+            gaps=gaps,
         )
 
     # -- layouts -------------------------------------------------------------------------------------------------
@@ -306,7 +392,7 @@ class EngineBatch:
                     cache = engine._prefix_cache(group[0][1].settings)
                     encoded = encode_prefixes(engine.loaded.model, [p.encoder_ids for _, p in group], cache)
                     jobs = [CanvasJob(engine.loaded.model, p.encoder_ids, p.head_ids, p.params, engine._stop_ids,
-                                      request.cancel, request.on_step, encoded=done)
+                                      request.cancel, request.on_step, encoded=done, segments=p.segments)
                             for (request, p), done in zip(group, encoded, strict=True)]  # fmt: skip
             except Exception as exc:
                 failed += [(request, exc) for request, _ in group]
@@ -325,6 +411,29 @@ class EngineBatch:
             outcome = job.error if job.error is not None else self.engine._result(prepared, job.out)
             outcomes.append((request, outcome))
         return outcomes
+
+
+def _params(settings: InfillSettings, max_new_tokens: int, line_end_ids: frozenset[int], healed: str,
+            allowed: torch.Tensor | None) -> DenoiseParams:  # fmt: skip
+    """The denoising loop's parameters from the settings (`max_new_tokens`: the answer's bound, or a fill's total)."""
+    return DenoiseParams(
+        gap_tokens=settings.gap_tokens,
+        max_new_tokens=max_new_tokens,
+        max_steps=settings.max_steps,
+        entropy_bound=settings.entropy_bound,
+        t_min=settings.t_min,
+        t_max=settings.t_max,
+        stability_threshold=settings.stability_threshold,
+        confidence_threshold=settings.confidence_threshold,
+        seed=settings.seed,
+        order=settings.order,
+        min_new_tokens=min(settings.min_new_tokens, settings.max_new_tokens),
+        stop_scope=settings.stop_scope,
+        line_end_ids=line_end_ids,
+        healed=healed,
+        first_slot_allowed=allowed,
+        self_condition=settings.self_condition,
+    )
 
 
 def _stop_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -85,6 +85,13 @@ class InfillSettings:
     reuse_prefix: bool = True
     # The caller keeps only the first line (an LSP single-line completion): stop once the answer has a line break.
     single_line: bool = False
+    # Several holes in one canvas (`Engine.fill`): at most this many holes per request...
+    max_holes: int = 8
+    # ...at most this many gap slots over all of them (a gap that fills without an EOS grows up to max_new_tokens,
+    # within this budget)...
+    fill_tokens: int = 256
+    # ...and at most this many canvas positions in all (gaps plus the clamped code between them and the suffix head).
+    max_canvas_tokens: int = 1024
     # "prompt" layout template, with {prefix} and {suffix}. "auto": the tokenizer's FIM tokens if it has them,
     # else its chat template with an instruction, else a plain instruction.
     prompt_template: str = "auto"
@@ -114,7 +121,15 @@ class InfillSettings:
             raise SettingsError(f"self_condition must be 'processed', 'raw' or 'off', got '{self.self_condition}'")
         if self.layout not in LAYOUTS:
             raise SettingsError(f"layout must be one of {LAYOUTS}, got '{self.layout}'")
-        for name in ("gap_tokens", "max_new_tokens", "max_prefix_tokens", "max_steps"):
+        for name in (
+            "gap_tokens",
+            "max_new_tokens",
+            "max_prefix_tokens",
+            "max_steps",
+            "max_holes",
+            "fill_tokens",
+            "max_canvas_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("suffix_head_tokens", "max_suffix_tokens", "stability_threshold", "min_new_tokens"):
