@@ -3,7 +3,7 @@
 Public names (everything else is internal), loaded on first use so that light modules such as
 `engine.paths` import without torch:
   Engine, InfillResult, InfillCancelled -- text in, result out (engine.engine)
-  Hole, FillError                       -- several holes (and span rewrites) in one canvas (engine.engine)
+  Hole, FillError                       -- several holes (and span rewrites) in one canvas (engine.regions)
   InfillSettings, SettingsError         -- the knobs (engine.settings)
   ModelLoadError, DEFAULT_MODEL_DIR     -- loading (engine.loading)
 """
@@ -14,8 +14,8 @@ from typing import Any
 _PUBLIC = {
     "DEFAULT_MODEL_DIR": "engine.loading",
     "Engine": "engine.engine",
-    "FillError": "engine.engine",
-    "Hole": "engine.engine",
+    "FillError": "engine.regions",
+    "Hole": "engine.regions",
     "InfillCancelled": "engine.canvas",
     "InfillResult": "engine.engine",
     "InfillSettings": "engine.settings",

@@ -32,29 +32,28 @@ from engine.canvas import (
 )
 from engine.loading import LoadedModel, load_model
 from engine.prefix_cache import PrefixCache
+from engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
 from engine.settings import InfillSettings, model_settings
 from engine.tokenizer import TokenHealing
 
-__all__ = ["Engine", "EngineBatch", "FillError", "Hole", "InfillCancelled", "InfillRequest", "InfillResult"]
+__all__ = [
+    "Engine",
+    "EngineBatch",
+    "FillError",
+    "Hole",
+    "InfillCancelled",
+    "InfillRequest",
+    "InfillResult",
+    "Region",
+    "regions_to_parts",
+    "split_parts",
+]
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 INSTRUCTION = (
     "Complete the code at <CURSOR>. Answer with only the code that goes there, nothing else.\n\n"
     "{prefix}<CURSOR>{suffix}"
 )
-
-
-@dataclass(frozen=True)
-class Hole:
-    """A hole in `Engine.fill`'s middle. A plain hole (strength 1) starts from noise; a span rewrite starts from
-    the span's current `text` with a share `strength` (0 < strength < 1) of its tokens renoised (SDEdit for text)."""
-
-    text: str = ""
-    strength: float = 1.0
-
-
-class FillError(ValueError):
-    """A fill the engine cannot lay out: no hole, too many, a canvas over its budget, a bad strength."""
 
 
 @dataclass

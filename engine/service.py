@@ -6,6 +6,9 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
     POST /v1/completions   OpenAI-compatible: prompt (= prefix), suffix, max_tokens, temperature, stream (drafts
                            as server-sent events), so the client side can also talk to vLLM or SGLang
     POST /v1/infill        the engine's whole result (InfillResult) for {prefix, suffix, settings, document}
+    POST /v1/fill          several holes and span rewrites in one canvas: {segments: [{"text": ...} | {"hole": true}
+                           | {"rewrite": current text, "strength": s}, ...], settings, document}; the text before
+                           the first hole is the prefix, after the last the suffix; the answers are `gaps`
     GET  /health           model, device, queue depth
     GET  /metrics          Prometheus text: requests, latency, steps, tokens per forward, prefix-cache hits, queue,
                            batch rows and step time by rows
@@ -48,6 +51,7 @@ from starlette.routing import Route
 from engine.canvas import InfillCancelled, StepView
 from engine.engine import Engine, EngineBatch, InfillRequest
 from engine.paths import default_socket
+from engine.regions import FillError, Hole, parts_from_json, split_parts
 from engine.settings import SettingsError
 
 __all__ = ["EngineService", "default_socket", "serve"]
@@ -99,6 +103,7 @@ class EngineService:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/v1/infill", self.infill, methods=["POST"]),
+                Route("/v1/fill", self.fill, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
             ],
             exception_handlers={BadRequest: _bad_request},
@@ -122,6 +127,23 @@ class EngineService:
         if not isinstance(settings, dict):
             raise BadRequest(400, "'settings' must be an object")
         result = await self._run(request, "infill", prefix, suffix, settings, body.get("document"))
+        if result is None:
+            return JSONResponse({"cancelled": True}, status_code=499)
+        return JSONResponse(result)
+
+    async def fill(self, request: Request) -> Response:
+        body = await self._json(request)
+        segments = body.get("segments")
+        if not isinstance(segments, list):
+            raise BadRequest(400, "'segments' must be a list")
+        settings = body.get("settings") or {}
+        if not isinstance(settings, dict):
+            raise BadRequest(400, "'settings' must be an object")
+        try:
+            prefix, middle, suffix = split_parts(parts_from_json(segments))
+        except FillError as exc:
+            raise BadRequest(400, str(exc)) from exc
+        result = await self._run(request, "fill", prefix, suffix, settings, body.get("document"), middle=middle)
         if result is None:
             return JSONResponse({"cancelled": True}, status_code=499)
         return JSONResponse(result)
@@ -204,6 +226,7 @@ class EngineService:
         settings: dict[str, Any],
         document: Any,
         on_step: Callable[[StepView], None] | None = None,
+        middle: list[str | Hole] | None = None,
     ) -> dict[str, Any] | None:
         """Run one infill on the worker; None when it was cancelled (client gone, or superseded)."""
         try:
@@ -221,10 +244,14 @@ class EngineService:
         self.last_activity = time.monotonic()
         started = time.perf_counter()
 
-        job = asyncio.wrap_future(self.batcher.submit(InfillRequest(prefix, suffix, settings, cancel, on_step)))
+        job = asyncio.wrap_future(self.batcher.submit(InfillRequest(prefix, suffix, settings, cancel, on_step, middle)))
         watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
         try:
-            outcome = await job
+            try:
+                outcome = await job
+            except FillError as exc:  # a fill that cannot be laid out (too many holes, canvas over budget...)
+                self.m_requests.labels(endpoint, "bad_request").inc()
+                raise BadRequest(400, str(exc)) from exc
             if isinstance(outcome, InfillCancelled):
                 self.m_cancelled_steps.observe(outcome.steps)
             result = None if isinstance(outcome, InfillCancelled) else outcome.to_dict()

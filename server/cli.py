@@ -1,6 +1,7 @@
 """`canvas-ls`: the command line.
 
     canvas-ls complete FILE --line L --character C [--model PATH_OR_ID] [--json]
+    canvas-ls fill FILE --hole L:C-L:C [--hole ...] [--rewrite L:C-L:C --strength S] [--json]
     canvas-ls make-tiny-model DIR
 
 Errors are one line on stderr (`canvas-ls: error: ...`) and exit status 2; stdout carries only the answer.
@@ -34,6 +35,19 @@ def _parser() -> argparse.ArgumentParser:
     complete.add_argument("--seed", type=int)
     _settings_argument(complete)
     complete.add_argument("--json", action="store_true", help="print the whole result object")
+
+    fill = commands.add_parser("fill", help="fill several holes (and rewrite spans) of a file in one canvas")
+    fill.add_argument("file", type=Path)
+    fill.add_argument("--hole", action="append", default=[], type=_span, metavar="L:C-L:C",
+                      help="a range to fill (LSP positions: 0-based line, UTF-16 column; repeatable)")  # fmt: skip
+    fill.add_argument("--rewrite", action="append", default=[], type=_span, metavar="L:C-L:C",
+                      help="a range to rewrite in place, starting from its current text (repeatable)")  # fmt: skip
+    fill.add_argument("--strength", type=float, default=0.5,
+                      help="share of a rewrite's tokens renoised before denoising (1: a plain hole)")  # fmt: skip
+    _model_arguments(fill)
+    fill.add_argument("--seed", type=int)
+    _settings_argument(fill)
+    fill.add_argument("--json", action="store_true", help="print each region's answer and the whole result")
 
     serve = commands.add_parser("serve", help="run the language server (stdio unless --tcp)")
     serve.add_argument("--stdio", action="store_true", help="talk LSP over stdin/stdout (the default)")
@@ -142,10 +156,7 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
 def _complete(args: argparse.Namespace) -> int:
     from engine import Engine
 
-    try:
-        text = args.file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"cannot read {args.file}: {exc}") from exc
+    text = _read(args.file)
     try:
         offset = offset_at(text, args.line, args.character)
     except PositionError as exc:
@@ -165,6 +176,57 @@ def _complete(args: argparse.Namespace) -> int:
     else:
         print(result.text)
     return 0
+
+
+def _span(value: str) -> tuple[int, int, int, int]:
+    """'L:C-L:C' -> (line, character, line, character)."""
+    try:
+        start, end = value.split("-")
+        return (*map(int, start.split(":")), *map(int, end.split(":")))  # type: ignore[return-value]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a range L:C-L:C (0-based line and column)") from None
+
+
+def _fill(args: argparse.Namespace) -> int:
+    from engine import Engine, FillError
+    from engine.regions import Region, regions_to_parts, split_parts
+
+    text = _read(args.file)
+    spans = [(span, 1.0) for span in args.hole] + [(span, args.strength) for span in args.rewrite]
+    if not spans:
+        raise CliError("nothing to fill: give at least one --hole or --rewrite")
+    try:
+        regions = [Region(offset_at(text, a, b), offset_at(text, c, d), strength) for (a, b, c, d), strength in spans]
+        prefix, middle, suffix = split_parts(regions_to_parts(text, regions))
+    except (PositionError, FillError) as exc:
+        raise CliError(f"{args.file}: {exc}") from exc
+    engine = Engine.load(args.model, args.device, {"seed": args.seed, **_settings(args.settings)}, dtype=args.dtype)
+    try:
+        result = engine.fill(prefix, middle, suffix)
+    except FillError as exc:
+        raise CliError(f"{args.file}: {exc}") from exc
+    ordered = sorted(range(len(regions)), key=lambda i: (regions[i].start, regions[i].end))
+    answers = dict(zip(ordered, result.gaps, strict=True))  # region as given -> its gap's answer
+    if args.json:
+        ranges = [
+            {"start": {"line": a, "character": b}, "end": {"line": c, "character": d}} for (a, b, c, d), _ in spans
+        ]
+        regions_out = [{"range": ranges[i], "strength": spans[i][1], **answers[i]} for i in range(len(spans))]
+        print(json.dumps({"regions": regions_out, "result": result.to_dict()}, indent=2, ensure_ascii=False))
+        return 0
+    position, pieces = 0, []
+    for i in ordered:
+        pieces += [text[position : regions[i].start], answers[i]["text"]]
+        position = regions[i].end
+    print("".join([*pieces, text[position:]]), end="")
+    return 0
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {path}: {exc}") from exc
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -331,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {
         "complete": _complete,
+        "fill": _fill,
         "serve": _serve,
         "engine": _engine,
         "train": _train,
