@@ -100,10 +100,7 @@ class LocalBackend:
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None) -> dict | None:  # fmt: skip
         """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed."""
-        if self.state != "ready":
-            raise BackendNotReady(
-                f"the model failed to load: {self.error}" if self.state == "failed" else "the model is still loading"
-            )
+        self._check_ready()
         from engine import InfillCancelled
 
         engine = self._engine
@@ -117,8 +114,40 @@ class LocalBackend:
                 self.cancelled_after_steps = [*self.cancelled_after_steps[-99:], stopped.steps]
                 return None
 
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, work)
+        return await self._run(work, cancel)
+
+    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
+                   document: str | None = None) -> dict | None:  # fmt: skip
+        """Several holes in one canvas (`/v1/fill` segments): the engine's result, None when cancelled. Raises
+        BackendError for a fill the engine cannot lay out."""
+        self._check_ready()
+        from engine import FillError, InfillCancelled
+        from engine.regions import parts_from_json, split_parts
+
+        engine = self._engine
+
+        def work() -> dict | None:
+            if cancel.is_set():
+                return None
+            try:
+                prefix, middle, suffix = split_parts(parts_from_json(segments))
+                return engine.fill(prefix, middle, suffix, overrides, cancel=cancel).to_dict()
+            except FillError as exc:
+                raise BackendError(str(exc)) from exc
+            except InfillCancelled as stopped:
+                self.cancelled_after_steps = [*self.cancelled_after_steps[-99:], stopped.steps]
+                return None
+
+        return await self._run(work, cancel)
+
+    def _check_ready(self) -> None:
+        if self.state != "ready":
+            raise BackendNotReady(
+                f"the model failed to load: {self.error}" if self.state == "failed" else "the model is still loading"
+            )
+
+    async def _run(self, work: Callable[[], dict | None], cancel: CancelFlag) -> dict | None:
+        future = asyncio.get_running_loop().run_in_executor(self._executor, work)
         try:
             return await future
         except asyncio.CancelledError:
@@ -250,8 +279,37 @@ class ResidentBackend:
             return None
         return response.json()
 
+    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
+                   document: str | None = None) -> dict | None:  # fmt: skip
+        """Several holes in one canvas through `/v1/fill`; None when cancelled. Raises BackendError with the
+        engine's reason when it refuses the fill or fails."""
+        if self.state != "ready":
+            raise BackendNotReady(
+                f"the model failed to load: {self.error}" if self.state == "failed" else "the model is still loading"
+            )
+        body = {"segments": segments, "document": document,
+                "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
+        try:
+            response = await post_cancellable(self._client, "/v1/fill", body, cancel)
+        except httpx.HTTPError as exc:
+            self.restarts += 1
+            self.load(self._model, self._device)
+            raise BackendError(f"the engine went away during the fill ({exc}); it is restarting") from exc
+        if response is None or response.status_code == 499:
+            return None
+        if response.status_code != 200:
+            raise BackendError(_error_text(response))
+        return response.json()
+
     def shutdown(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"])
+    except (ValueError, KeyError, TypeError):
+        return f"the engine answered {response.status_code}: {response.text[:200]}"
 
 
 async def post_cancellable(client: httpx.AsyncClient, path: str, body: dict[str, Any],
@@ -321,6 +379,10 @@ class OpenAIBackend:
         choice = (data.get("choices") or [{}])[0]
         return {"text": choice.get("text") or "", "finish_reason": choice.get("finish_reason"),
                 "usage": data.get("usage"), "model": data.get("model")}  # fmt: skip
+
+    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
+                   document: str | None = None) -> dict | None:  # fmt: skip
+        raise BackendError("filling several holes needs canvas-ls's own engine (engine.backend local or resident)")
 
     def shutdown(self) -> None:
         pass

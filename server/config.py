@@ -57,9 +57,28 @@ class CompletionOptions:
 
 
 @dataclass
+class FillOptions:
+    # The "Fill holes" and "Rewrite selection" actions (several regions in one canvas). Each hole starts with this
+    # many gap slots and may grow to max_new_tokens when it fills without an end; at most max_holes per request.
+    gap_tokens: int = 32
+    max_new_tokens: int = 128
+    max_holes: int = 8
+    # Share of a selection's tokens renoised before the rewrite (1: write it anew, as a hole).
+    rewrite_strength: float = 0.5
+    # Denoising step cap; None keeps the model's own.
+    max_steps: int | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The engine settings of a fill. The user asked for these regions: each answer has at least one token."""
+        return {"gap_tokens": self.gap_tokens, "max_new_tokens": self.max_new_tokens, "max_holes": self.max_holes,
+                "max_steps": self.max_steps, "min_new_tokens": 1}  # fmt: skip
+
+
+@dataclass
 class ServerConfig:
     engine: EngineOptions = field(default_factory=EngineOptions)
     completion: CompletionOptions = field(default_factory=CompletionOptions)
+    fill: FillOptions = field(default_factory=FillOptions)
     # Per-language switch, by LSP languageId or canonical name ("python": false); a language not listed is on.
     languages: dict[str, bool] = field(default_factory=dict)
     # Completions remembered by context (LRU), answered without a model call.

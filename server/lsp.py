@@ -15,14 +15,21 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
-from server.backend import LocalBackend, OpenAIBackend, ResidentBackend
+from engine.regions import Region
+from server.backend import CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
 from server.completion import Completer, Outcome
 from server.config import ServerConfig, parse_config
-from server.documents import DocumentStore
+from server.documents import Document, DocumentStore
+from server.fill import FillOutcome, fill_regions
+from server.holes import find_holes
+from server.positions import PositionError
 
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"
 STATS_METHOD = "canvas/stats"
+FILL_REGIONS_METHOD = "canvas/fillRegions"
+FILL_HOLES_COMMAND = "canvas-ls.fillHoles"
+REWRITE_COMMAND = "canvas-ls.rewriteSelection"
 VERSION = "0.1.0"
 
 
@@ -222,6 +229,184 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
 
 def _get(value: Any, key: str) -> Any:
     return value.get(key) if isinstance(value, dict) else getattr(value, key, None)
+
+
+# -- several regions in one canvas: code actions, their commands, and canvas/fillRegions --------------------------
+
+
+@server.feature(
+    types.TEXT_DOCUMENT_CODE_ACTION,
+    types.CodeActionOptions(code_action_kinds=[types.CodeActionKind.RefactorRewrite]),
+)
+def code_action(ls: CanvasServer, params: types.CodeActionParams) -> list[types.CodeAction]:
+    """ "Fill holes" on a function or class with placeholders; "Rewrite selection" on a selection."""
+    document = ls.documents.get(params.text_document.uri)
+    if document is None:
+        return []
+    uri, span = params.text_document.uri, params.range
+    actions = []
+    try:
+        scope = find_holes(document, document.index.offset(span.start.line, span.start.character))
+    except PositionError:
+        return []
+    if scope is not None and scope.holes:
+        count = len(scope.holes)
+        title = f"Fill {count} hole{'s' * (count != 1)} with canvas-ls"
+        arguments = [{"textDocument": {"uri": uri}, "position": _unstructure(ls, span.start)}]
+        command = types.Command(title, FILL_HOLES_COMMAND, arguments=arguments)
+        actions.append(types.CodeAction(title, kind=types.CodeActionKind.RefactorRewrite, command=command))
+    if span.start != span.end:
+        title = "Rewrite selection with canvas-ls"
+        arguments = [{"textDocument": {"uri": uri}, "range": _unstructure(ls, span)}]
+        command = types.Command(title, REWRITE_COMMAND, arguments=arguments)
+        actions.append(types.CodeAction(title, kind=types.CodeActionKind.RefactorRewrite, command=command))
+    return actions
+
+
+@server.command(FILL_HOLES_COMMAND)
+async def fill_holes_command(ls: CanvasServer, *arguments: Any) -> dict[str, Any]:
+    """Fill the placeholders of the function or class at `position`, applied as one workspace edit."""
+    return await _fill_request(ls, {**_first(arguments), "apply": True})
+
+
+@server.command(REWRITE_COMMAND)
+async def rewrite_command(ls: CanvasServer, *arguments: Any) -> dict[str, Any]:
+    """Rewrite the selected `range` in place (strength: `fill.rewrite_strength`), applied as one workspace edit."""
+    argument = _first(arguments)
+    region = {"range": _get(argument, "range"), "strength": ls.config.fill.rewrite_strength}
+    return await _fill_request(ls, {**argument, "regions": [region], "apply": True})
+
+
+@server.feature(FILL_REGIONS_METHOD)
+async def fill_regions_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
+    """`canvas/fillRegions` {textDocument: {uri}, regions: [{range, strength?}] | position, apply?}: several regions
+    (or the holes of the function or class at `position`) in one canvas. Returns the WorkspaceEdit (applied when
+    `apply`), each region's answer or why it stayed as it was, and `error` when nothing could run."""
+    return await _fill_request(ls, params)
+
+
+async def _fill_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
+    uri = _get(_get(params, "textDocument"), "uri")
+    if not isinstance(uri, str):
+        raise JsonRpcInvalidParams("want {textDocument: {uri}, regions: [{range, strength?}] | position, apply?}")
+    document = ls.documents.get(uri)
+    apply = _get(params, "apply") is True
+    if document is None:
+        return _fill_failed(ls, f"{uri} is not open", apply)
+    try:
+        regions = _regions(ls, document, params)
+    except (PositionError, ValueError, TypeError) as exc:
+        return _fill_failed(ls, str(exc), apply)
+    cancel = CancelFlag()
+    try:
+        outcome = await fill_regions(document, regions, ls.backend, ls.config.fill, cancel)
+    except asyncio.CancelledError:
+        cancel.set()  # the client cancelled the request: the engine stops at its next step
+        raise
+    current = ls.documents.get(uri)
+    stale = current is not document or document.version != outcome.version
+    edit = None if stale else _workspace_edit(document, outcome)
+    applied = False
+    if edit is not None and apply:
+        response = await ls.workspace_apply_edit_async(types.ApplyWorkspaceEditParams(edit, label="canvas-ls fill"))
+        applied = response.applied
+    message = "the document changed while the fill ran: nothing applied" if stale else outcome.summary()
+    left_out = stale or outcome.cancelled or any(answer.edit is None for answer in outcome.answers)
+    kind = (
+        types.MessageType.Error if outcome.error else types.MessageType.Warning if left_out else types.MessageType.Info
+    )
+    ls.log_to_client(message, kind)
+    if apply and kind != types.MessageType.Info:  # the user should know which regions stayed as they were, and why
+        ls.window_show_message(types.ShowMessageParams(type=kind, message=f"canvas-ls: {message}"))
+    index = document.index
+    return {
+        "version": outcome.version,
+        "edit": None if edit is None else _unstructure(ls, edit),
+        "applied": applied,
+        "error": outcome.error,
+        "cancelled": outcome.cancelled,
+        "stale": stale,
+        "message": message,
+        "elapsedMs": round(outcome.elapsed_ms, 2),
+        "regions": [
+            {
+                "range": _unstructure(ls, _span(index, a.region.start, a.region.end)),
+                "strength": a.region.strength,
+                "status": a.status,
+                "reason": a.reason,
+                "text": None if a.edit is None else a.edit.text,
+            }
+            for a in outcome.answers
+        ],
+        "result": outcome.result,
+    }
+
+
+def _regions(ls: CanvasServer, document: Document, params: Any) -> list[Region]:
+    """The regions to fill: the given ranges, or the placeholders of the function or class at `position`."""
+    index = document.index
+    given = _get(params, "regions")
+    if given is None:
+        position = _get(params, "position")
+        line, character = _get(position, "line"), _get(position, "character")
+        if not isinstance(line, int) or not isinstance(character, int):
+            raise ValueError("give 'regions' or a 'position' {line, character}")
+        scope = find_holes(document, index.offset(line, character))
+        if scope is None:
+            raise ValueError("no function or class here to fill holes in")
+        if not scope.holes:
+            raise ValueError("no holes here: this function or class has no placeholder (..., pass # TODO, "
+                             "raise NotImplementedError, todo!(), a TODO comment, an empty body)")  # fmt: skip
+        return [Region(start, end) for start, end in scope.holes]
+    if not isinstance(given, list):
+        raise ValueError("'regions' must be a list of {range, strength?}")
+    regions = []
+    for number, item in enumerate(given, 1):
+        span, strength = _get(item, "range"), _get(item, "strength")
+        start, end = _get(span, "start"), _get(span, "end")
+        points = [_get(start, "line"), _get(start, "character"), _get(end, "line"), _get(end, "character")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in points):
+            raise ValueError(f"region {number}: want a range {{start: {{line, character}}, end: ...}}")
+        strength = 1.0 if strength is None else strength
+        if isinstance(strength, bool) or not isinstance(strength, int | float):
+            raise ValueError(f"region {number}: strength must be a number")
+        try:
+            offsets = index.offset(points[0], points[1]), index.offset(points[2], points[3])
+        except PositionError as exc:
+            raise ValueError(f"region {number} lies outside the document ({exc})") from exc
+        regions.append(Region(*offsets, float(strength)))
+    return regions
+
+
+def _workspace_edit(document: Document, outcome: FillOutcome) -> types.WorkspaceEdit | None:
+    """One edit of the document version the fill read (a client holding a newer one rejects it): one undo step."""
+    edits = [types.TextEdit(_span(document.index, a.edit.start, a.edit.end), a.edit.text)
+             for a in outcome.answers if a.edit is not None]  # fmt: skip
+    if not edits:
+        return None
+    identifier = types.OptionalVersionedTextDocumentIdentifier(version=document.version, uri=document.uri)
+    return types.WorkspaceEdit(document_changes=[types.TextDocumentEdit(identifier, edits)])
+
+
+def _span(index: Any, start: int, end: int) -> types.Range:
+    return types.Range(types.Position(*index.position(start)), types.Position(*index.position(end)))
+
+
+def _fill_failed(ls: CanvasServer, message: str, apply: bool) -> dict[str, Any]:
+    ls.log_to_client(f"nothing filled: {message}", types.MessageType.Error)
+    if apply:
+        ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Error,
+                                                       message=f"canvas-ls: nothing filled: {message}"))  # fmt: skip
+    return {"edit": None, "applied": False, "error": message, "cancelled": False, "stale": False,
+            "message": f"nothing filled: {message}", "regions": [], "result": None}  # fmt: skip
+
+
+def _first(arguments: tuple[Any, ...]) -> Any:
+    return arguments[0] if arguments else {}
+
+
+def _unstructure(ls: CanvasServer, value: Any) -> Any:
+    return ls.protocol._converter.unstructure(value)
 
 
 @server.feature(types.SHUTDOWN)

@@ -1,0 +1,99 @@
+"""Several regions of a document filled in one request, top to bottom:
+
+    document -> regions (the placeholders tree-sitter finds, a selection, or a client's ranges) -> checked (in the
+    document, apart, not a hole inside a string or comment) -> engine (one canvas, off the loop, cancellable)
+    -> per region: empty? truncated? adds syntax errors? -> edits, and why each region left out stayed as it was
+
+The edits are for the document version the fill read; the caller drops them when the document changed meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.regions import FillError, Region, parts_to_json, regions_to_parts
+from server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
+from server.config import FillOptions
+from server.documents import Document
+from server.edits import Edit, adds_syntax_errors
+from server.holes import inside_string_or_comment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RegionAnswer:
+    region: Region
+    edit: Edit | None  # None: the region stays as it is (see `reason`)
+    status: str  # "filled", or why not: "empty", "truncated", "syntax"
+    reason: str = ""
+
+
+@dataclass
+class FillOutcome:
+    version: int  # the document version the answers were computed on
+    answers: list[RegionAnswer]  # in the order the regions were given
+    error: str | None = None  # the fill did not run: why (bad regions, engine refused or failed)
+    cancelled: bool = False
+    result: dict[str, Any] | None = None  # the engine's whole result
+    elapsed_ms: float = 0.0
+
+    def summary(self) -> str:
+        """One line for the user: what was filled and why the rest was not."""
+        if self.error is not None:
+            return f"nothing filled: {self.error}"
+        if self.cancelled:
+            return "fill cancelled: nothing applied"
+        filled = sum(1 for answer in self.answers if answer.edit is not None)
+        left = [f"{i + 1} ({answer.reason})" for i, answer in enumerate(self.answers) if answer.edit is None]
+        line = f"filled {filled} of {len(self.answers)} region{'s' * (len(self.answers) != 1)}"
+        return line + (f"; left as they were: {', '.join(left)}" if left else "")
+
+
+REASONS = {
+    "empty": "the model wrote nothing there",
+    "truncated": "the answer did not end within its token budget",
+    "syntax": "the answer would add syntax errors",
+}
+
+
+async def fill_regions(document: Document, regions: list[Region], backend: LocalBackend | ResidentBackend |
+                       OpenAIBackend, options: FillOptions, cancel: CancelFlag) -> FillOutcome:  # fmt: skip
+    started = time.perf_counter()
+    version, text = document.version, document.text
+    try:
+        parts = regions_to_parts(text, regions)
+        for number, region in enumerate(regions, 1):
+            if region.strength >= 1 and inside_string_or_comment(document, region.start, region.end):
+                raise FillError(f"region {number} is inside a string or comment, where this language has no hole")
+    except FillError as exc:
+        return FillOutcome(version, [], error=str(exc))
+    try:
+        result = await backend.fill(parts_to_json(parts), options.overrides(), cancel, document.uri)
+    except (BackendError, BackendNotReady) as exc:
+        return FillOutcome(version, [], error=str(exc))
+    elapsed = (time.perf_counter() - started) * 1000
+    if result is None:
+        return FillOutcome(version, [], cancelled=True, elapsed_ms=elapsed)
+    ordered = sorted(range(len(regions)), key=lambda i: (regions[i].start, regions[i].end))
+    answers: list[RegionAnswer | None] = [None] * len(regions)
+    for index, gap in zip(ordered, result["gaps"], strict=True):
+        answers[index] = _answer(document, regions[index], gap)
+    log.info("fill %s v%d: %d regions, %d steps, %.0f ms", document.uri, version, len(regions), result["steps"],
+             elapsed)  # fmt: skip
+    return FillOutcome(version, [a for a in answers if a is not None], result=result, elapsed_ms=elapsed)
+
+
+def _answer(document: Document, region: Region, gap: dict[str, Any]) -> RegionAnswer:
+    text = gap["text"]
+    if gap["stop_reason"] == "truncated":
+        return RegionAnswer(region, None, "truncated", REASONS["truncated"])
+    if not text.strip():
+        return RegionAnswer(region, None, "empty", REASONS["empty"])
+    edit = Edit(region.start, region.end, text)
+    if adds_syntax_errors(document, edit):
+        return RegionAnswer(region, None, "syntax", REASONS["syntax"])
+    return RegionAnswer(region, edit, "filled")

@@ -1,0 +1,226 @@
+"""Several regions in one canvas through the language server (a real LSP client over stdio): the "Fill holes" and
+"Rewrite selection" code actions, their commands (one workspace edit), `canvas/fillRegions`, and bad input.
+
+The tiny random model writes noise, which Python's syntax check drops: edits that must be applied are asked for in
+plain text (no grammar, no syntax check); in Python the tests check the holes found and the reasons reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Union
+
+import pytest
+import pytest_lsp
+from lsprotocol import types
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+from tests.test_lsp import SERVE, open_doc, options, plain, request, uri, wait_ready
+
+SHAPES = """import math
+
+
+class Circle:
+    def __init__(self, r):
+        self.r = r
+
+    def area(self):
+        ...
+
+    def grow(self, k):
+        raise NotImplementedError
+
+    def name(self):
+        return "circle"
+"""
+NOTES = "first line\nsecond line\nthird line\nfourth line\n"
+
+
+def span(a: int, b: int, c: int, d: int) -> dict[str, Any]:
+    return {"start": {"line": a, "character": b}, "end": {"line": c, "character": d}}
+
+
+def start_client(lsp_client: LanguageClient, model: Path, backend: str, **fill: Any) -> types.InitializeParams:
+    lsp_client.applied = []  # the workspace edits the server asked this client to apply
+    # lsprotocol's client-side hook reads any code action with a "command" key as a Command (its `command` is then
+    # the CodeAction's Command object); the spec tells them apart by `command` being a string. Editors do.
+    converter = lsp_client.protocol._converter
+    converter.register_structure_hook(
+        Union[types.Command, types.CodeAction],  # noqa: UP007 (the union lsprotocol registers its hook for)
+        lambda value, _: converter.structure(
+            value, types.Command if isinstance(value.get("command"), str) else types.CodeAction
+        ),
+    )
+
+    @lsp_client.feature(types.WORKSPACE_APPLY_EDIT)
+    def apply_edit(params: types.ApplyWorkspaceEditParams) -> types.ApplyWorkspaceEditResult:
+        lsp_client.applied.append(params.edit)
+        return types.ApplyWorkspaceEditResult(applied=True)
+
+    settings = {**options(model, backend, max_steps=4), "fill": fill}
+    return types.InitializeParams(
+        capabilities=pytest_lsp.client_capabilities("neovim"), initialization_options=settings
+    )
+
+
+async def session(lsp_client: LanguageClient, model: Path, backend: str) -> None:
+    await lsp_client.initialize_session(start_client(lsp_client, model, backend, max_steps=4))
+    await wait_ready(lsp_client)
+    open_doc(lsp_client, "shapes.py", SHAPES)
+    open_doc(lsp_client, "notes.txt", NOTES, language="plaintext")
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def client(lsp_client: LanguageClient, writing_model_dir: Path):
+    """The model in the server."""
+    await session(lsp_client, writing_model_dir, "local")
+    yield
+    await lsp_client.shutdown_session()
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def resident_client(lsp_client: LanguageClient, writing_model_dir: Path):
+    """The model in the shared engine: fills go through its `/v1/fill`."""
+    await session(lsp_client, writing_model_dir, "resident")
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def fill_regions(client: LanguageClient, name: str, regions: list[dict] | None = None, **extra: Any) -> dict:
+    params = {"textDocument": {"uri": uri(name)}, **({"regions": regions} if regions is not None else {}), **extra}
+    return await request(client, "canvas/fillRegions", params)
+
+
+async def actions(client: LanguageClient, name: str, selection: dict[str, Any]) -> list[types.CodeAction]:
+    result = await client.text_document_code_action_async(types.CodeActionParams(
+        types.TextDocumentIdentifier(uri(name)), client.protocol._converter.structure(selection, types.Range),
+        types.CodeActionContext(diagnostics=[])))  # fmt: skip
+    return list(result or [])
+
+
+async def test_code_actions_offer_fill_holes_and_rewrite(client: LanguageClient) -> None:
+    on_class = await actions(client, "shapes.py", span(3, 6, 3, 6))
+    assert [a.title for a in on_class] == ["Fill 2 holes with canvas-ls"]
+    assert on_class[0].command.command == "canvas-ls.fillHoles"
+    in_method = await actions(client, "shapes.py", span(8, 8, 8, 11))  # "..." selected inside area()
+    assert [a.title for a in in_method] == ["Fill 1 hole with canvas-ls", "Rewrite selection with canvas-ls"]
+    assert await actions(client, "shapes.py", span(14, 10, 14, 10)) == []  # name(): no placeholder, no selection
+    assert [a.title for a in await actions(client, "notes.txt", span(0, 0, 0, 5))] == [
+        "Rewrite selection with canvas-ls"
+    ]
+
+
+async def test_fill_holes_and_rewrite_commands(client: LanguageClient) -> None:
+    """The command fills both holes of the class in one request; whatever the syntax check drops is named, with why,
+    in a window/showMessage; what passes arrives as one workspace edit of the version the fill read."""
+    action = (await actions(client, "shapes.py", span(3, 6, 3, 6)))[0]
+    result = plain(await client.workspace_execute_command_async(
+        types.ExecuteCommandParams(action.command.command, action.command.arguments)))  # fmt: skip
+    assert result["error"] is None and len(result["regions"]) == 2
+    assert [r["range"] for r in result["regions"]] == [span(8, 8, 8, 11), span(11, 8, 11, 33)]
+    assert result["result"]["forward_passes"] == result["result"]["steps"] and len(result["result"]["gaps"]) == 2
+    for region in result["regions"]:
+        assert region["status"] == "filled" or region["reason"]
+    filled = [r for r in result["regions"] if r["status"] == "filled"]
+    assert len(client.applied) == (1 if filled else 0)
+    if filled:
+        (change,) = client.applied[0].document_changes
+        assert change.text_document.version == 1 and [e.new_text for e in change.edits] == [r["text"] for r in filled]
+    if len(filled) < 2:
+        await asyncio.sleep(0.2)
+        assert any("left as they were" in m.message for m in client.messages)
+
+    argument = {"textDocument": {"uri": uri("notes.txt")}, "range": span(2, 0, 2, 10)}
+    command = types.ExecuteCommandParams("canvas-ls.rewriteSelection", [argument])
+    applied = len(client.applied)
+    result = plain(await client.workspace_execute_command_async(command))
+    assert result["regions"][0]["strength"] == 0.5  # the server's fill.rewrite_strength
+    assert len(client.applied) - applied == (1 if result["regions"][0]["status"] == "filled" else 0)
+
+
+async def test_fill_regions_in_plain_text_applies_one_edit(resident_client: LanguageClient) -> None:
+    """Plain text has no syntax check: every answer that ended within its budget is applied, all in one edit of the
+    version the fill read; the random model's runaway answers are left out, and said so."""
+    client = resident_client
+    regions = [{"range": span(1, 0, 1, 6)}, {"range": span(3, 0, 3, 6), "strength": 0.5}]
+    result = await fill_regions(client, "notes.txt", regions, apply=True)
+    assert result["error"] is None and [r["strength"] for r in result["regions"]] == [1.0, 0.5]
+    filled = [(r["range"]["start"]["line"], r["text"]) for r in result["regions"] if r["status"] == "filled"]
+    assert filled and all(text for _, text in filled)
+    assert all(r["status"] == "filled" or r["reason"] for r in result["regions"])
+    (edit,) = client.applied
+    (change,) = edit.document_changes
+    assert change.text_document.version == 1 and [(e.range.start.line, e.new_text) for e in change.edits] == filled
+    assert result["applied"] is True
+    # The engine's own limit, refused with a 400 and its reason.
+    open_doc(client, "many.txt", "\n".join(f"line {i}" for i in range(12)) + "\n", language="plaintext")
+    result = await fill_regions(client, "many.txt", [{"range": span(i, 0, i, 4)} for i in range(10)])
+    assert "10 holes, over the limit of 8" in result["error"] and result["edit"] is None
+
+
+BAD_REGIONS = [
+    ([{"range": span(1, 0, 1, 6)}, {"range": span(1, 3, 1, 9)}], "regions 1 and 2 overlap"),
+    ([{"range": span(1, 0, 40, 0)}], "region 1 lies outside the document"),
+    ([{"range": span(2, 5, 1, 0)}], "region 1 is reversed"),
+    ([], "nothing to fill: no hole given"),
+    ([{"range": span(1, 0, 1, 2), "strength": "hard"}], "region 1: strength must be a number"),
+    ([{"range": span(1, 0, 1, 2), "strength": 0}], "hole 1: strength must be in (0, 1]"),
+    ([{"range": {"start": {"line": 1}}}], "region 1: want a range"),
+    ("not a list", "'regions' must be a list"),
+]
+
+
+async def test_bad_regions_give_a_clear_error(client: LanguageClient) -> None:
+    for regions, error in BAD_REGIONS:
+        result = await fill_regions(client, "notes.txt", regions, apply=True)
+        assert error in (result["error"] or ""), (regions, result["error"])
+        assert result["edit"] is None and client.applied == []
+        await asyncio.sleep(0.1)
+        assert any(error in m.message for m in client.messages)  # shown to the user
+    assert (await request(client, "canvas/stats", {}))["engine"]["state"] == "ready"
+    four = await fill_regions(client, "notes.txt", [{"range": span(i, 0, i, 2)} for i in range(4)])
+    assert four["error"] is None and len(four["regions"]) == 4  # within the limit of 8: it runs
+    # A hole inside a string (no placeholder there) is refused; rewriting a string's text is allowed.
+    result = await fill_regions(client, "shapes.py", [{"range": span(14, 16, 14, 19)}])  # inside "circle"
+    assert result["error"] == "region 1 is inside a string or comment, where this language has no hole"
+    rewrite = await fill_regions(client, "shapes.py", [{"range": span(14, 16, 14, 19), "strength": 0.5}])
+    assert rewrite["error"] is None
+    # "Fill holes" where there are none, or outside any function or class; a document that is not open.
+    result = await fill_regions(client, "shapes.py", position={"line": 14, "character": 10})
+    assert result["error"].startswith("no holes here") and result["regions"] == []
+    outside = await fill_regions(client, "shapes.py", position={"line": 0, "character": 0})
+    assert outside["error"] == "no function or class here to fill holes in"
+    unknown = await request(client, "canvas/fillRegions", {"textDocument": {"uri": uri("nope.py")}, "regions": []})
+    assert unknown["error"].endswith("is not open")
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE), params=["local", "resident"])
+async def slow_client(lsp_client: LanguageClient, writing_model_dir: Path, request: pytest.FixtureRequest):
+    """Fills that take 800 denoising steps (seconds), unless stopped; in the server and in the shared engine."""
+    fill = {"max_steps": 800, "gap_tokens": 8, "max_new_tokens": 8}  # no hole grows: one canvas of 800 steps
+    await lsp_client.initialize_session(start_client(lsp_client, writing_model_dir, request.param, **fill))
+    await wait_ready(lsp_client)
+    open_doc(lsp_client, "notes.txt", NOTES, language="plaintext")
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def test_cancel_mid_fill_and_a_document_changed_during_the_fill(slow_client: LanguageClient) -> None:
+    params = {"textDocument": {"uri": uri("notes.txt")}, "regions": [{"range": span(1, 0, 1, 6)}], "apply": True}
+    pending = asyncio.ensure_future(slow_client.protocol.send_request_async("canvas/fillRegions", params, msg_id=7001))
+    await asyncio.sleep(0.5)
+    slow_client.protocol.notify("$/cancelRequest", types.CancelParams(id=7001))
+    with pytest.raises(Exception, match="cancel"):
+        await asyncio.wait_for(pending, 60)
+    assert slow_client.applied == []
+    assert (await request(slow_client, "canvas/stats", {}))["engine"]["state"] == "ready"
+    # The document changes while the next fill runs: its answers are for the old text, so nothing is applied.
+    pending = asyncio.ensure_future(fill_regions(slow_client, "notes.txt", [{"range": span(1, 0, 1, 6)}], apply=True))
+    await asyncio.sleep(0.5)
+    slow_client.text_document_did_change(types.DidChangeTextDocumentParams(
+        types.VersionedTextDocumentIdentifier(version=2, uri=uri("notes.txt")),
+        [types.TextDocumentContentChangeWholeDocument(text="a new text\n")]))  # fmt: skip
+    result = await asyncio.wait_for(pending, 120)
+    assert result["stale"] is True and result["edit"] is None and slow_client.applied == []
+    assert result["message"] == "the document changed while the fill ran: nothing applied"
