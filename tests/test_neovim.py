@@ -84,3 +84,68 @@ def test_accepting_an_inline_completion_writes_it_into_the_buffer(
     wait_for(lambda: nvim.current.buffer[row] != line_before, what="the accepted completion")
     assert nvim.current.buffer[row] == line_before + text
     assert nvim.api.get_mode()["mode"] == "i"
+
+
+FILL_SETUP = """
+local root, python, model = ...
+vim.opt.rtp:prepend(root .. '/editors/neovim')
+require('canvas_ls').setup({
+  config = {
+    cmd = { python, '-m', 'server.cli', 'serve' },
+    filetypes = { 'python', 'text' },
+    init_options = { engine = { model = model, device = 'cpu', backend = 'local' }, fill = { max_steps = 4 } },
+  },
+})
+"""
+SHAPES = (
+    "class Circle:\n    def area(self):\n        ...\n\n    def grow(self, k):\n        raise NotImplementedError\n"
+)
+NOTES = "first line\nsecond line\nthird line\nx = 1\nhello world\nfourth line\nprint(x)\nreturn a + b\n"
+
+
+def attach(nvim, model: Path, path: Path) -> None:
+    nvim.exec_lua(FILL_SETUP, str(REPO), sys.executable, str(model))
+    nvim.command(f"edit {path}")
+    wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
+             what="the server to attach and load the model")  # fmt: skip
+
+
+def test_code_action_menu_offers_fill_holes(nvim, writing_model_dir: Path, tmp_path: Path) -> None:
+    """vim.lsp.buf.code_action() lists canvas-ls's actions; :CanvasLsFill fills both holes of the class in one
+    request and reports each hole (the tiny model's noise fails Python's syntax check: the buffer stays as it was)."""
+    path = tmp_path / "shapes.py"
+    path.write_text(SHAPES)
+    attach(nvim, writing_model_dir, path)
+    nvim.current.window.cursor = (1, 6)
+    nvim.exec_lua("_G.offered = nil; vim.ui.select = function(items, opts, choice) "
+                  "_G.offered = vim.tbl_map(function(item) return item.action.title end, items) end")  # fmt: skip
+    nvim.exec_lua("vim.lsp.buf.code_action()")
+    assert wait_for(lambda: nvim.exec_lua("return _G.offered"), what="the code-action menu") == [
+        "Fill 2 holes with canvas-ls"
+    ]
+    nvim.command("CanvasLsFill")
+    result = wait_for(lambda: nvim.exec_lua("return require('canvas_ls').last_fill"), what="the fill")
+    assert result["error"] is None and len(result["regions"]) == 2
+    filled = [r["text"] for r in result["regions"] if r["status"] == "filled"]
+    assert all(r["status"] == "filled" or r["reason"] for r in result["regions"])
+    if filled:  # applied: every filled text is in the buffer
+        wait_for(lambda: all(text in "\n".join(nvim.current.buffer[:]) for text in filled), what="the edit")
+    else:
+        assert nvim.current.buffer[:] == SHAPES.split("\n")[:-1]
+
+
+def test_rewrite_command_edits_the_buffer_in_one_undo_step(nvim, writing_model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text(NOTES)
+    attach(nvim, writing_model_dir, path)
+    before = nvim.current.buffer[:]
+    nvim.command("5CanvasLsRewrite")
+    result = wait_for(lambda: nvim.exec_lua("return require('canvas_ls').last_fill"), what="the rewrite")
+    (region,) = result["regions"]
+    # Plain text has no syntax check, and the tiny model's answer for this line ends within its budget (seed 0).
+    assert region["status"] == "filled" and region["range"] == {"start": {"line": 4, "character": 0},
+                                                                "end": {"line": 4, "character": 11}}  # fmt: skip
+    expected = ("\n".join(before[:4]) + "\n" + region["text"] + "\n" + "\n".join(before[5:])).split("\n")
+    wait_for(lambda: nvim.current.buffer[:] == expected, what="the edit in the buffer")
+    nvim.command("undo")
+    assert nvim.current.buffer[:] == before  # the whole fill was one edit

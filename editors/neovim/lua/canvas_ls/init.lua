@@ -13,6 +13,12 @@ function M.setup(opts)
     vim.lsp.config('canvas_ls', opts.config)
   end
   vim.lsp.enable('canvas_ls')
+  vim.api.nvim_create_user_command('CanvasLsFill', function()
+    M.fill_holes()
+  end, { desc = 'canvas-ls: fill the holes of the function or class at the cursor' })
+  vim.api.nvim_create_user_command('CanvasLsRewrite', function(command)
+    M.rewrite(command.line1, command.line2)
+  end, { range = true, desc = 'canvas-ls: rewrite the selected lines (or the last visual selection) in place' })
 
   if not vim.lsp.inline_completion then
     vim.notify('canvas-ls: inline completion needs Neovim 0.12; suggestions still come as completion items',
@@ -34,6 +40,57 @@ function M.setup(opts)
       return key
     end
   end, { expr = true, replace_keycodes = true, desc = 'canvas-ls: accept the inline completion' })
+end
+
+local function client_for(bufnr)
+  local client = vim.lsp.get_clients({ name = 'canvas_ls', bufnr = bufnr })[1]
+  if not client then
+    vim.notify('canvas-ls: not attached to this buffer', vim.log.levels.ERROR)
+  end
+  return client
+end
+
+-- The server fills, then sends the edit as workspace/applyEdit (one undo step) and says in a message which regions
+-- stayed as they were, and why. `on_done(result)` gets its summary (tests, statuslines).
+local function execute(client, bufnr, command, argument, on_done)
+  client:request('workspace/executeCommand', { command = command, arguments = { argument } }, function(err, result)
+    if err then
+      vim.notify('canvas-ls: ' .. (err.message or tostring(err)), vim.log.levels.ERROR)
+    elseif result and not result.error and not result.stale then
+      vim.notify('canvas-ls: ' .. result.message, vim.log.levels.INFO)
+    end
+    M.last_fill = err and { error = err.message } or result
+    if on_done then
+      on_done(M.last_fill)
+    end
+  end, bufnr)
+end
+
+--- Fill the placeholders (`...`, `pass  # TODO`, `todo!()`, TODO comments, empty bodies) of the function or class
+--- at the cursor, in one request.
+function M.fill_holes(bufnr, on_done)
+  bufnr = bufnr or vim.api.nvim_get_current_buf()
+  local client = client_for(bufnr)
+  if not client then
+    return
+  end
+  local position = vim.lsp.util.make_position_params(0, client.offset_encoding).position
+  local argument = { textDocument = { uri = vim.uri_from_bufnr(bufnr) }, position = position }
+  execute(client, bufnr, 'canvas-ls.fillHoles', argument, on_done)
+end
+
+--- Rewrite lines first..last (1-based, whole lines) in place, starting from their current text.
+function M.rewrite(first, last, bufnr, on_done)
+  bufnr = bufnr or vim.api.nvim_get_current_buf()
+  local client = client_for(bufnr)
+  if not client then
+    return
+  end
+  local last_text = vim.api.nvim_buf_get_lines(bufnr, last - 1, last, true)[1]
+  local last_column = vim.lsp.util.character_offset(bufnr, last - 1, #last_text, client.offset_encoding)
+  local range = { start = { line = first - 1, character = 0 }, ['end'] = { line = last - 1, character = last_column } }
+  local argument = { textDocument = { uri = vim.uri_from_bufnr(bufnr) }, range = range }
+  execute(client, bufnr, 'canvas-ls.rewriteSelection', argument, on_done)
 end
 
 --- The server's counters and engine state (`canvas/stats`), for :CanvasLsStats and tests.
