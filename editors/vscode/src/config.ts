@@ -9,6 +9,7 @@ export interface CanvasSettings {
   backend: string;
   enabledLanguages: string[];
   gapTokens: { singleLine?: number; multiLine?: number };
+  rewriteStrength: number;
 }
 
 export const DEFAULT_SETTINGS: CanvasSettings = {
@@ -21,6 +22,7 @@ export const DEFAULT_SETTINGS: CanvasSettings = {
     "python", "javascript", "javascriptreact", "typescript", "typescriptreact", "go", "rust", "c", "cpp", "java", "lua",
   ],
   gapTokens: { singleLine: 16, multiLine: 32 },
+  rewriteStrength: 0.5,
 };
 
 export interface ServerCommand {
@@ -45,4 +47,46 @@ export function initializationOptions(settings: CanvasSettings): Record<string, 
     engine: { model: settings.model || null, device: settings.device || "auto", backend: settings.backend || "resident" },
     completion,
   };
+}
+
+// `canvas/fillRegions`: the commands "Fill holes" (the placeholders of the function or class at the cursor) and
+// "Rewrite selection" (the selection, starting from its text). The extension applies the returned edit itself.
+export interface LspPosition {
+  line: number;
+  character: number;
+}
+
+export interface LspRange {
+  start: LspPosition;
+  end: LspPosition;
+}
+
+export interface FillRegionsParams {
+  textDocument: { uri: string };
+  position?: LspPosition;
+  regions?: { range: LspRange; strength: number }[];
+}
+
+export function fillHolesParams(uri: string, position: LspPosition): FillRegionsParams {
+  return { textDocument: { uri }, position };
+}
+
+export function rewriteParams(uri: string, range: LspRange, strength: number): FillRegionsParams {
+  return { textDocument: { uri }, regions: [{ range, strength }] };
+}
+
+export interface FillRegionsResult {
+  version: number;
+  edit: unknown | null; // an LSP WorkspaceEdit of that version, or null when nothing is to be applied
+  error: string | null;
+  stale: boolean;
+  message: string;
+  regions: { range: LspRange; status: string; reason: string; text: string | null }[];
+}
+
+// What the user is told after a fill: an error, a warning naming the regions left as they were, or a plain note.
+export function fillMessage(result: FillRegionsResult): { level: "error" | "warning" | "info"; text: string } {
+  const left = result.regions.some((region) => region.status !== "filled");
+  const level = result.error ? "error" : result.stale || left || !result.edit ? "warning" : "info";
+  return { level, text: `canvas-ls: ${result.message}` };
 }

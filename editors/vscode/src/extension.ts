@@ -4,8 +4,19 @@ import {
   LanguageClientOptions,
   ServerOptions,
   TransportKind,
+  WorkspaceEdit as LspWorkspaceEdit,
 } from "vscode-languageclient/node";
-import { CanvasSettings, DEFAULT_SETTINGS, initializationOptions, serverCommand } from "./config";
+import {
+  CanvasSettings,
+  DEFAULT_SETTINGS,
+  FillRegionsParams,
+  FillRegionsResult,
+  fillHolesParams,
+  fillMessage,
+  initializationOptions,
+  rewriteParams,
+  serverCommand,
+} from "./config";
 
 let client: LanguageClient | undefined;
 let enabled = true;
@@ -23,6 +34,7 @@ function readSettings(): CanvasSettings {
     backend: c.get("backend", DEFAULT_SETTINGS.backend),
     enabledLanguages: c.get("enabledLanguages", DEFAULT_SETTINGS.enabledLanguages),
     gapTokens: c.get("gapTokens", DEFAULT_SETTINGS.gapTokens),
+    rewriteStrength: c.get("rewriteStrength", DEFAULT_SETTINGS.rewriteStrength),
   };
 }
 
@@ -72,6 +84,41 @@ async function start(): Promise<void> {
   void pollEngine();
 }
 
+// Several regions in one request, with a progress notification the user can cancel (the request is cancelled,
+// and the engine stops denoising at its next step). The edit comes back for the version the fill read: VS Code
+// refuses it if the document changed since, and applies it as one undo step.
+async function fill(title: string, params: (editor: vscode.TextEditor) => FillRegionsParams): Promise<void> {
+  const editor = vscode.window.activeTextEditor;
+  const running = client;
+  if (!editor || !running) {
+    void vscode.window.showErrorMessage("canvas-ls: no editor, or the language server is not running");
+    return;
+  }
+  const result = await vscode.window.withProgress(
+    { location: vscode.ProgressLocation.Notification, title, cancellable: true },
+    async (_progress, token) => {
+      try {
+        return await running.sendRequest<FillRegionsResult>("canvas/fillRegions", params(editor), token);
+      } catch (error) {
+        if (token.isCancellationRequested) return undefined;
+        throw error;
+      }
+    },
+  );
+  if (!result) return; // cancelled by the user: nothing applied, nothing to say
+  if (result.edit) {
+    const edit = await running.protocol2CodeConverter.asWorkspaceEdit(result.edit as LspWorkspaceEdit);
+    if (!(await vscode.workspace.applyEdit(edit))) {
+      void vscode.window.showWarningMessage("canvas-ls: the document changed while the fill ran; nothing applied");
+      return;
+    }
+  }
+  const { level, text } = fillMessage(result);
+  if (level === "error") void vscode.window.showErrorMessage(text);
+  else if (level === "warning") void vscode.window.showWarningMessage(text);
+  else void vscode.window.setStatusBarMessage(text, 5000);
+}
+
 async function stop(): Promise<void> {
   const running = client;
   client = undefined;
@@ -95,6 +142,16 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       await start();
     }),
     vscode.commands.registerCommand("canvasLs.showLog", () => output.show(true)),
+    vscode.commands.registerCommand("canvasLs.fillHoles", () =>
+      fill("canvas-ls: filling holes", (editor) =>
+        fillHolesParams(editor.document.uri.toString(), editor.selection.active),
+      ),
+    ),
+    vscode.commands.registerCommand("canvasLs.rewriteSelection", () =>
+      fill("canvas-ls: rewriting the selection", (editor) =>
+        rewriteParams(editor.document.uri.toString(), editor.selection, readSettings().rewriteStrength),
+      ),
+    ),
     vscode.workspace.onDidChangeConfiguration(async (event) => {
       if (event.affectsConfiguration("canvasLs")) {
         await stop();

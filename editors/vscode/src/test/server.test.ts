@@ -20,7 +20,16 @@ import {
   StreamMessageReader,
   StreamMessageWriter,
 } from "vscode-languageserver-protocol/node";
-import { CanvasSettings, DEFAULT_SETTINGS, initializationOptions, serverCommand } from "../config";
+import {
+  CanvasSettings,
+  DEFAULT_SETTINGS,
+  FillRegionsResult,
+  fillHolesParams,
+  fillMessage,
+  initializationOptions,
+  rewriteParams,
+  serverCommand,
+} from "../config";
 
 const python = process.env.CANVAS_PYTHON ?? "python3";
 
@@ -62,6 +71,28 @@ test("settings become the server's option tree", () => {
   assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, { model: null, device: "auto", backend: "resident" });
   const local = initializationOptions({ ...DEFAULT_SETTINGS, backend: "local" }).engine as { backend: string };
   assert.equal(local.backend, "local");
+});
+
+test("the fill commands' requests, and what the user is told", () => {
+  const manifest = JSON.parse(fs.readFileSync(path.join(__dirname, "..", "..", "package.json"), "utf8"));
+  const titles = Object.fromEntries(
+    manifest.contributes.commands.map((c: { command: string; title: string }) => [c.command, c.title]),
+  );
+  assert.equal(titles["canvasLs.fillHoles"], "canvas-ls: Fill holes");
+  assert.equal(titles["canvasLs.rewriteSelection"], "canvas-ls: Rewrite selection");
+  const position = { line: 3, character: 4 };
+  assert.deepEqual(fillHolesParams("file:///a.py", position), { textDocument: { uri: "file:///a.py" }, position });
+  const range = { start: { line: 1, character: 0 }, end: { line: 2, character: 5 } };
+  assert.deepEqual(rewriteParams("file:///a.py", range, 0.3), {
+    textDocument: { uri: "file:///a.py" },
+    regions: [{ range, strength: 0.3 }],
+  });
+  const base: FillRegionsResult = { version: 1, edit: {}, error: null, stale: false, message: "filled 1 of 1 region",
+                                    regions: [{ range, status: "filled", reason: "", text: "x" }] };
+  assert.deepEqual(fillMessage(base), { level: "info", text: "canvas-ls: filled 1 of 1 region" });
+  assert.equal(fillMessage({ ...base, regions: [{ range, status: "syntax", reason: "r", text: null }] }).level, "warning");
+  assert.equal(fillMessage({ ...base, edit: null, error: "regions 1 and 2 overlap" }).level, "error");
+  assert.equal(fillMessage({ ...base, edit: null, stale: true }).level, "warning");
 });
 
 test("the server the extension starts answers initialize and an inline completion", { timeout: 180_000 }, async () => {
@@ -111,6 +142,28 @@ test("the server the extension starts answers initialize and an inline completio
     assert.equal(items.length, 1);
     assert.deepEqual(items[0].range, { start: position, end: position });
     assert.equal(typeof items[0].insertText, "string");
+
+    // "Fill holes" at the cursor in add(): its `// TODO:` comment is the hole; one request, one answer per hole.
+    const holes = await connection.sendRequest<FillRegionsResult>(
+      "canvas/fillRegions", fillHolesParams(uri, { line: line, character: 4 }),
+    );
+    assert.equal(holes.error, null);
+    assert.deepEqual(holes.regions.map((region) => region.range), [
+      { start: { line, character: 4 }, end: { line, character: text.split("\n")[line].length } },
+    ]);
+    for (const region of holes.regions) assert.ok(region.status === "filled" || region.reason, region.status);
+    // "Rewrite selection": the strength goes with the region; overlapping regions are a clear error.
+    const selection = { start: { line: line + 1, character: 4 }, end: { line: line + 1, character: 14 } };
+    const rewrite = await connection.sendRequest<FillRegionsResult>(
+      "canvas/fillRegions", rewriteParams(uri, selection, 0.5),
+    );
+    assert.equal(rewrite.error, null);
+    assert.equal(rewrite.regions.length, 1);
+    const overlap = await connection.sendRequest<FillRegionsResult>("canvas/fillRegions", {
+      textDocument: { uri }, regions: [{ range: selection, strength: 1 }, { range: selection, strength: 1 }],
+    });
+    assert.equal(overlap.error, "regions 1 and 2 overlap");
+    assert.equal(overlap.edit, null);
     await connection.sendRequest(ShutdownRequest.type);
     await connection.sendNotification(ExitNotification.type);
   } finally {
