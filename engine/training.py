@@ -16,17 +16,26 @@ the shared stack gets that cheapest-per-FLOP signal here on every step, for the 
 Middles: single line (whole line, or the rest of a line), multi-line, random span, empty. A cut the engine would
 heal (a prefix ending in the space before a word, or inside a word's token) moves back to the token boundary, as
 the engine's token healing does, so that the model learns the boundaries it will be shown.
+
+What only a canvas can hold, at configurable shares of the examples:
+    several gaps  2-4 lines (or line tails) cut out of a run of code, the code between them clamped in the canvas:
+                  [gap 1 | clamped | gap 2 | ... | suffix head], every gap noised, each with its own EOS fill
+                  (`Engine.fill`'s layout); each gap weighs 1/k of the example
+    rewrites      the gap's un-noised slots show a corrupted middle (some tokens replaced by tokens of the same
+                  file) instead of the true one: the model learns to correct what it is shown, as a span rewrite
+                  (`Hole(text, strength)`) asks of it
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +54,23 @@ class Example:
     prefix: list[int]  # encoder ids, BOS first, at most P
     gap: list[int]  # G ids: middle + EOS fill (or the first G middle tokens when it does not fit)
     middle_len: int  # real middle tokens in the gap (EOS excluded)
-    head: list[int]  # up to S suffix-head ids
+    head: list[int]  # the rest of the canvas: up to S suffix-head ids, or (several gaps) clamped code and gaps
+    # Several gaps: per `head` slot, whether it belongs to a later gap (noised, with a loss), and its loss weight.
+    head_gap: list[bool] = field(default_factory=list)
+    head_weight: list[float] = field(default_factory=list)
+    # A rewrite: what the gap's un-noised slots show (a corrupted middle); None shows the middle itself.
+    start: list[int] | None = None
+    gaps: int = 1
 
 
 class ExampleSampler:
     """Cuts infill examples out of corpus files, in text space, the way the engine will see them."""
 
     def __init__(self, files: list[CorpusFile], tokenizer: Any, seed: int, prefix_tokens: int, head_tokens: int,
-                 healing: TokenHealing | None = None):  # fmt: skip
+                 healing: TokenHealing | None = None, multi_share: float = 0.0,
+                 rewrite_share: float = 0.0):  # fmt: skip
         self.files = [f for f in files if f.text.count("\n") >= 3]
+        self.multi_share, self.rewrite_share = multi_share, rewrite_share
         self.tokenizer = tokenizer
         self.healing = healing
         self.rng = random.Random(seed)
@@ -91,17 +108,97 @@ class ExampleSampler:
     def example(self, gap_tokens: int) -> Example:
         file = self.rng.choice(self.files)
         text = file.text
-        a, b = self._cut(text)
-        if self.healing is not None and a < b:  # the prefix ends where the engine would cut it (token healing)
-            a -= len(self.healing.cut(text[max(0, a - 200) : a]))
-        prefix = [self.bos, *self._encode(text[max(0, a - 6 * self.prefix_tokens) : a])[-(self.prefix_tokens - 1) :]]
-        middle = self._encode(text[a:b])
-        head = self._encode(text[b : b + 8 * self.head_tokens])[: self.head_tokens]
+        draw = self.rng.random()
+        if draw < self.multi_share:
+            several = self._several(text, gap_tokens)
+            if several is not None:
+                return several
+        elif draw < self.multi_share + self.rewrite_share:
+            return self._rewrite(self._single(text, gap_tokens))
+        return self._single(text, gap_tokens)
+
+    def _heal(self, text: str, a: int, floor: int = 0) -> int:
+        """Where the engine would cut a prefix ending at `a` (token healing), never before `floor`."""
+        if self.healing is None:
+            return a
+        return max(floor, a - len(self.healing.cut(text[max(floor, a - 200) : a])))
+
+    def _prefix(self, text: str, a: int) -> list[int]:
+        return [self.bos, *self._encode(text[max(0, a - 6 * self.prefix_tokens) : a])[-(self.prefix_tokens - 1) :]]
+
+    def _gap(self, middle: list[int], gap_tokens: int) -> tuple[list[int], int]:
         if len(middle) >= gap_tokens:
-            gap, middle_len = middle[:gap_tokens], gap_tokens
-        else:
-            gap, middle_len = middle + [self.eos] * (gap_tokens - len(middle)), len(middle)
-        return Example(prefix, gap, middle_len, head)
+            return middle[:gap_tokens], gap_tokens
+        return middle + [self.eos] * (gap_tokens - len(middle)), len(middle)
+
+    def _several(self, text: str, gap_tokens: int) -> Example | None:
+        """2-4 gaps, each a line's code (after its indentation) or a line's tail, in a run of lines; the code
+        between them clamped. None when the file has no such run that fits."""
+        rng = self.rng
+        starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and i + 1 < len(text)]
+        count = rng.randint(2, 4)
+        first = rng.randrange(len(starts))
+        lines = sorted({first, *(first + rng.randint(1, 8) * (i + 1) for i in range(count - 1))})
+        lines = [line for line in lines if line < len(starts)]
+        spans: list[tuple[int, int]] = []
+        for line in lines:
+            a = starts[line]
+            end = text.find("\n", a)
+            end = len(text) if end < 0 else end
+            code = a + len(text[a:end]) - len(text[a:end].lstrip(" \t"))
+            if code >= end:
+                continue  # a blank line holds no code
+            a = code if rng.random() < 0.7 else rng.randint(code, end - 1)  # the line's code, or its tail
+            if spans and a <= spans[-1][1]:
+                continue
+            spans.append((self._heal(text, a, spans[-1][1] if spans else 0), end))
+        if len(spans) < 2:
+            return None
+        gaps = [self._encode(text[a:b]) for a, b in spans]
+        clamps = [self._encode(text[b:a]) for (_, b), (a, _) in itertools.pairwise(spans)]
+        if any(len(g) >= gap_tokens for g in gaps) or sum(map(len, clamps)) > 4 * self.head_tokens:
+            return None
+        first_gap, middle_len = self._gap(gaps[0], gap_tokens)
+        head: list[int] = []
+        head_gap: list[bool] = []
+        head_weight: list[float] = []
+        for clamp, middle in zip(clamps, gaps[1:], strict=True):
+            slots, filled = self._gap(middle, gap_tokens)
+            head += clamp + slots
+            head_gap += [False] * len(clamp) + [True] * len(slots)
+            head_weight += [0.0] * len(clamp) + _gap_weights(filled, gap_tokens, len(spans))
+        tail = self._encode(text[spans[-1][1] : spans[-1][1] + 8 * self.head_tokens])[: self.head_tokens]
+        head += tail
+        head_gap += [False] * len(tail)
+        head_weight += [0.0] * len(tail)
+        return Example(self._prefix(text, spans[0][0]), first_gap, middle_len, head, head_gap, head_weight,
+                       gaps=len(spans))  # fmt: skip
+
+    def _rewrite(self, example: Example) -> Example:
+        """The gap's un-noised slots show the middle with some tokens replaced by tokens of the same prefix."""
+        if example.middle_len == 0 or len(example.prefix) < 2:
+            return example
+        start = list(example.gap)
+        share = self.rng.uniform(0.05, 0.35)
+        for slot in range(example.middle_len):
+            if self.rng.random() < share:
+                start[slot] = self.rng.choice(example.prefix[1:])
+        return replace(example, start=start)
+
+    def _single(self, text: str, gap_tokens: int) -> Example:
+        a, b = self._cut(text)
+        if a < b:  # the prefix ends where the engine would cut it (token healing)
+            a = self._heal(text, a)
+        head = self._encode(text[b : b + 8 * self.head_tokens])[: self.head_tokens]
+        gap, middle_len = self._gap(self._encode(text[a:b]), gap_tokens)
+        return Example(self._prefix(text, a), gap, middle_len, head)
+
+
+def _gap_weights(middle_len: int, gap_len: int, gaps: int) -> list[float]:
+    """A gap's loss weights: the middle and its first EOS dominate, the EOS fill after it counts EOS_FILL_WEIGHT as
+    much; the gap sums to 1/gaps of its example."""
+    counted = min(middle_len + 1, gap_len)
+    return [(1.0 if slot < counted else EOS_FILL_WEIGHT) / counted / gaps for slot in range(gap_len)]
 
 
 class BatchStream(torch.utils.data.IterableDataset):
@@ -117,7 +214,8 @@ class BatchStream(torch.utils.data.IterableDataset):
         worker = torch.utils.data.get_worker_info()
         seed = self.seed + (1_000_003 * (worker.id + 1) if worker is not None else 0)
         cfg = self.cfg
-        sampler = ExampleSampler(self.files, self.tokenizer, seed, cfg.prefix_tokens, cfg.head_tokens, self.healing)
+        sampler = ExampleSampler(self.files, self.tokenizer, seed, cfg.prefix_tokens, cfg.head_tokens, self.healing,
+                                 cfg.multi_gap_share, cfg.rewrite_share)  # fmt: skip
         rng = random.Random(seed)
         while True:
             gap = rng.choice(cfg.gap_choices)
@@ -138,9 +236,12 @@ class Batch:
     prefix_mask: torch.Tensor  # [B, P] bool
     prefix_positions: torch.Tensor  # [B, P] 0 at BOS
     gap: torch.Tensor  # [B, G] targets
-    gap_weight: torch.Tensor  # [B, G] loss weights, each row sums to 1
-    head: torch.Tensor  # [B, S] right-padded with pad
+    gap_weight: torch.Tensor  # [B, G] loss weights; with the later gaps' weights each example sums to 1
+    head: torch.Tensor  # [B, S] right-padded with pad: clamped ids, and the targets of later gaps
     head_mask: torch.Tensor  # [B, S] bool
+    gap_start: torch.Tensor  # [B, G] what the un-noised gap slots show: the targets, or a rewrite's corrupted middle
+    head_gap: torch.Tensor  # [B, S] bool: slots of later gaps (noised, with a loss)
+    head_weight: torch.Tensor  # [B, S] their loss weights
 
     def to(self, device: torch.device) -> Batch:
         return Batch(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
@@ -159,6 +260,8 @@ def collate(examples: list[Example], pad: int) -> Batch:
     head = torch.full((len(examples), head_len), pad, dtype=torch.long)
     head_mask = torch.zeros((len(examples), head_len), dtype=torch.bool)
     weight = torch.zeros((len(examples), gap_len))
+    head_gap = torch.zeros((len(examples), head_len), dtype=torch.bool)
+    head_weight = torch.zeros((len(examples), head_len))
     for row, e in enumerate(examples):
         n = len(e.prefix)
         prefix[row, width - n :] = torch.tensor(e.prefix)
@@ -167,12 +270,13 @@ def collate(examples: list[Example], pad: int) -> Batch:
         if e.head:
             head[row, : len(e.head)] = torch.tensor(e.head)
             head_mask[row, : len(e.head)] = True
-        counted = min(e.middle_len + 1, gap_len)  # the middle and its first EOS
-        weight[row, :counted] = 1.0
-        weight[row, counted:] = EOS_FILL_WEIGHT
-        weight[row] /= counted
+        if e.head_gap:
+            head_gap[row, : len(e.head_gap)] = torch.tensor(e.head_gap)
+            head_weight[row, : len(e.head_weight)] = torch.tensor(e.head_weight)
+        weight[row] = torch.tensor(_gap_weights(e.middle_len, gap_len, e.gaps))
     gap = torch.tensor([e.gap for e in examples], dtype=torch.long)
-    return Batch(prefix, mask, positions, gap, weight, head, head_mask)
+    start = torch.tensor([e.start if e.start is not None else e.gap for e in examples], dtype=torch.long)
+    return Batch(prefix, mask, positions, gap, weight, head, head_mask, start, head_gap, head_weight)
 
 
 def losses(
@@ -203,7 +307,12 @@ def losses(
     t = torch.rand(bsz, 1, generator=generator, device=device)
     noised = torch.rand(bsz, gap_len, generator=generator, device=device) < t
     noise = torch.randint(0, vocab, (bsz, gap_len), generator=generator, device=device)
-    canvas = torch.cat([torch.where(noised, noise, batch.gap), batch.head], dim=1)  # [B, G+S]
+    head = batch.head
+    several = bool(batch.head_gap.any())
+    if several:  # later gaps in the canvas: noised at the same level
+        head_noised = batch.head_gap & (torch.rand(head.shape, generator=generator, device=device) < t)
+        head = torch.where(head_noised, torch.randint(0, vocab, head.shape, generator=generator, device=device), head)
+    canvas = torch.cat([torch.where(noised, noise, batch.gap_start), head], dim=1)  # [B, G+S]
     start = batch.prefix_mask.sum(dim=1, keepdim=True)  # first canvas position per row
     positions = start + torch.arange(canvas.shape[1], device=device)[None, :]
     attention = torch.cat([batch.prefix_mask, torch.ones_like(noised), batch.head_mask], dim=1).long()
@@ -215,10 +324,14 @@ def losses(
         with torch.no_grad():
             self_cond = model(decoder_input_ids=canvas, **decoder_kwargs).logits.detach()
     decoded = model.model(decoder_input_ids=canvas, self_conditioning_logits=self_cond, **decoder_kwargs)
-    diffusion_loss = softcapped_cross_entropy(
-        decoded.last_hidden_state[:, :gap_len].reshape(-1, hidden), model.lm_head.weight, batch.gap.reshape(-1),
-        (batch.gap_weight / bsz).reshape(-1), model.final_logit_softcapping, fused_head,
-    )  # fmt: skip
+    rows = decoded.last_hidden_state[:, :gap_len].reshape(-1, hidden)
+    targets, weights = batch.gap.reshape(-1), (batch.gap_weight / bsz).reshape(-1)
+    if several:  # the later gaps' slots too
+        rows = torch.cat([rows, decoded.last_hidden_state[:, gap_len:][batch.head_gap]])
+        targets = torch.cat([targets, batch.head[batch.head_gap]])
+        weights = torch.cat([weights, batch.head_weight[batch.head_gap] / bsz])
+    diffusion_loss = softcapped_cross_entropy(rows, model.lm_head.weight, targets, weights,
+                                              model.final_logit_softcapping, fused_head)  # fmt: skip
     return {"diffusion": diffusion_loss, "ar": ar_loss}
 
 
@@ -247,6 +360,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     ar_weight: float = 0.5  # next-token loss on the encoder, relative to the diffusion loss
     self_condition_prob: float = 0.5
+    # Shares of the examples with several gaps in one canvas, and of rewrites (a corrupted middle shown).
+    multi_gap_share: float = 0.25
+    rewrite_share: float = 0.1
     # Cut training prefixes where the engine's token healing cuts them (held-out examples stay as cut, so the eval
     # losses compare with runs before this option).
     token_healing: bool = True
@@ -449,8 +565,11 @@ def run(
     eval_dir: Path | None = None,
     install: Path | None = None,
     progress: Any = None,
+    start_from: str | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Build (or reuse) the corpus and tokenizer under out_dir, train (resuming), export to out_dir/model."""
+    """Build (or reuse) the corpus and tokenizer under out_dir, train (resuming), export to out_dir/model. With
+    `start_from`, continue an existing model folder: its tokenizer and weights (in fp32) instead of new ones."""
     from transformers import AutoTokenizer
 
     from engine import corpus
@@ -472,7 +591,7 @@ def run(
     files = corpus.load(corpus_path)
     eval_files, train_files = files[:200], files[200:]
 
-    tokenizer_dir = out_dir / "tokenizer"
+    tokenizer_dir = Path(start_from) if start_from else out_dir / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").is_file():
         sample, size = [], 0
         for file in train_files:
@@ -484,8 +603,13 @@ def run(
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
     torch.manual_seed(0)
-    model = preset_model(preset, len(tokenizer))
-    cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {})})
+    if start_from:
+        from transformers import DiffusionGemmaForBlockDiffusion
+
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(start_from, dtype=torch.float32)
+    else:
+        model = preset_model(preset, len(tokenizer))
+    cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
     summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress)
 
     export = out_dir / "model"

@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--minutes", type=float, help="wall-clock budget (default: the preset's)")
     train.add_argument("--eval-dir", type=Path, help="HumanEval-Infilling folder, for the decontamination report")
     train.add_argument("--install", action="store_true", help="copy the result over the shipped default model")
+    train.add_argument("--from", dest="start_from", metavar="MODEL",
+                       help="continue this model folder (its tokenizer, weights) instead of a new model")  # fmt: skip
+    train.add_argument("--lr", type=float, help="peak learning rate (default: the preset's; lower it with --from)")
+    train.add_argument("--multi-gap-share", type=float, help="share of examples with 2-4 gaps in one canvas")
+    train.add_argument("--rewrite-share", type=float, help="share of examples whose gap shows a corrupted middle")
 
     bench = commands.add_parser("bench", help="benchmarks (figures, not pass/fail)")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -91,6 +96,17 @@ def _parser() -> argparse.ArgumentParser:
     infill.add_argument("--max-new-tokens", type=int, default=48, help="answer bound (the server's single-line one)")
     infill.add_argument("--prefix-latency", type=int, default=1024, help="also time a prefix of N tokens (0: skip)")
     infill.add_argument("--out", type=Path, help="JSON report path (default: bench-infill-<time>.json in the cache)")
+
+    holes = benches.add_parser("holes", help="several holes in one canvas vs one at a time; span rewrites")
+    holes.add_argument("--dataset", type=Path, required=True, help="HumanEval-SingleLineInfilling-format jsonl(.gz)")
+    holes.add_argument("--holes", default="2,3", help="holes per program (comma-separated)")
+    holes.add_argument("--limit", type=int, help="this many programs per hole count, spread over the set")
+    holes.add_argument("--rewrite-limit", type=int, help="lines in the rewrite table (default: --limit)")
+    _model_arguments(holes)
+    _settings_argument(holes)
+    holes.add_argument("--max-new-tokens", type=int, default=48, help="answer bound per hole")
+    holes.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the programs' tests)")
+    holes.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
 
     lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client, cold and typing-through")
     lsp.add_argument("--requests", type=int, default=100, help="cold requests (each may add a typing one)")
@@ -298,9 +314,9 @@ def _train(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(diff=f"{diffusion:.3f}", ar=f"{ar:.3f}", min=f"{state['elapsed'] / 60:.1f}/{budget / 60:.0f}")
 
-    summary = run(
-        args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None, progress
-    )
+    overrides = {"lr": args.lr, "multi_gap_share": args.multi_gap_share, "rewrite_share": args.rewrite_share}
+    summary = run(args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None,
+                  progress, args.start_from, {k: v for k, v in overrides.items() if v is not None})  # fmt: skip
     bar.close()
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
     return 0
@@ -308,7 +324,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
-                "train": _bench_train}  # fmt: skip
+                "train": _bench_train, "holes": _bench_holes}  # fmt: skip
     return handlers[args.bench](args)
 
 
@@ -365,14 +381,36 @@ def _bench_infill(args: argparse.Namespace) -> int:
     return _report("infill", report, format_table, args.out)
 
 
-def _report(name: str, report: dict, formatter: Callable[[dict], str], out: Path | None) -> int:
-    """Every benchmark: the table on stdout, the whole report as JSON (its path printed last)."""
+def _bench_holes(args: argparse.Namespace) -> int:
+    from engine import Engine
+    from engine.bench_holes import format_holes, plot_holes, run_holes
+
+    if not args.dataset.is_file():
+        raise CliError(f"dataset {args.dataset} does not exist")
+    try:
+        counts = tuple(int(c) for c in args.holes.split(","))
+    except ValueError:
+        raise CliError(f"--holes wants counts such as 2,3, got '{args.holes}'") from None
+    if any(c < 1 for c in counts):
+        raise CliError("--holes counts must be >= 1")
+    settings = {"max_new_tokens": args.max_new_tokens, **_settings(args.settings)}
+    engine = Engine.load(args.model, args.device, dtype=args.dtype)
+    report = run_holes(engine, args.dataset, counts, args.limit, not args.no_tests, settings, args.rewrite_limit)
+    return _report("holes", report, format_holes, args.out, plot_holes)
+
+
+def _report(name: str, report: dict, formatter: Callable[[dict], str], out: Path | None,
+            plot: Callable[[dict, Path], Path] | None = None) -> int:  # fmt: skip
+    """Every benchmark: the table on stdout, the whole report as JSON (its path printed last), and a PNG beside it
+    where a curve says more."""
     import time
 
     out = out or _cache_dir() / f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(formatter(report))
+    if plot is not None:
+        print(f"plot: {plot(report, out.with_suffix('.png'))}")
     print(f"\nreport: {out}")
     return 0
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DiffusionGemmaForBlockDiffusion
@@ -138,3 +140,52 @@ def test_the_fused_head_loss_is_the_models_softcapped_cross_entropy() -> None:
     assert bool((got_grads[0][::7] == 0).all())
     with torch.no_grad():  # evaluation: the loss alone
         torch.testing.assert_close(softcapped_cross_entropy(hidden, weight, targets, row_weights, cap), expected)
+
+
+def test_several_gaps_cut_one_run_of_code(tmp_path: Path) -> None:
+    """A several-gap example is one contiguous span of a file: prefix, gap 1's middle, the clamped code, gap 2's
+    middle, ..., the suffix head; each gap holds its middle then EOS."""
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path)
+    sampler = ExampleSampler(corpus_files(), tokenizer, 0, 64, 8, multi_share=1.0)
+    eos, seen = tokenizer.eos_token_id, 0
+    for _ in range(60):
+        example = sampler.example(gap_tokens=16)
+        if example.gaps == 1:
+            continue  # no run of lines in this file fitted: a plain example
+        seen += 1
+        assert 2 <= example.gaps <= 4 and sum(example.head_gap) == 16 * (example.gaps - 1)
+        pieces = [example.gap[: example.middle_len]]
+        slots = list(zip(example.head, example.head_gap, example.head_weight, strict=True))
+        while slots:
+            clamped = [t for t, _, _ in itertools.takewhile(lambda s: not s[1], slots)]
+            slots = slots[len(clamped) :]
+            gap, slots = slots[:16], slots[16:]
+            tokens = [t for t, _, _ in gap]
+            middle = tokens[: tokens.index(eos)] if eos in tokens else tokens
+            assert tokens[len(middle) :] == [eos] * (len(tokens) - len(middle))
+            if gap:  # its middle and first EOS weigh 1/k of the example (its EOS fill a little more)
+                assert sum(w for _, _, w in gap[: len(middle) + 1]) == pytest.approx(1 / example.gaps)
+            pieces += [clamped, middle]
+        joined = tokenizer.decode(example.prefix[1:] + [t for piece in pieces for t in piece])
+        assert any(joined in f.text for f in corpus_files()), joined
+        batch = collate([example], tokenizer.pad_token_id)
+        counted = min(example.middle_len + 1, 16)
+        assert float(batch.gap_weight[0, :counted].sum()) == pytest.approx(1 / example.gaps)
+    assert seen >= 5  # the tiny tokenizer spells lines in many tokens: most runs do not fit 16-slot gaps
+
+
+def test_rewrite_examples_show_a_corrupted_middle(tmp_path: Path) -> None:
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path)
+    sampler = ExampleSampler(corpus_files(), tokenizer, 0, 64, 8, rewrite_share=1.0)
+    changed = 0
+    for _ in range(40):
+        example = sampler.example(gap_tokens=16)
+        if example.start is None:
+            assert example.middle_len == 0 or len(example.prefix) < 2  # nothing to corrupt, or to corrupt with
+            continue
+        differs = [i for i, (a, b) in enumerate(zip(example.start, example.gap, strict=True)) if a != b]
+        assert all(i < example.middle_len for i in differs)  # only middle tokens, never the EOS fill
+        changed += bool(differs)
+        batch = collate([example], tokenizer.pad_token_id)
+        assert batch.gap_start[0].tolist() == example.start and batch.gap[0].tolist() == example.gap
+    assert changed > 10
