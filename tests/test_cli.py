@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import FIXTURES
 
 STATS = FIXTURES / "python" / "stats.py"
@@ -32,6 +34,7 @@ RESULT_FIELDS = {
     "model",
     "dtype",
     "settings",
+    "gaps",
 }
 
 
@@ -157,3 +160,38 @@ def test_complete_runs_in_the_dtype_asked_for(tiny_model_dir: Path) -> None:
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert result["dtype"] == dtype and result["steps"] >= 1
+
+
+def test_fill_prints_each_region_and_the_filled_file(tiny_model_dir: Path) -> None:
+    """`canvas-ls fill` with two holes and a rewrite (LSP ranges, given out of order): one canvas, answers per
+    region in the order given; without --json, the file with the fills in place."""
+    common = ("--model", str(tiny_model_dir), "--set", "max_steps=4", "--set", "max_new_tokens=8")
+    regions = ("--hole", "8:4-8:36", "--hole", "2:0-2:30", "--rewrite", "19:4-19:20", "--strength", "0.4")
+    done = canvas_ls("fill", str(STATS), *regions, *common, "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [r["range"]["start"]["line"] for r in report["regions"]] == [8, 2, 19]
+    assert [r["strength"] for r in report["regions"]] == [1.0, 1.0, 0.4]
+    assert all(r["stop_reason"] in ("eos", "truncated") and "text" in r for r in report["regions"])
+    assert len(report["result"]["gaps"]) == 3 and report["result"]["forward_passes"] == report["result"]["steps"]
+    plain = canvas_ls("fill", str(STATS), *regions, *common)
+    lines = plain.stdout.split("\n")
+    source = STATS.read_text().split("\n")
+    by_line = {r["range"]["start"]["line"]: r for r in report["regions"]}
+    assert lines[0] == source[0] and lines[3:8] == source[3:8]  # untouched lines stay
+    assert "\n".join(lines).count(by_line[2]["text"]) >= 1
+
+
+@pytest.mark.parametrize(
+    ("regions", "message"),
+    [
+        (("--hole", "2:0-2:30", "--hole", "2:10-2:40"), "regions 1 and 2 overlap"),
+        (("--hole", "5:0-2:0"), "region 1 is reversed"),
+        (("--hole", "900:0-901:0"), "past the end"),
+        (("--hole", "2:0"), "is not a range L:C-L:C"),
+        ((), "give at least one --hole or --rewrite"),
+    ],
+)
+def test_fill_errors_are_one_clear_line(tiny_model_dir: Path, regions: tuple[str, ...], message: str) -> None:
+    done = canvas_ls("fill", str(STATS), *regions, "--model", str(tiny_model_dir))
+    assert done.returncode == 2 and message in done.stderr and done.stdout == ""

@@ -132,6 +132,14 @@ def test_a_confident_model_keeps_a_lightly_renoised_span(tiny_engine: Engine) ->
     assert result.gaps[0]["text"] == "return total * 2"
 
 
+def test_a_fill_reuses_the_prefix_kv_of_the_last_one(tiny_engine: Engine) -> None:
+    long_prefix = PREFIX * 12  # past the prefix cache's 64-token grid
+    first = tiny_engine.fill(long_prefix, [Hole(), MIDDLE, Hole()], SUFFIX, PLAIN)
+    again = tiny_engine.fill(long_prefix + "    x = 1\n", [Hole(), MIDDLE, Hole()], SUFFIX, PLAIN)
+    assert first.prefix_reused_tokens == 0 or first.prefix_reused_tokens < again.prefix_reused_tokens
+    assert again.prefix_reused_tokens >= 64
+
+
 def test_cancelled_mid_fill(tiny_engine: Engine) -> None:
     cancel = threading.Event()
 

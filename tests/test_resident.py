@@ -317,6 +317,26 @@ def test_concurrent_requests_share_decoder_forwards(unix_engine: httpx.Client) -
     assert float(batched[0].split()[-1]) < float(count[0].split()[-1])  # at least one batch held 2+ requests
 
 
+def test_fill_takes_segments_and_answers_per_gap(unix_engine: httpx.Client) -> None:
+    segments = [{"text": "def add(a, b):\n    "}, {"hole": True}, {"text": "\n\n\ndef sub(a, b):\n    "},
+                {"rewrite": "return a + b", "strength": 0.5}, {"text": "\n"}]  # fmt: skip
+    result = unix_engine.post("/v1/fill", json={"segments": segments, "settings": {"max_steps": 4}}).json()
+    assert len(result["gaps"]) == 2 and result["forward_passes"] == result["steps"] > 0
+    assert all(gap["stop_reason"] in ("eos", "truncated") for gap in result["gaps"])
+    for body, message in [
+        ({"segments": [{"text": "x"}]}, "no hole given"),
+        ({"segments": [{"hole": True, "text": "x"}]}, "each segment is"),
+        ({"segments": [{"rewrite": "x", "strength": "strong"}]}, "must be a number"),
+        ({"segments": "x"}, "'segments' must be a list"),
+        ({"segments": [{"hole": True}] * 9}, "9 holes, over the limit of 8"),
+        ({"segments": [{"hole": True}], "settings": {"layout": "prompt"}}, "'canvas' layout"),
+    ]:
+        response = unix_engine.post("/v1/fill", json=body)
+        assert response.status_code == 400 and message in response.json()["error"], (body, response.text)
+    assert unix_engine.get("/health").status_code == 200
+    assert 'canvas_requests_total{endpoint="fill",outcome="bad_request"}' in unix_engine.get("/metrics").text
+
+
 def test_a_bad_setting_is_that_request_s_400(unix_engine: httpx.Client) -> None:
     response = unix_engine.post("/v1/infill", json={**BODY, "settings": {"gap_tokens": "many"}})
     assert response.status_code == 400 and "gap_tokens" in response.json()["error"]
