@@ -65,6 +65,13 @@ class BackendError(Exception):
     """The model's server answered with an error; the message says what it said."""
 
 
+def _check_ready(state: str, error: str | None) -> None:
+    if state != "ready":
+        raise BackendNotReady(
+            f"the model failed to load: {error}" if state == "failed" else "the model is still loading"
+        )
+
+
 class LocalBackend:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
@@ -100,29 +107,24 @@ class LocalBackend:
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None) -> dict | None:  # fmt: skip
         """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed."""
-        self._check_ready()
-        from engine import InfillCancelled
-
-        engine = self._engine
-
-        def work() -> dict | None:
-            if cancel.is_set():
-                return None
-            try:
-                return engine.infill(prefix, suffix, overrides, cancel=cancel).to_dict()
-            except InfillCancelled as stopped:
-                self.cancelled_after_steps = [*self.cancelled_after_steps[-99:], stopped.steps]
-                return None
-
-        return await self._run(work, cancel)
+        return await self._call(cancel, lambda engine: engine.infill(prefix, suffix, overrides, cancel=cancel))
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
                    document: str | None = None) -> dict | None:  # fmt: skip
         """Several holes in one canvas (`/v1/fill` segments): the engine's result, None when cancelled. Raises
         BackendError for a fill the engine cannot lay out."""
-        self._check_ready()
-        from engine import FillError, InfillCancelled
         from engine.regions import parts_from_json, split_parts
+
+        def compute(engine: Any) -> Any:
+            prefix, middle, suffix = split_parts(parts_from_json(segments))
+            return engine.fill(prefix, middle, suffix, overrides, cancel=cancel)
+
+        return await self._call(cancel, compute)
+
+    async def _call(self, cancel: CancelFlag, compute: Callable[[Any], Any]) -> dict | None:
+        """`compute(engine)` on the worker thread: its result as a dict, None when cancelled."""
+        _check_ready(self.state, self.error)
+        from engine import FillError, InfillCancelled
 
         engine = self._engine
 
@@ -130,23 +132,13 @@ class LocalBackend:
             if cancel.is_set():
                 return None
             try:
-                prefix, middle, suffix = split_parts(parts_from_json(segments))
-                return engine.fill(prefix, middle, suffix, overrides, cancel=cancel).to_dict()
+                return compute(engine).to_dict()
             except FillError as exc:
                 raise BackendError(str(exc)) from exc
             except InfillCancelled as stopped:
                 self.cancelled_after_steps = [*self.cancelled_after_steps[-99:], stopped.steps]
                 return None
 
-        return await self._run(work, cancel)
-
-    def _check_ready(self) -> None:
-        if self.state != "ready":
-            raise BackendNotReady(
-                f"the model failed to load: {self.error}" if self.state == "failed" else "the model is still loading"
-            )
-
-    async def _run(self, work: Callable[[], dict | None], cancel: CancelFlag) -> dict | None:
         future = asyncio.get_running_loop().run_in_executor(self._executor, work)
         try:
             return await future
@@ -259,10 +251,7 @@ class ResidentBackend:
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None) -> dict | None:  # fmt: skip
-        if self.state != "ready":
-            raise BackendNotReady(
-                f"the model failed to load: {self.error}" if self.state == "failed" else "the model is still loading"
-            )
+        _check_ready(self.state, self.error)
         body = {"prefix": prefix, "suffix": suffix, "document": document,
                 "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
         try:
@@ -283,10 +272,7 @@ class ResidentBackend:
                    document: str | None = None) -> dict | None:  # fmt: skip
         """Several holes in one canvas through `/v1/fill`; None when cancelled. Raises BackendError with the
         engine's reason when it refuses the fill or fails."""
-        if self.state != "ready":
-            raise BackendNotReady(
-                f"the model failed to load: {self.error}" if self.state == "failed" else "the model is still loading"
-            )
+        _check_ready(self.state, self.error)
         body = {"segments": segments, "document": document,
                 "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
         try:

@@ -105,3 +105,52 @@ def test_bench_engine_measures_prefix_reuse_and_both_throughput_modes(tiny_model
     assert "typing" in done.stdout
     steps = {r["rows"]: r for r in report["steps"]}  # step costs by rows, from the engine's /metrics
     assert steps[1]["steps"] > 0 and steps[1]["mean_ms"] > 0 and steps[1]["per_row_vs_one"] == 1.0
+
+
+HOLES = FIXTURES / "bench" / "tiny-holes.jsonl"
+
+
+def test_hole_tasks_remove_separate_lines_and_keep_the_program_testable() -> None:
+    from engine.bench_holes import _document, hole_tasks
+
+    (two,) = hole_tasks(HOLES, 2)
+    (three,) = hole_tasks(HOLES, 3)
+    assert [three.solution(i) for i in range(3)] == ["total = 0", "if ch in 'aeiou':", "return total"]
+    lines = [three.program.count("\n", 0, start) for start, _ in three.holes]
+    assert all(b - a >= 2 for a, b in zip(lines, lines[1:], strict=False))  # no two holes on adjacent lines
+    assert len(two.holes) == 2
+    for task in (two, three):  # the program with its own lines put back passes its tests; with a wrong one, not
+        right = _document(task, {i: task.solution(i) for i in range(len(task.holes))})[0]
+        assert right == task.program
+        assert passes(Task(task.task_id, right, "", "", task.test, task.entry_point), "")
+        wrong = _document(task, {0: "pass"})[0]
+        assert not passes(Task(task.task_id, wrong, "", "", task.test, task.entry_point), "")
+
+
+def test_corrupt_changes_one_token() -> None:
+    from engine.bench_holes import corrupt
+
+    assert corrupt("if a < b:") == "if a > b:"
+    assert corrupt("x == y") == "x != y"
+    assert corrupt("return total") == "return tota"
+    assert corrupt("x = a ** 2") is None  # nothing safe to corrupt in it
+
+
+def test_bench_holes_prints_the_table_writes_the_report_and_the_plot(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "holes.json"
+    done = canvas_ls("bench", "holes", "--dataset", str(HOLES), "--model", str(tiny_model_dir), "--set",
+                     "max_steps=4", "--max-new-tokens", "8", "--rewrite-limit", "2", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "joint / sequential: forward passes" in done.stdout and "rewrite of a line" in done.stdout
+    report = json.loads(out.read_text())
+    assert set(report["holes"]) == {"2", "3"}
+    for count, block in report["holes"].items():
+        assert block["tasks"] == 1
+        for mode in ("joint", "sequential"):
+            (row,) = [r[mode] for r in block["rows"]]
+            assert len(row["answers"]) == len(row["exact"]) == int(count) and row["passed"] is not None
+            assert block[mode]["forward_passes"] == row["forward_passes"] > 0
+        assert block["ratios"]["forward_passes_joint_over_sequential"] == pytest.approx(
+            block["joint"]["forward_passes"] / block["sequential"]["forward_passes"])  # fmt: skip
+    assert report["rewrite"]["tasks"] == 2 and set(report["rewrite"]["by_strength"]) == {"0.3", "0.6", "1.0"}
+    assert out.with_suffix(".png").stat().st_size > 10_000

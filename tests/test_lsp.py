@@ -281,7 +281,6 @@ async def test_request_while_the_model_is_loading_is_empty(client: LanguageClien
     open_doc(client, "a.py", COMMENT_DOC)
     response = await fill(client, "a.py", COMMENT_POS)
     assert response["source"] == "not ready:the model is still loading" and response["edit"] is None
-    assert await inline(client, "a.py", COMMENT_POS) == [] or True  # may have finished loading meanwhile
     await still_up(client)
 
 
