@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def test_hole_tasks_remove_separate_lines_and_keep_the_program_testable() -> Non
     (three,) = hole_tasks(HOLES, 3)
     assert [three.solution(i) for i in range(3)] == ["total = 0", "if ch in 'aeiou':", "return total"]
     lines = [three.program.count("\n", 0, start) for start, _ in three.holes]
-    assert all(b - a >= 2 for a, b in zip(lines, lines[1:], strict=False))  # no two holes on adjacent lines
+    assert all(b - a >= 2 for a, b in itertools.pairwise(lines))  # no two holes on adjacent lines
     assert len(two.holes) == 2
     for task in (two, three):  # the program with its own lines put back passes its tests; with a wrong one, not
         right = _document(task, {i: task.solution(i) for i in range(len(task.holes))})[0]
