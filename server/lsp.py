@@ -294,9 +294,10 @@ async def _fill_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
     if document is None:
         return _fill_failed(ls, f"{uri} is not open", apply)
     try:
-        regions = _regions(ls, document, params)
+        regions = _regions(document, params)
     except (PositionError, ValueError, TypeError) as exc:
         return _fill_failed(ls, str(exc), apply)
+    index = document.index  # the text the fill reads: its regions are reported in it, even if it changes meanwhile
     cancel = CancelFlag()
     try:
         outcome = await fill_regions(document, regions, ls.backend, ls.config.fill, cancel)
@@ -318,7 +319,6 @@ async def _fill_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
     ls.log_to_client(message, kind)
     if apply and kind != types.MessageType.Info:  # the user should know which regions stayed as they were, and why
         ls.window_show_message(types.ShowMessageParams(type=kind, message=f"canvas-ls: {message}"))
-    index = document.index
     return {
         "version": outcome.version,
         "edit": None if edit is None else _unstructure(ls, edit),
@@ -342,7 +342,7 @@ async def _fill_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
     }
 
 
-def _regions(ls: CanvasServer, document: Document, params: Any) -> list[Region]:
+def _regions(document: Document, params: Any) -> list[Region]:
     """The regions to fill: the given ranges, or the placeholders of the function or class at `position`."""
     index = document.index
     given = _get(params, "regions")
