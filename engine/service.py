@@ -22,9 +22,12 @@ step; the others go on.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import os
 import queue
+import stat
 import threading
 import time
 import uuid
@@ -54,7 +57,7 @@ from engine.paths import default_socket
 from engine.regions import FillError, Hole, parts_from_json, split_parts
 from engine.settings import SettingsError
 
-__all__ = ["EngineService", "default_socket", "serve"]
+__all__ = ["EngineService", "ServeError", "check_address", "check_socket", "default_socket", "serve"]
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes; a 1k-token prefix is ~4 KB, so this only stops abuse and accidents
 
@@ -206,9 +209,18 @@ class EngineService:
     # -- the work ----------------------------------------------------------------------------------------------
 
     async def _json(self, request: Request) -> dict[str, Any]:
-        body = await request.body()
-        if len(body) > self.max_body:
-            raise BadRequest(413, f"request body of {len(body)} bytes is over the limit of {self.max_body}")
+        """The JSON body, read within the limit: a declared Content-Length over it is refused before reading, and a
+        body without one (chunked) is counted as it arrives, so an oversized request is never held in memory."""
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            raise BadRequest(413, f"request body of {declared} bytes is over the limit of {self.max_body}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise BadRequest(413, f"request body over the limit of {self.max_body} bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -363,15 +375,16 @@ async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
 
 
 class _BearerToken:
-    """ASGI middleware: with a token set, every request must carry `Authorization: Bearer <token>`."""
+    """ASGI middleware: with a token set, every request must carry `Authorization: Bearer <token>` (compared in
+    constant time: the answer's timing says nothing of how much of a guess was right)."""
 
     def __init__(self, app: Any, token: str | None):
         self.app = app
         self.expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        headers = dict(scope.get("headers") or [])
-        if scope["type"] == "http" and self.expected is not None and headers.get(b"authorization") != self.expected:
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if scope["type"] == "http" and self.expected is not None and not hmac.compare_digest(given, self.expected):
             return await JSONResponse({"error": "missing or wrong bearer token"}, 401)(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -394,12 +407,43 @@ def _finish(result: dict[str, Any]) -> str:
     return "stop" if result["stop_reason"] == "eos" else "length"
 
 
+class ServeError(ValueError):
+    """An address or socket the engine refuses to listen on; the message says why."""
+
+
+def check_address(host: str, token: str | None, allow_remote: bool) -> None:
+    """TCP needs a bearer token, and an IP address: a loopback one unless `allow_remote` (a host name is refused,
+    since what it resolves to can change under the engine)."""
+    if not token:
+        raise ServeError("TCP needs a bearer token (--token, --token-file or $CANVAS_LS_TOKEN)")
+    if host == "localhost":
+        return
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ServeError(f"'{host}' is not an IP address; give one, such as 127.0.0.1 or ::1") from None
+    if not address.is_loopback and not allow_remote:
+        raise ServeError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
+
+
+def check_socket(path: Path) -> None:
+    """A socket path may be new or an old socket (replaced); anything else there is refused, never deleted."""
+    if path.is_symlink() or (path.exists() and not stat.S_ISSOCK(path.lstat().st_mode)):
+        raise ServeError(f"{path} exists and is not a socket; remove it or choose another --socket")
+
+
 def serve(service: EngineService, socket: Path | None = None, host: str | None = None, port: int | None = None,
-          log_level: str = "warning") -> None:  # fmt: skip
-    """Run until stopped (or idle): on a unix socket created 0600, or on TCP."""
+          log_level: str = "warning", allow_remote: bool = False) -> None:  # fmt: skip
+    """Run until stopped (or idle): on a unix socket created 0600, or on TCP (with the service's token, see
+    `check_address`). A path that exists and is not a socket is refused, never deleted."""
     import socket as sockets
 
     import uvicorn
+
+    if socket is None:
+        check_address(host or "127.0.0.1", service.token, allow_remote)
+    else:
+        check_socket(socket)
 
     config = uvicorn.Config(service.app, host=host or "127.0.0.1", port=port or 0, log_level=log_level,
                             timeout_graceful_shutdown=2)  # fmt: skip

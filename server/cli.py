@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -60,7 +61,10 @@ def _parser() -> argparse.ArgumentParser:
         "--socket", type=Path, help="unix socket path (default: in the user's runtime folder, one per model and device)"
     )
     engine.add_argument("--tcp", metavar="HOST:PORT", help="listen on TCP instead (needs --token)")
-    engine.add_argument("--token", help="bearer token for TCP (default: $CANVAS_LS_TOKEN)")
+    engine.add_argument(
+        "--token", help="bearer token for TCP (visible in `ps`: prefer $CANVAS_LS_TOKEN or --token-file)"
+    )
+    engine.add_argument("--token-file", type=Path, help="read the bearer token from this file")
     engine.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --tcp address")
     _model_arguments(engine)
     engine.add_argument("--idle-exit", type=float, default=1800.0, help="exit after this many idle seconds (0: never)")
@@ -275,31 +279,43 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    import ipaddress
-    import os
-
     from engine import Engine
-    from engine.service import EngineService, default_socket, serve
+    from engine.service import EngineService, ServeError, check_address, check_socket, default_socket, serve
 
-    token = args.token or os.environ.get("CANVAS_LS_TOKEN")
+    token = _token(args)
     host = port = None
     if args.tcp:
         host, _, port_text = args.tcp.rpartition(":")
         if not host or not port_text.isdigit():
             raise CliError(f"--tcp wants HOST:PORT, got '{args.tcp}'")
         port = int(port_text)
-        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-        if not token:
-            raise CliError("--tcp needs a bearer token (--token or $CANVAS_LS_TOKEN)")
-        if not loopback and not args.allow_remote:
-            raise CliError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
+    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device))
+    try:  # before the model loads: a refusal is immediate
+        if socket is None:
+            check_address(host or "", token, args.allow_remote)
+        else:
+            check_socket(socket)
+    except ServeError as exc:
+        raise CliError(str(exc)) from exc
     engine = Engine.load(args.model, args.device, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype)
     service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
-    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device))
     where = f"{engine.name} on {engine.loaded.device} ({engine.dtype})"
     print(f"canvas-ls engine: {where}, listening on {socket or args.tcp}", file=sys.stderr, flush=True)
-    serve(service, socket, host, port)
+    try:
+        serve(service, socket, host, port, allow_remote=args.allow_remote)
+    except ServeError as exc:
+        raise CliError(str(exc)) from exc
     return 0
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The bearer token from --token-file, --token (which `ps` shows) or $CANVAS_LS_TOKEN."""
+    if args.token_file is not None:
+        try:
+            return args.token_file.read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            raise CliError(f"cannot read the token file: {exc}") from exc
+    return args.token or os.environ.get("CANVAS_LS_TOKEN")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -105,17 +105,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_tcp_needs_the_bearer_token(tiny_model_dir: Path) -> None:
+def test_tcp_needs_the_bearer_token(tiny_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
+    (tmp_path / "token").write_text("s3cret\n")  # from a file: `ps` does not show it
     process = subprocess.Popen([*ENGINE, "--model", str(tiny_model_dir), "--tcp", f"127.0.0.1:{port}",
-                                "--token", "s3cret"], stdin=subprocess.DEVNULL)  # fmt: skip
+                                "--token-file", str(tmp_path / "token")], stdin=subprocess.DEVNULL)  # fmt: skip
     try:
         authorised = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer s3cret"})
         wait_health(authorised)
         anonymous = httpx.get(f"http://127.0.0.1:{port}/health")
         assert anonymous.status_code == 401
-        wrong = httpx.post(f"http://127.0.0.1:{port}/v1/infill", json=BODY, headers={"Authorization": "Bearer x"})
-        assert wrong.status_code == 401
+        for guess in ("Bearer x", "Bearer s3cre", "Bearer s3cret2", "bearer s3cret", "s3cret"):
+            wrong = httpx.post(f"http://127.0.0.1:{port}/v1/infill", json=BODY, headers={"Authorization": guess})
+            assert wrong.status_code == 401, guess
         assert authorised.post("/v1/infill", json=BODY).status_code == 200
     finally:
         process.kill()
@@ -125,14 +127,51 @@ def test_tcp_needs_the_bearer_token(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--tcp", "127.0.0.1:9"], "--tcp needs a bearer token"),
+        (["--tcp", "127.0.0.1:9"], "TCP needs a bearer token"),
         (["--tcp", "0.0.0.0:9", "--token", "t"], "0.0.0.0 is not a loopback address"),
+        (["--tcp", "example.com:9", "--token", "t"], "'example.com' is not an IP address"),
+        (["--tcp", "127.0.0.1:9", "--token-file", "/nonexistent/token"], "cannot read the token file"),
     ],
 )
 def test_unsafe_tcp_is_refused(args: list[str], message: str) -> None:
     done = subprocess.run([*ENGINE, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
                           env={**os.environ, "CANVAS_LS_TOKEN": ""})  # fmt: skip
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_a_socket_path_that_is_not_a_socket_is_refused_and_kept(tmp_path: Path) -> None:
+    path = tmp_path / "important.txt"
+    path.write_text("keep me")
+    done = subprocess.run([*ENGINE, "--socket", str(path)], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    assert done.returncode == 2 and "exists and is not a socket" in done.stderr
+    assert path.read_text() == "keep me"
+
+
+def test_an_endless_chunked_body_is_refused_without_being_held(unix_engine: httpx.Client) -> None:
+    """No Content-Length: the body is counted as it arrives and refused past the limit (20,000 bytes here); the
+    engine's memory does not grow by what the client tried to send (64 MiB)."""
+    pid = unix_engine.get("/health").json()["pid"]
+
+    def rss() -> int:
+        return int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                        if line.startswith("VmRSS")).split()[1]) * 1024  # fmt: skip
+
+    before = rss()
+
+    def endless() -> Iterator[bytes]:
+        for _ in range(64):
+            yield b"x" * (1 << 20)
+
+    try:
+        response = unix_engine.post("/v1/infill", content=endless())
+        assert response.status_code == 413
+    except httpx.HTTPError:
+        pass  # the engine answered and closed while the client was still sending: refused all the same
+    assert rss() - before < 16 << 20
+    declared = unix_engine.post("/v1/infill", content=b"x" * 30_000, headers={"content-length": "30000"})
+    assert declared.status_code == 413 and "over the limit" in declared.json()["error"]
+    assert unix_engine.get("/health").status_code == 200
 
 
 # -- LSP servers on the resident engine ----------------------------------------------------------------------------
