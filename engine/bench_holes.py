@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.bench import Task, load_tasks, machine, normalise, passes
+from engine.bench import Task, edit_similarity, load_tasks, machine, normalise, passes
 from engine.engine import Engine
 from engine.regions import Hole
 
@@ -140,10 +140,12 @@ def run_holes(engine: Engine, dataset: Path, counts: tuple[int, ...] = (2, 3), l
             for mode, run in (("joint", _joint), ("sequential", _sequential)):
                 answers, forwards, seconds = run(engine, task, settings)
                 exact = [normalise(a) == normalise(task.solution(i)) for i, a in enumerate(answers)]
+                similarity = [edit_similarity(a.strip(), task.solution(i)) for i, a in enumerate(answers)]
                 filled = _document(task, dict(enumerate(answers)))[0]
                 program = Task(task.task_id, filled, "", "", task.test, task.entry_point)
                 tested = run_tests and task.test and task.entry_point
-                row[mode] = {"answers": answers, "exact": exact, "forward_passes": forwards, "seconds": seconds,
+                row[mode] = {"answers": answers, "exact": exact, "edit_similarity": similarity,
+                             "forward_passes": forwards, "seconds": seconds,
                              "passed": passes(program, "") if tested else None}  # fmt: skip
             rows.append(row)
         report["holes"][str(count)] = {"tasks": len(rows), **_summary(rows), "rows": rows}
@@ -159,6 +161,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out[mode] = {
             "pass_at_1": statistics.fmean(tested) if tested else None,
             "hole_exact": statistics.fmean(e for r in results for e in r["exact"]) if results else 0.0,
+            "hole_edit_similarity": statistics.fmean(e for r in results for e in r["edit_similarity"])
+            if results
+            else 0.0,
+            "hole_empty": statistics.fmean(not a.strip() for r in results for a in r["answers"]) if results else 0.0,
             "forward_passes": sum(r["forward_passes"] for r in results),
             "seconds": sum(r["seconds"] for r in results),
         }
@@ -220,12 +226,14 @@ def run_rewrites(engine: Engine, dataset: Path, limit: int | None, settings: dic
 
 def format_holes(report: dict[str, Any]) -> str:
     lines = [f"{report['dataset']}, model {report['model']} ({report['dtype']})", report["machine"], ""]
-    lines.append(f"{'holes':<7}{'mode':<12}{'tasks':>6}{'pass@1':>8}{'hole exact':>12}{'forwards':>10}{'wall s':>9}")
+    lines.append(f"{'holes':<7}{'mode':<12}{'tasks':>6}{'pass@1':>8}{'hole exact':>12}{'edit sim':>10}{'empty':>7}"
+                 f"{'forwards':>10}{'wall s':>9}")  # fmt: skip
     for count, block in report["holes"].items():
         for mode in MODES:
             s = block[mode]
             pass_at_1 = f"{100 * s['pass_at_1']:.1f}" if s["pass_at_1"] is not None else "-"
             lines.append(f"{count:<7}{mode:<12}{block['tasks']:>6}{pass_at_1:>8}{100 * s['hole_exact']:>12.1f}"
+                         f"{100 * s['hole_edit_similarity']:>10.1f}{100 * s['hole_empty']:>7.1f}"
                          f"{s['forward_passes']:>10}{s['seconds']:>9.2f}")  # fmt: skip
         r = block["ratios"]
         lines.append(f"{'':<7}joint / sequential: forward passes {r['forward_passes_joint_over_sequential']:.2f}x, "
