@@ -53,6 +53,7 @@ end
 -- The server fills, then sends the edit as workspace/applyEdit (one undo step) and says in a message which regions
 -- stayed as they were, and why. `on_done(result)` gets its summary (tests, statuslines).
 local function execute(client, bufnr, command, argument, on_done)
+  M.last_fill = nil
   client:request('workspace/executeCommand', { command = command, arguments = { argument } }, function(err, result)
     if err then
       vim.notify('canvas-ls: ' .. (err.message or tostring(err)), vim.log.levels.ERROR)
