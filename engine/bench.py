@@ -9,12 +9,16 @@ latency, mean steps, tokens per forward, and the share of empty completions; the
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import functools
 import gzip
 import json
 import os
 import re
 import resource
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -76,29 +80,69 @@ def edit_similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
 
 
-def _limit_memory() -> None:
+def _limits() -> None:
+    """In the child, before the program runs: 1 GiB of address space, files of at most 16 MiB, at most 64
+    processes of this user (not enforced for root), no core dumps."""
     resource.setrlimit(resource.RLIMIT_AS, (TEST_MEMORY_BYTES, TEST_MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
+    resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+@functools.cache
+def _no_network() -> list[str]:
+    """`unshare --net` where this machine allows it (root, or user namespaces): the program gets a network namespace
+    with no interface but a down loopback. Elsewhere nothing (and the program could reach the network)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return []
+    for flags in (["--net"], ["--user", "--map-root-user", "--net"]):
+        try:
+            done = subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode == 0:
+            return [unshare, *flags]
+    return []
 
 
 def passes(task: Task, completion: str, timeout: float = TEST_TIMEOUT_S) -> bool:
-    """Run prompt + completion + suffix + test + check(entry_point) in a sandboxed subprocess."""
+    """Run prompt + completion + suffix + test + check(entry_point) in a child process, and say whether it exits 0.
+
+    What isolates it: a fresh temporary folder as its working directory (removed after), `python -I` (no user site,
+    no PYTHON* variables, the script's folder not on sys.path), an environment of PATH alone, stdin and both outputs
+    to /dev/null (no output to hold, whatever it prints), the limits of `_limits` (memory, file size, processes, no
+    core), its own session and process group, killed whole at the timeout (children included), and no network where
+    `unshare --net` works (see `_no_network`). It is not a security boundary against hostile code: it runs as this
+    user, can read what this user can read, and can write files outside its folder.
+    """
     program = f"{task.prompt}{completion}{task.suffix}\n\n{task.test}\n\ncheck({task.entry_point})\n"
     with tempfile.TemporaryDirectory(prefix="canvas-ls-bench-") as folder:
         script = Path(folder) / "program.py"
         script.write_text(program, encoding="utf-8")
+        child = subprocess.Popen(
+            [*_no_network(), sys.executable, "-I", str(script)],
+            cwd=folder,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_limits if os.name == "posix" else None,
+            start_new_session=True,
+            env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
+        )
         try:
-            done = subprocess.run(
-                [sys.executable, "-I", str(script)],
-                cwd=folder,
-                capture_output=True,
-                timeout=timeout,
-                preexec_fn=_limit_memory if os.name == "posix" else None,
-                stdin=subprocess.DEVNULL,
-                env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
-            )
+            return child.wait(timeout=timeout) == 0
         except subprocess.TimeoutExpired:
             return False
-    return done.returncode == 0
+        finally:
+            _kill_group(child)
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """Kill the child's whole process group (what it started too), then reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
 
 
 def percentile(values: list[float], q: float) -> float:

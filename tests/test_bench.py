@@ -155,3 +155,22 @@ def test_bench_holes_prints_the_table_writes_the_report_and_the_plot(tiny_model_
             block["joint"]["forward_passes"] / block["sequential"]["forward_passes"])  # fmt: skip
     assert report["rewrite"]["tasks"] == 2 and set(report["rewrite"]["by_strength"]) == {"0.3", "0.6", "1.0"}
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_the_sandbox_kills_what_the_program_started_and_has_no_network(add_task: Task, tmp_path: Path) -> None:
+    """A program that starts a child and hangs: at the timeout its whole process group is killed, the child too.
+    A program that connects to a server listening on this machine's loopback cannot reach it."""
+    import socket
+    import time
+
+    marker = tmp_path / "child.pid"
+    spawn = (f"    import subprocess, pathlib\n    child = subprocess.Popen(['sleep', '300'])\n"
+             f"    pathlib.Path({str(marker)!r}).write_text(str(child.pid))\n    while True: pass\n")  # fmt: skip
+    assert not passes(add_task, spawn, timeout=3)
+    time.sleep(0.2)
+    stat = Path(f"/proc/{int(marker.read_text())}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the program's child outlived the timeout"
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        connect = f"    import socket\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        assert not passes(add_task, connect + "    return a + b\n", timeout=5)  # with a network it would pass
