@@ -197,7 +197,9 @@ def corrupt(line: str) -> str | None:
 
 def run_rewrites(engine: Engine, dataset: Path, limit: int | None, settings: dict[str, Any]) -> dict[str, Any]:
     tasks = [t for t in load_tasks(dataset, None, "indented") if corrupt(t.solution.rstrip("\n"))]
-    if limit is not None and limit < len(tasks):
+    if limit == 0:  # no rewrite table
+        tasks = []
+    elif limit is not None and limit < len(tasks):
         stride = len(tasks) / limit
         tasks = [tasks[int(i * stride)] for i in range(limit)]
     rows = []
