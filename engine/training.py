@@ -615,7 +615,10 @@ def run(
     export = out_dir / "model"
     model.to("cpu", torch.bfloat16).save_pretrained(str(export))
     tokenizer.save_pretrained(str(export))
-    (export / MODEL_SETTINGS_FILE).write_text(json.dumps({"infill": TRAINED_INFILL, "trained": summary}, indent=2))
+    record: dict[str, Any] = {"infill": TRAINED_INFILL, "trained": summary}
+    if start_from and (Path(start_from) / MODEL_SETTINGS_FILE).is_file():  # what the model had seen before this run
+        record["trained_before"] = json.loads((Path(start_from) / MODEL_SETTINGS_FILE).read_text()).get("trained")
+    (export / MODEL_SETTINGS_FILE).write_text(json.dumps(record, indent=2))
     if install is not None:
         import shutil
 
