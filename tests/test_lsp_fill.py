@@ -141,14 +141,19 @@ async def test_fill_holes_and_rewrite_commands(client: LanguageClient) -> None:
 
 async def test_fill_regions_in_plain_text_applies_one_edit(resident_client: LanguageClient) -> None:
     """Plain text has no syntax check: every answer that ended within its budget is applied, all in one edit of the
-    version the fill read; the random model's runaway answers are left out, and said so."""
+    version the fill read; the random model's runaway answers are left out, and said so. (Pairs of lines are tried
+    until the tiny model ends an answer in one of them.)"""
     client = resident_client
-    regions = [{"range": span(1, 0, 1, 6)}, {"range": span(3, 0, 3, 6), "strength": 0.5}]
-    result = await fill_regions(client, "notes.txt", regions, apply=True)
-    assert result["error"] is None and [r["strength"] for r in result["regions"]] == [1.0, 0.5]
-    filled = [(r["range"]["start"]["line"], r["text"]) for r in result["regions"] if r["status"] == "filled"]
+    for first, second in ((1, 3), (0, 2), (0, 3), (1, 2)):
+        regions = [{"range": span(first, 0, first, 6)}, {"range": span(second, 0, second, 6), "strength": 0.5}]
+        result = await fill_regions(client, "notes.txt", regions, apply=True)
+        assert result["error"] is None and [r["strength"] for r in result["regions"]] == [1.0, 0.5]
+        assert all(r["status"] == "filled" or r["reason"] for r in result["regions"])
+        filled = [(r["range"]["start"]["line"], r["text"]) for r in result["regions"] if r["status"] == "filled"]
+        if filled:
+            break
+        assert result["edit"] is None and client.applied == []
     assert filled and all(text for _, text in filled)
-    assert all(r["status"] == "filled" or r["reason"] for r in result["regions"])
     (edit,) = client.applied
     (change,) = edit.document_changes
     assert change.text_document.version == 1 and [(e.range.start.line, e.new_text) for e in change.edits] == filled
