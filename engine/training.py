@@ -591,16 +591,19 @@ def run(
     files = corpus.load(corpus_path)
     eval_files, train_files = files[:200], files[200:]
 
-    tokenizer_dir = Path(start_from) if start_from else out_dir / "tokenizer"
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        sample, size = [], 0
-        for file in train_files:
-            if size > 30_000_000:
-                break
-            sample.append(file.text)
-            size += len(file.text)
-        train_tokenizer(sample, spec["vocab_size"], tokenizer_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer_dir = out_dir / "tokenizer"
+    if start_from:  # the model's own tokenizer: its ids are what the model learned
+        tokenizer = AutoTokenizer.from_pretrained(start_from)
+    else:
+        if not (tokenizer_dir / "tokenizer.json").is_file():
+            sample, size = [], 0
+            for file in train_files:
+                if size > 30_000_000:
+                    break
+                sample.append(file.text)
+                size += len(file.text)
+            train_tokenizer(sample, spec["vocab_size"], tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
     torch.manual_seed(0)
     if start_from:
