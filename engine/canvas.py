@@ -561,27 +561,23 @@ class CanvasJob:
 
     def _close_canvas(self, stop: str) -> None:
         """The answer is the gap's argmax up to the first EOS/pad; with no EOS, the next canvas continues it."""
-        out, gap = self.out, self.gap
+        out = self.out
         out.canvases += 1
         out.canvas_stops.append(stop)
-        block = self.argmax[0]
-        is_stop = torch.isin(block, self.stop_tensor)
-        probs = torch.softmax(self.raw_gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
-        end = int(is_stop.float().argmax()) if bool(is_stop.any()) else gap
-        out.tokens.extend(block[:end].tolist())
-        out.confidence.extend(probs[:end].tolist())
-        if end < gap:
-            out.ended_with_eos = True
+        (answer,) = self._answers()
+        out.tokens.extend(answer.tokens)
+        out.confidence.extend(answer.confidence)
+        out.ended_with_eos = answer.ended_with_eos
         line_ended = any(token in self.params.line_end_ids for token in out.tokens)
-        if end < gap or line_ended or len(out.tokens) >= self.params.max_new_tokens:
+        if answer.ended_with_eos or line_ended or len(out.tokens) >= self.params.max_new_tokens:
             del out.tokens[self.params.max_new_tokens :]
             del out.confidence[self.params.max_new_tokens :]
             out.gaps = [GapOutput(out.tokens, out.confidence, out.ended_with_eos)]
             self._finish()
             return
         # No EOS: the gap is all answer and the answer goes on. Encode it and open the next canvas after it.
-        encode(self.model, block[None, :], self.cache, start=self.cursor)
-        self.cursor += gap
+        encode(self.model, self.argmax, self.cache, start=self.cursor)
+        self.cursor += self.gap
         self._open_canvas(self.sampler.initialize_canvas(1, self.device))
 
     def _close_gaps(self, stop: str) -> None:
@@ -591,15 +587,7 @@ class CanvasJob:
         out = self.out
         out.canvases += 1
         out.canvas_stops.append(stop)
-        block = self.argmax[0]
-        is_stop = torch.isin(block, self.stop_tensor)
-        probs = torch.softmax(self.raw_gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
-        answers: list[GapOutput] = []
-        for start, end in self.gap_bounds:
-            stops = is_stop[start:end].nonzero()
-            cut = int(stops[0]) if len(stops) else end - start
-            answers.append(GapOutput(block[start : start + cut].tolist(), probs[start : start + cut].tolist(),
-                                     bool(len(stops))))  # fmt: skip
+        answers = self._answers()
         room = self.params.max_new_tokens - self.gap  # slots the canvas may still add over all gaps
         grown: list[Segment] = []
         starts: list[list[int]] = []
@@ -630,6 +618,19 @@ class CanvasJob:
         flat = torch.tensor([t for start in starts for t in start], device=self.device)
         noise = torch.randint(0, self.vocab_size, (self.gap,), device=self.device, generator=self.generator)
         self._open_canvas(torch.where(flat >= 0, flat, noise)[None])
+
+    def _answers(self) -> list[GapOutput]:
+        """Per gap, its argmax up to its first EOS/pad, with each token's probability under the last step's
+        (untempered) logits."""
+        block = self.argmax[0]
+        is_stop = torch.isin(block, self.stop_tensor)
+        probs = torch.softmax(self.raw_gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
+        answers = []
+        for start, end in self.gap_bounds:
+            stops = is_stop[start:end].nonzero()
+            cut = start + (int(stops[0]) if len(stops) else end - start)
+            answers.append(GapOutput(block[start:cut].tolist(), probs[start:cut].tolist(), bool(len(stops))))
+        return answers
 
     def _finish(self) -> None:
         self.out.denoise_seconds = time.perf_counter() - self.started
@@ -666,23 +667,22 @@ def fill(
 
 def advance(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
     """One step for each job from its row of a (shared) decoder forward's logits [B, Lc, V]."""
+    gathered = []  # [G, V] per job: a view for the single infill; a copy (written back) for several gaps
     for row, job in enumerate(jobs):
-        rows = job.gap_logits(logits[row : row + 1])  # a view for the single infill; else written back below
+        rows = job.gap_logits(logits[row : row + 1])[0]
         for slot, allowed in job.barred():
             if allowed is not None:  # token healing: the first token re-writes the text cut before the gap
-                rows[0, slot, ~allowed] = BARRED_LOGIT
+                rows[slot, ~allowed] = BARRED_LOGIT
             else:  # min_new_tokens; a finite floor: -inf would turn the entropies into NaN (0 * -inf)
-                rows[0, slot, job.stop_tensor] = BARRED_LOGIT
+                rows[slot, job.stop_tensor] = BARRED_LOGIT
         if job.gap_index is not None:
-            logits[row, job.gap_index] = rows[0]
+            logits[row, job.gap_index] = rows
+        gathered.append(rows)
     if all(job.gap_index is None for job in jobs):
         gap_logits = logits  # each row's gap is its first G slots
     else:
         width = max(job.gap for job in jobs)
-        gap_logits = torch.stack([
-            torch.nn.functional.pad(job.gap_logits(logits[row : row + 1])[0], (0, 0, 0, width - job.gap))
-            for row, job in enumerate(jobs)
-        ])  # fmt: skip
+        gap_logits = torch.stack([torch.nn.functional.pad(rows, (0, 0, 0, width - rows.shape[0])) for rows in gathered])
     stats = step_stats_rows(gap_logits, [job.temperature_now() for job in jobs], [job.generator for job in jobs],
                             [job.gap for job in jobs])  # fmt: skip
     for row, job in enumerate(jobs):
