@@ -62,14 +62,19 @@ def load_tasks(path: Path, limit: int | None = None, cursor: str = "task") -> li
         Task(r["task_id"], r["prompt"], r["suffix"], r["canonical_solution"], r.get("test"), r.get("entry_point"))
         for r in rows
     ]
-    if limit is not None and limit < len(tasks):
-        stride = len(tasks) / limit  # spread over the whole set, not the first few problems
-        tasks = [tasks[int(i * stride)] for i in range(limit)]
+    tasks = spread(tasks, limit)
     typed = _TYPED[cursor]
     if typed is not None:  # the typed text moves from the answer into the prompt; the program stays the same
         tasks = [replace(t, prompt=t.prompt + (done := typed.match(t.solution)[0]), solution=t.solution[len(done) :])
                  for t in tasks]  # fmt: skip
     return tasks
+
+
+def spread(items: list, limit: int | None) -> list:
+    """At most `limit` items, evenly spread over the whole list (not the first few problems); None keeps all."""
+    if limit is None or limit >= len(items):
+        return items
+    return [items[int(i * len(items) / limit)] for i in range(limit)]
 
 
 def normalise(text: str) -> str:

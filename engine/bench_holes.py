@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.bench import Task, edit_similarity, load_tasks, machine, normalise, passes
+from engine.bench import Task, edit_similarity, load_tasks, machine, normalise, passes, spread
 from engine.engine import Engine
 from engine.regions import Hole
 
@@ -71,10 +71,7 @@ def hole_tasks(dataset: Path, holes: int, limit: int | None = None) -> list[Hole
             start = len(row.prompt) + len(row.solution) - len(row.solution.lstrip(" \t"))
             spans.append((start, len(row.prompt) + len(row.solution.rstrip("\n"))))
         out.append(HoleTask(f"{name}/holes{holes}", program, tuple(spans), rows[0].test, rows[0].entry_point))
-    if limit is not None and limit < len(out):
-        stride = len(out) / limit
-        out = [out[int(i * stride)] for i in range(limit)]
-    return out
+    return spread(out, limit)
 
 
 def _spread(rows: list[Task], k: int) -> list[Task] | None:
@@ -197,11 +194,7 @@ def corrupt(line: str) -> str | None:
 
 def run_rewrites(engine: Engine, dataset: Path, limit: int | None, settings: dict[str, Any]) -> dict[str, Any]:
     tasks = [t for t in load_tasks(dataset, None, "indented") if corrupt(t.solution.rstrip("\n"))]
-    if limit == 0:  # no rewrite table
-        tasks = []
-    elif limit is not None and limit < len(tasks):
-        stride = len(tasks) / limit
-        tasks = [tasks[int(i * stride)] for i in range(limit)]
+    tasks = spread(tasks, limit)
     rows = []
     for task in tasks:
         original = task.solution.rstrip("\n")
