@@ -59,15 +59,7 @@ def small_config(
         eos_token_id=1,
         bos_token_id=2,
     )
-    vision = Gemma4VisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        position_embedding_size=64,
-    )
+    vision = small_vision_config()
     # Image marker ids point at spare special tokens so that they stay inside the small vocabulary.
     return DiffusionGemmaConfig(
         text_config=text,
@@ -76,6 +68,19 @@ def small_config(
         boi_token_id=3,
         eoi_token_id=4,
         image_token_id=5,
+    )
+
+
+def small_vision_config() -> Gemma4VisionConfig:
+    """The smallest vision tower that builds (a DiffusionGemma config always carries one; text never calls it)."""
+    return Gemma4VisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        position_embedding_size=64,
     )
 
 

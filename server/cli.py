@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--from", dest="start_from", metavar="MODEL",
                        help="continue this model folder (its tokenizer, weights) instead of a new model")  # fmt: skip
     train.add_argument("--lr", type=float, help="peak learning rate (default: the preset's; lower it with --from)")
+    train.add_argument("--batch-size", type=int, help="examples per step (default: the preset's)")
     train.add_argument("--multi-gap-share", type=float, help="share of examples with 2-4 gaps in one canvas")
     train.add_argument("--rewrite-share", type=float, help="share of examples whose gap shows a corrupted middle")
 
@@ -134,6 +136,21 @@ def _parser() -> argparse.ArgumentParser:
     engine_bench.add_argument("--per-client", type=int, default=8, help="requests per client in the throughput runs")
     _settings_argument(engine_bench)
     engine_bench.add_argument("--out", type=Path, help="JSON report path")
+
+    step = benches.add_parser("step", help="a denoising step: eager vs compiled, 1 and 8 rows, share of matmul peak")
+    step.add_argument("--model", help="model folder or hub id (default: the shipped model), or 'full-width': "
+                                      "DiffusionGemma 26B-A4B's geometry with random weights")  # fmt: skip
+    step.add_argument("--layers", type=int, default=30, help="with --model full-width: this many of its 30 layers")
+    step.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
+    step.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    step.add_argument("--prefix", type=int, help="prefix tokens (default: 4096 on a GPU, 1024 on the CPU)")
+    step.add_argument("--canvases", default="64,256", help="canvas sizes in slots")
+    step.add_argument("--rows", default="1,8", help="batch rows (requests denoising together)")
+    step.add_argument("--no-compile", action="store_true", help="eager only")
+    step.add_argument("--compile-canvases", help="compile only at these canvas sizes (default: all; each size and "
+                                                 "row count is one compilation)")  # fmt: skip
+    step.add_argument("--runs", type=int, default=10, help="timed calls per figure (median)")
+    step.add_argument("--out", type=Path, help="JSON report path")
 
     train_bench = benches.add_parser("train", help="seconds per training step, the LM head's loss fused vs plain")
     train_bench.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
@@ -330,7 +347,12 @@ def _train(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(diff=f"{diffusion:.3f}", ar=f"{ar:.3f}", min=f"{state['elapsed'] / 60:.1f}/{budget / 60:.0f}")
 
-    overrides = {"lr": args.lr, "multi_gap_share": args.multi_gap_share, "rewrite_share": args.rewrite_share}
+    overrides = {
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "multi_gap_share": args.multi_gap_share,
+        "rewrite_share": args.rewrite_share,
+    }
     summary = run(args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None,
                   progress, args.start_from, {k: v for k, v in overrides.items() if v is not None})  # fmt: skip
     bar.close()
@@ -340,7 +362,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
-                "train": _bench_train, "holes": _bench_holes}  # fmt: skip
+                "train": _bench_train, "holes": _bench_holes, "step": _bench_step}  # fmt: skip
     return handlers[args.bench](args)
 
 
@@ -353,6 +375,25 @@ def _bench_engine(args: argparse.Namespace) -> int:
         args.model, prefixes, clients, args.runs, args.per_client, args.dtype, _settings(args.settings)
     )
     return _report("engine", report, format_engine, args.out)
+
+
+def _bench_step(args: argparse.Namespace) -> int:
+    from engine import bench_step
+
+    out = args.out or _cache_dir() / f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = bench_step.run(
+        args.model, args.layers, args.device, args.dtype, args.prefix,
+        _ints(args.canvases), _ints(args.rows),
+        () if args.no_compile else _ints(args.compile_canvases or args.canvases), args.runs,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        checkpoint=lambda partial: out.write_text(json.dumps(partial, indent=2)),
+    )  # fmt: skip
+    return _report("step", report, bench_step.format_step, out)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
 
 
 def _bench_sampler(args: argparse.Namespace) -> int:

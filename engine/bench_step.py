@@ -1,0 +1,311 @@
+"""`canvas-ls bench step`: where a denoising step's time goes, and how close it runs to the machine's limit.
+
+For a model (the default one, a model folder, or DiffusionGemma 26B-A4B's published geometry with random weights)
+it measures, in one run:
+  - the machine's matmul peak (a square matmul in the model's dtype), so that a step's rate reads as a share of it;
+  - per-encode time of a prefix (the causal encoder into a fresh KV cache);
+  - per-step time, 1 and 8 rows, at each canvas size: the decoder forward as the resident engine calls it (the
+    prefix KV read through `BatchedKV`, self-conditioning logits in) and the step statistics after it
+    (`step_stats_rows`, the sampler's vocabulary-sized work), eager and compiled (`torch.compile`; CUDA graphs on a
+    GPU), with the compiled logits compared to the eager ones;
+  - FLOPs per step counted by torch's FlopCounterMode (not estimated), hence GFLOP/s and the share of the peak;
+  - a torch.profiler table of one eager configuration: the ops a step spends its time in.
+Figures, never pass/fail; the JSON holds every number the table prints.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
+from transformers.cache_utils import DynamicCache
+
+from engine.architecture import small_vision_config
+from engine.canvas import BatchedKV, encode
+from engine.sampling import step_stats_rows
+
+# DiffusionGemma 26B-A4B's text geometry as its published config.json gives it (google/diffusiongemma-26B-A4B-it):
+# 30 layers (5 sliding : 1 full), hidden 2816, 128 experts of 704 (top 8) beside a dense MLP of 2112, 262k vocabulary.
+FULL_WIDTH = dict(
+    vocab_size=262144,
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=2,
+    head_dim=256,
+    global_head_dim=512,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    sliding_window=1024,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=131072,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+
+def full_width_config(layers: int = 30) -> DiffusionGemmaConfig:
+    """DiffusionGemma 26B-A4B's geometry (its first `layers` layers keep the 5:1 sliding/full pattern)."""
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    text = DiffusionGemmaTextConfig(**{**FULL_WIDTH, "num_hidden_layers": layers, "layer_types": layer_types})
+    return DiffusionGemmaConfig(text_config=text, vision_config=small_vision_config(), canvas_length=256,
+                                boi_token_id=3, eoi_token_id=4, image_token_id=5)  # fmt: skip
+
+
+def random_model(config: DiffusionGemmaConfig, device: torch.device, dtype: torch.dtype) -> Any:
+    """A model of `config` with random weights, built directly on `device` in `dtype` (26B parameters in bf16 fit an
+    H200; on the CPU only a few layers do)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DiffusionGemmaForBlockDiffusion(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, runs: int, warmup: int = 2) -> float:
+    """Median milliseconds of `runs` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append((time.perf_counter() - started) * 1000)
+    return statistics.median(samples)
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """TFLOP/s of a square matmul in `dtype`: the rate a step's arithmetic is measured against."""
+    size = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    ms = timed(lambda: a @ b, device, runs=10 if device.type == "cuda" else 5)
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "ms": round(ms, 3),
+            "tflops": round(2 * size**3 / (ms / 1000) / 1e12, 3)}  # fmt: skip
+
+
+class StepCase:
+    """The inputs of one decoder forward as the resident engine builds them: `rows` copies of a prefix's KV (one
+    encode), a canvas of `canvas` slots per row, last step's logits for self-conditioning."""
+
+    def __init__(self, model: Any, prefix: torch.Tensor, canvas: int, rows: int):
+        device = prefix.device
+        vocab = model.config.text_config.vocab_size
+        self.cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+        encode(model, prefix, self.cache, start=0)
+        kv = BatchedKV([self.cache] * rows, list(model.config.text_config.layer_types))
+        generator = torch.Generator(device=device).manual_seed(0)
+        start = prefix.shape[1]
+        self.rows, self.canvas = rows, canvas
+        self.generators = [torch.Generator(device=device).manual_seed(r) for r in range(rows)]
+        embed_dtype = model.get_input_embeddings().weight.dtype
+        self.kwargs = dict(
+            decoder_input_ids=torch.randint(3, vocab, (rows, canvas), generator=generator, device=device),
+            past_key_values=kv,
+            self_conditioning_logits=torch.randn(rows, canvas, vocab, generator=generator, device=device).to(
+                embed_dtype
+            ),
+            self_conditioning_mask=torch.ones(rows, dtype=torch.bool, device=device),
+            decoder_attention_mask=kv.masks([canvas] * rows, canvas),
+            decoder_position_ids=start + torch.arange(canvas, device=device)[None, :].expand(rows, -1),
+        )
+
+    def forward(self, model: Any) -> torch.Tensor:
+        return model(**self.kwargs).logits
+
+    def statistics(self, logits: torch.Tensor) -> None:
+        step_stats_rows(logits, [1.0] * self.rows, self.generators, [self.canvas] * self.rows)
+
+
+def flops_of(fn: Callable[[], Any]) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def profile_table(fn: Callable[[], Any], device: torch.device, top: int = 12) -> list[dict[str, Any]]:
+    """The ops one call spends its time in (self time, summed over 5 calls), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            fn()
+        synchronize(device)
+    cuda = device.type == "cuda"
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    events.sort(key=lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in events) or 1
+    rows = []
+    for event in events[:top]:
+        self_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        rows.append({"op": event.key, "calls_per_step": event.count // 5, "self_ms_per_step": round(self_us / 5000, 3),
+                     "share": round(self_us / total, 3)})  # fmt: skip
+    return rows
+
+
+def compiled_model(model: Any, device: torch.device) -> Any:
+    mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU; inductor on the CPU
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
+@torch.inference_mode()
+def run_step_bench(
+    model: Any,
+    name: str,
+    prefix_tokens: int,
+    canvases: tuple[int, ...] = (64, 256),
+    rows: tuple[int, ...] = (1, 8),
+    compile_canvases: tuple[int, ...] = (64, 256),
+    runs: int = 10,
+    progress: Callable[[str], None] = lambda _: None,
+    checkpoint: Callable[[dict[str, Any]], None] = lambda _: None,
+) -> dict[str, Any]:
+    """The figures of the module docstring for `model` (already on its device, in its dtype); `checkpoint` gets the
+    report after each figure (a caller's time limit can stop a compilation)."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    vocab = model.config.text_config.vocab_size
+    report: dict[str, Any] = {
+        "model": name,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "prefix_tokens": prefix_tokens,
+        "peak": matmul_peak(device, dtype),
+        "cases": [],
+    }
+    prefix = torch.randint(3, vocab, (1, prefix_tokens), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def one_encode() -> None:
+        encode(model, prefix, DynamicCache(config=model.config.get_text_config(decoder=True)), start=0)
+
+    report["encode_ms"] = round(timed(one_encode, device, runs=max(3, runs // 2)), 3)
+    report["encode_gflop"] = round(flops_of(one_encode) / 1e9, 3)
+    progress(f"{name}: encode {report['encode_ms']} ms")
+    compiled = compiled_model(model, device) if compile_canvases else None
+    peak = report["peak"]["tflops"] * 1e12
+    cases = {(canvas, count): StepCase(model, prefix, canvas, count) for canvas in canvases for count in rows}
+    eager_logits: dict[tuple[int, int], torch.Tensor] = {}
+    for (canvas, count), case in cases.items():
+        report["cases"].append({"canvas": canvas, "rows": count,
+                                "gflop": round(flops_of(lambda case=case: case.forward(model)) / 1e9, 3)})  # fmt: skip
+    # Every eager figure first: a compilation that overruns the caller's time limit leaves them measured.
+    passes = [("eager", model, list(cases))]
+    if compiled is not None:
+        passes.append(("compiled", compiled, [key for key in cases if key[0] in compile_canvases]))
+    for label, runner, keys in passes:
+        for key in keys:
+            case, row = cases[key], report["cases"][list(cases).index(key)]
+            try:
+                started = time.perf_counter()
+                case.forward(runner)  # a compiled model compiles on its first call at a shape
+                synchronize(device)
+                first = time.perf_counter() - started
+                forward_ms = timed(lambda case=case, runner=runner: case.forward(runner), device, runs)
+                logits = case.forward(runner).clone()
+                step_ms = timed(lambda case=case, runner=runner: case.statistics(case.forward(runner)), device, runs)
+            except Exception as exc:  # a model or backend the compiler cannot take: said, and eager stands
+                row[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                progress(f"{name}: canvas {key[0]} x{key[1]} {label} failed: {row[label]['error']}")
+                continue
+            flops = row["gflop"] * 1e9
+            row[label] = {
+                "first_call_s": round(first, 3),
+                "forward_ms": round(forward_ms, 3),
+                "step_ms": round(step_ms, 3),
+                "gflops": round(flops / (forward_ms / 1000) / 1e9, 1),
+                "share_of_peak": round(flops / (forward_ms / 1000) / peak, 4),
+            }
+            if label == "eager":
+                eager_logits[key] = logits
+            else:
+                row[label]["max_abs_diff_vs_eager"] = float((logits.float() - eager_logits[key].float()).abs().max())
+            progress(f"{name}: canvas {key[0]} x{key[1]} {label}: forward {forward_ms:.2f} ms, step {step_ms:.2f} ms")
+            checkpoint(report)
+    first = StepCase(model, prefix, canvases[0], 1)
+    ops = profile_table(lambda: first.statistics(first.forward(model)), device)
+    report["profile"] = {"canvas": canvases[0], "rows": 1, "ops": ops}
+    return report
+
+
+def format_step(report: dict[str, Any]) -> str:
+    peak = report["peak"]
+    lines = [
+        f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads, "
+        f"{report['parameters'] / 1e6:.1f}M parameters); matmul peak {peak['tflops']} TFLOP/s "
+        f"({peak['size']}^3 {peak['dtype']})",
+        f"encode {report['prefix_tokens']} tokens: {report['encode_ms']} ms ({report['encode_gflop']} GFLOP)",
+        f"{'canvas':>6} {'rows':>4} {'GFLOP':>8} | {'eager fwd':>9} {'step':>8} {'GFLOP/s':>9} {'peak':>6} | "
+        f"{'compiled fwd':>12} {'step':>8} {'peak':>6} {'x eager':>7}",
+    ]
+    for case in report["cases"]:
+        eager, compiled = case.get("eager", {}), case.get("compiled", {})
+
+        def cell(side: dict[str, Any], key: str, width: int, fmt: str = "{:.2f}") -> str:
+            return (fmt.format(side[key]) if key in side else ("error" if "error" in side else "-")).rjust(width)
+
+        ratio = (f"{compiled['step_ms'] / eager['step_ms']:.2f}" if "step_ms" in compiled and "step_ms" in eager
+                 else "-")  # fmt: skip
+        lines.append(
+            f"{case['canvas']:>6} {case['rows']:>4} {case['gflop']:>8.2f} | {cell(eager, 'forward_ms', 9)} "
+            f"{cell(eager, 'step_ms', 8)} {cell(eager, 'gflops', 9, '{:.0f}')} "
+            f"{cell(eager, 'share_of_peak', 6, '{:.1%}')} "
+            f"| {cell(compiled, 'forward_ms', 12)} {cell(compiled, 'step_ms', 8)} "
+            f"{cell(compiled, 'share_of_peak', 6, '{:.1%}')} {ratio:>7}"
+        )
+    for case in report["cases"]:
+        for label in ("eager", "compiled"):
+            if "error" in case.get(label, {}):
+                lines.append(f"canvas {case['canvas']} x{case['rows']} {label}: {case[label]['error']}")
+    profile = report.get("profile")
+    if profile:
+        lines.append(f"where an eager step goes (canvas {profile['canvas']}, 1 row; self time per step):")
+        for op in profile["ops"]:
+            lines.append(f"  {op['op'][:40]:<40} {op['calls_per_step']:>6} calls {op['self_ms_per_step']:>9.3f} ms "
+                         f"{op['share']:>6.1%}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run(model_name: str | None, layers: int, device: str | None, dtype: str | None, prefix_tokens: int | None,
+        canvases: tuple[int, ...], rows: tuple[int, ...], compile_canvases: tuple[int, ...], runs: int,
+        progress: Callable[[str], None] = lambda _: None,
+        checkpoint: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
+    """`bench step` for a model folder or hub id (None: the shipped one) or, with model_name "full-width", for
+    DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30)."""
+    from engine.loading import load_model, resolve_device, resolve_dtype
+
+    if model_name == "full-width":
+        target = resolve_device(device)
+        model = random_model(full_width_config(layers), target, resolve_dtype(dtype, target))
+        name = f"DiffusionGemma 26B-A4B geometry, {layers} of 30 layers, random weights"
+    else:
+        loaded = load_model(model_name, device, dtype)
+        model, name = loaded.model, loaded.name
+    default_prefix = 4096 if next(model.parameters()).device.type == "cuda" else 1024
+    return run_step_bench(
+        model, name, prefix_tokens or default_prefix, canvases, rows, compile_canvases, runs, progress, checkpoint
+    )
