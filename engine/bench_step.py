@@ -135,13 +135,22 @@ class StepCase:
         step_stats_rows(logits, [1.0] * self.rows, self.generators, [self.canvas] * self.rows)
 
 
-def flops_of(fn: Callable[[], Any]) -> int:
+def flops_of(fn: Callable[[], Any]) -> int | None:
+    """FLOPs of one call as torch's FlopCounterMode counts them; None where it cannot (its attention formula
+    refused this shape on CUDA)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    with counter:
-        fn()
+    try:
+        with counter:
+            fn()
+    except AssertionError:
+        return None
     return int(counter.get_total_flops())
+
+
+def _gflop(flops: int | None) -> float | None:
+    return None if flops is None else round(flops / 1e9, 3)
 
 
 def profile_table(fn: Callable[[], Any], device: torch.device, top: int = 12) -> list[dict[str, Any]]:
@@ -204,7 +213,7 @@ def run_step_bench(
         encode(model, prefix, DynamicCache(config=model.config.get_text_config(decoder=True)), start=0)
 
     report["encode_ms"] = round(timed(one_encode, device, runs=max(3, runs // 2)), 3)
-    report["encode_gflop"] = round(flops_of(one_encode) / 1e9, 3)
+    report["encode_gflop"] = _gflop(flops_of(one_encode))
     progress(f"{name}: encode {report['encode_ms']} ms")
     compiled = compiled_model(model, device) if compile_canvases else None
     peak = report["peak"]["tflops"] * 1e12
@@ -212,7 +221,7 @@ def run_step_bench(
     eager_logits: dict[tuple[int, int], torch.Tensor] = {}
     for (canvas, count), case in cases.items():
         report["cases"].append({"canvas": canvas, "rows": count,
-                                "gflop": round(flops_of(lambda case=case: case.forward(model)) / 1e9, 3)})  # fmt: skip
+                                "gflop": _gflop(flops_of(lambda case=case: case.forward(model)))})  # fmt: skip
     # Every eager figure first: a compilation that overruns the caller's time limit leaves them measured.
     passes = [("eager", model, list(cases))]
     if compiled is not None:
@@ -232,14 +241,11 @@ def run_step_bench(
                 row[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 progress(f"{name}: canvas {key[0]} x{key[1]} {label} failed: {row[label]['error']}")
                 continue
-            flops = row["gflop"] * 1e9
-            row[label] = {
-                "first_call_s": round(first, 3),
-                "forward_ms": round(forward_ms, 3),
-                "step_ms": round(step_ms, 3),
-                "gflops": round(flops / (forward_ms / 1000) / 1e9, 1),
-                "share_of_peak": round(flops / (forward_ms / 1000) / peak, 4),
-            }
+            row[label] = {"first_call_s": round(first, 3), "forward_ms": round(forward_ms, 3),
+                          "step_ms": round(step_ms, 3)}  # fmt: skip
+            if row["gflop"] is not None:
+                rate = row["gflop"] * 1e9 / (forward_ms / 1000)
+                row[label].update(gflops=round(rate / 1e9, 1), share_of_peak=round(rate / peak, 4))
             if label == "eager":
                 eager_logits[key] = logits
             else:
@@ -258,7 +264,7 @@ def format_step(report: dict[str, Any]) -> str:
         f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads, "
         f"{report['parameters'] / 1e6:.1f}M parameters); matmul peak {peak['tflops']} TFLOP/s "
         f"({peak['size']}^3 {peak['dtype']})",
-        f"encode {report['prefix_tokens']} tokens: {report['encode_ms']} ms ({report['encode_gflop']} GFLOP)",
+        f"encode {report['prefix_tokens']} tokens: {report['encode_ms']} ms ({report['encode_gflop'] or '?'} GFLOP)",
         f"{'canvas':>6} {'rows':>4} {'GFLOP':>8} | {'eager fwd':>9} {'step':>8} {'GFLOP/s':>9} {'peak':>6} | "
         f"{'compiled fwd':>12} {'step':>8} {'peak':>6} {'x eager':>7}",
     ]
@@ -266,12 +272,13 @@ def format_step(report: dict[str, Any]) -> str:
         eager, compiled = case.get("eager", {}), case.get("compiled", {})
 
         def cell(side: dict[str, Any], key: str, width: int, fmt: str = "{:.2f}") -> str:
-            return (fmt.format(side[key]) if key in side else ("error" if "error" in side else "-")).rjust(width)
+            shown = fmt.format(side[key]) if side.get(key) is not None else "error" if "error" in side else "-"
+            return shown.rjust(width)
 
         ratio = (f"{compiled['step_ms'] / eager['step_ms']:.2f}" if "step_ms" in compiled and "step_ms" in eager
                  else "-")  # fmt: skip
         lines.append(
-            f"{case['canvas']:>6} {case['rows']:>4} {case['gflop']:>8.2f} | {cell(eager, 'forward_ms', 9)} "
+            f"{case['canvas']:>6} {case['rows']:>4} {cell(case, 'gflop', 8)} | {cell(eager, 'forward_ms', 9)} "
             f"{cell(eager, 'step_ms', 8)} {cell(eager, 'gflops', 9, '{:.0f}')} "
             f"{cell(eager, 'share_of_peak', 6, '{:.1%}')} "
             f"| {cell(compiled, 'forward_ms', 12)} {cell(compiled, 'step_ms', 8)} "

@@ -340,11 +340,19 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, gener
     """One optimizer step on `batch` (what `train` runs and `bench train` times); returns the two losses."""
     with torch.autocast(batch.gap.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
         parts = losses(model, batch, generator, self_condition, fused_head)
+    if not all(bool(torch.isfinite(value)) for value in parts.values()):  # never step (and export) a broken model
+        found = ", ".join(f"{name} {float(value)}" for name, value in parts.items())
+        raise TrainingError(f"the training loss is not finite ({found}); the weights were left as they were. "
+                            f"Other kernels may avoid it: --attention eager, --experts eager, --fp32")  # fmt: skip
     optimizer.zero_grad(set_to_none=True)
     (parts["diffusion"] + cfg.ar_weight * parts["ar"]).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return parts
+
+
+class TrainingError(Exception):
+    """Training cannot go on (said in one line; the CLI prints it as an error)."""
 
 
 @dataclass
@@ -367,6 +375,10 @@ class TrainConfig:
     # losses compare with runs before this option).
     token_healing: bool = True
     bf16: bool = True  # autocast; a bf16 matmul ran 2.4x an fp32 one on this project's 2-core CPU
+    # transformers' kernels for attention ("sdpa", "eager") and the MoE experts (None: its choice; "grouped_mm",
+    # "batched_mm", "eager"), applied when the model is loaded
+    attention: str = "sdpa"
+    experts: str | None = None
     device: str = "auto"  # "auto": CUDA when there is a GPU, else the CPU
     threads: int = 0  # 0: torch's default
     data_workers: int = 0  # processes cutting batches ahead of the steps (0: in the training loop)
@@ -605,6 +617,7 @@ def run(
             train_tokenizer(sample, spec["vocab_size"], tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
+    cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
     torch.manual_seed(0)
     if start_from:
         from transformers import DiffusionGemmaForBlockDiffusion
@@ -612,7 +625,9 @@ def run(
         model = DiffusionGemmaForBlockDiffusion.from_pretrained(start_from, dtype=torch.float32)
     else:
         model = preset_model(preset, len(tokenizer))
-    cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
+    model.set_attn_implementation(cfg.attention)
+    if cfg.experts is not None:
+        model.set_experts_implementation(cfg.experts)
     summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress)
 
     export = out_dir / "model"

@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="continue this model folder (its tokenizer, weights) instead of a new model")  # fmt: skip
     train.add_argument("--lr", type=float, help="peak learning rate (default: the preset's; lower it with --from)")
     train.add_argument("--batch-size", type=int, help="examples per step (default: the preset's)")
+    train.add_argument("--attention", choices=("sdpa", "eager"), help="attention kernels (default: sdpa)")
+    train.add_argument("--experts", choices=("grouped_mm", "batched_mm", "eager"),
+                       help="MoE expert kernels (default: transformers' choice)")  # fmt: skip
+    train.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     train.add_argument("--multi-gap-share", type=float, help="share of examples with 2-4 gaps in one canvas")
     train.add_argument("--rewrite-share", type=float, help="share of examples whose gap shows a corrupted middle")
 
@@ -339,7 +343,7 @@ def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from engine.loading import DEFAULT_MODEL_DIR
-    from engine.training import run
+    from engine.training import TrainingError, run
 
     bar = tqdm(total=None, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=5.0)
 
@@ -353,9 +357,13 @@ def _train(args: argparse.Namespace) -> int:
         "multi_gap_share": args.multi_gap_share,
         "rewrite_share": args.rewrite_share,
     }
-    summary = run(args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None,
-                  progress, args.start_from, {k: v for k, v in overrides.items() if v is not None})  # fmt: skip
-    bar.close()
+    try:
+        summary = run(args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None,
+                      progress, args.start_from, {k: v for k, v in overrides.items() if v is not None})  # fmt: skip
+    except TrainingError as exc:
+        raise CliError(str(exc)) from exc
+    finally:
+        bar.close()
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
     return 0
 

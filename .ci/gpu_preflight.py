@@ -1,0 +1,75 @@
+"""Which kernels train the shipped model with finite losses on this machine's GPU: five steps per variant (attention
+kernel, MoE expert kernel, bf16 autocast), from the shipped weights, on batches of the carried corpus. Prints one line
+per variant and, last, the `canvas-ls train` flags of the first variant whose losses and weights stayed finite (an
+empty line when none did). Part of `.ci/gpu`; a GPU run found NaN losses from the first steps with the defaults."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+from engine import corpus
+from engine.training import BatchStream, TrainConfig, TrainingError, train_step
+
+VARIANTS = [  # (attention, experts, bf16)
+    ("sdpa", None, True),
+    ("eager", None, True),
+    ("sdpa", "eager", True),
+    ("sdpa", "batched_mm", True),
+    ("sdpa", None, False),
+    ("eager", "eager", False),
+]
+
+
+def flags(attention: str, experts: str | None, bf16: bool) -> str:
+    parts = [f"--attention {attention}"] + ([f"--experts {experts}"] if experts else []) + ([] if bf16 else ["--fp32"])
+    return " ".join(parts)
+
+
+DEVICE = torch.device(os.environ.get("DEVICE", "cuda"))
+
+
+def main(work: Path, model_dir: str = "engine/default_model", batch_size: int = 256) -> None:
+    files = corpus.load(work / "corpus.jsonl.gz")[200:3200]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chosen = ""
+    for attention, experts, bf16 in VARIANTS:
+        started = time.perf_counter()
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).train()
+        model.set_attn_implementation(attention)
+        if experts:
+            model.set_experts_implementation(experts)
+        cfg = TrainConfig(batch_size=batch_size, bf16=bf16, lr=1e-3, multi_gap_share=0.4, attention=attention,
+                          experts=experts)  # fmt: skip
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        stream = iter(BatchStream(files, tokenizer, 0, cfg, None))
+        generator = torch.Generator(device=DEVICE).manual_seed(0)
+        losses, verdict = [], "finite"
+        try:
+            for step in range(5):
+                parts = train_step(model, optimizer, next(stream).to(DEVICE), generator, cfg, step == 1)
+                losses.append(round(float(parts["diffusion"]), 3))
+            if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+                verdict = "weights not finite"
+        except TrainingError as exc:
+            verdict = f"loss not finite at step {len(losses) + 1}: {str(exc)[:120]}"
+        except Exception as exc:  # a kernel this machine cannot run
+            verdict = f"{type(exc).__name__}: {str(exc)[:160]}"
+        print(f"{flags(attention, experts, bf16):<45} {verdict:<60} losses {losses} "
+              f"({time.perf_counter() - started:.1f} s)", flush=True)  # fmt: skip
+        if verdict == "finite" and not chosen:
+            chosen = flags(attention, experts, bf16)
+            break
+        del model, optimizer
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    print(chosen)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), batch_size=int(os.environ.get("BATCH", "256")))
