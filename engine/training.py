@@ -457,6 +457,10 @@ def train(
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     model.to(device)
+    if device.type == "cuda":
+        # cuDNN's attention backward returns NaN gradients with an explicit mask on H100/H200 (pytorch/pytorch#196678,
+        # torch 2.11+); our padded batches always pass one. An H200 run trained NaN from its second step with it.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW(
