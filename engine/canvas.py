@@ -46,6 +46,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
+from engine.compiled import CompiledDecoder
 from engine.prefix_cache import PrefixCache
 from engine.sampling import StepStats, step_stats_rows
 
@@ -738,8 +739,9 @@ class DenoisingBatch:
     (iteration-level scheduling), so a new request does not wait for the longest one in flight, and a finished one
     does not wait for the others."""
 
-    def __init__(self, model: Any, pad_id: int = 0):
+    def __init__(self, model: Any, pad_id: int = 0, decoder: CompiledDecoder | None = None):
         self.model, self.pad_id = model, pad_id
+        self.decoder = decoder or CompiledDecoder(model, "off")  # the forward: eager, or compiled once warm
         self.layer_types = list(model.config.text_config.layer_types)
         self.jobs: list[CanvasJob] = []
         self._kv: tuple[tuple[tuple[int, int], ...], BatchedKV] | None = None
@@ -768,6 +770,12 @@ class DenoisingBatch:
         return ended
 
     def _forward(self, ready: list[tuple[CanvasJob, torch.Tensor, torch.Tensor]]) -> None:
+        logits = self.decoder(**self.decoder_inputs(ready))  # [B, Lc, V]
+        advance([job for job, _, _ in ready], logits)
+
+    def decoder_inputs(self, ready: list[tuple[CanvasJob, torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+        """The shared decoder forward's inputs for jobs with their `inputs()`: canvases right-padded to one width,
+        their caches left-padded to one length (masks hide both)."""
         width = max(canvas.shape[1] for _, canvas, _ in ready)
         canvases = torch.cat([_right_pad(canvas, width, self.pad_id) for _, canvas, _ in ready])  # [B, Lc]
         positions = torch.cat([_right_pad_positions(p, width) for _, _, p in ready])  # [B, Lc]
@@ -778,22 +786,23 @@ class DenoisingBatch:
         kv = self._kv[1]
         conditioned = [job.self_cond is not None for job, _, _ in ready]
         self_cond = None
-        if any(conditioned):
-            vocab = next(job.self_cond for job, _, _ in ready if job.self_cond is not None).shape[-1]
+        if any(conditioned) or self.decoder.static_inputs:  # a compiled decoder always takes them (one graph)
+            first = ready[0][0]
+            vocab = next((job.self_cond.shape[-1] for job, _, _ in ready if job.self_cond is not None),
+                         self.model.config.text_config.vocab_size)  # fmt: skip
             self_cond = torch.cat([
                 _right_pad_logits(job.self_cond, width) if job.self_cond is not None
-                else torch.zeros((1, width, vocab), dtype=job.embed_dtype, device=job.device)
+                else torch.zeros((1, width, vocab), dtype=first.embed_dtype, device=first.device)
                 for job, _, _ in ready
             ])  # fmt: skip
-        logits = self.model(
+        return dict(
             decoder_input_ids=canvases,
             past_key_values=kv,
             self_conditioning_logits=self_cond,
             self_conditioning_mask=torch.tensor(conditioned, device=canvases.device) if self_cond is not None else None,
             decoder_attention_mask=kv.masks([canvas.shape[1] for _, canvas, _ in ready], width),
             decoder_position_ids=positions,
-        ).logits  # [B, Lc, V]
-        advance([job for job, _, _ in ready], logits)
+        )
 
 
 def _right_pad(ids: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:

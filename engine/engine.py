@@ -30,6 +30,7 @@ from engine.canvas import (
     encode_prefixes,
     fill,
 )
+from engine.compiled import CompiledDecoder
 from engine.loading import LoadedModel, load_model
 from engine.prefix_cache import PrefixCache
 from engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
@@ -113,8 +114,11 @@ class InfillResult:
 class Engine:
     """One model, ready to fill gaps. Thread-safe: requests run one at a time on the model."""
 
-    def __init__(self, loaded: LoadedModel, overrides: dict[str, Any] | None = None, prefix_cache_mb: int = 256):
+    def __init__(self, loaded: LoadedModel, overrides: dict[str, Any] | None = None, prefix_cache_mb: int = 256,
+                 compile: str = "off"):  # fmt: skip
         self.loaded = loaded
+        # The batched step's decoder forward (the resident engine's): eager, or compiled once `warm_up` is done.
+        self.decoder = CompiledDecoder(loaded.model, compile)
         # Encoder KV of recent prefixes: a keystroke re-encodes only the tail. 0 turns it off.
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         self.tokenizer = loaded.tokenizer
@@ -134,8 +138,9 @@ class Engine:
         overrides: dict[str, Any] | None = None,
         prefix_cache_mb: int = 256,
         dtype: str | None = None,
+        compile: str = "off",
     ) -> Engine:
-        return cls(load_model(model, device, dtype), overrides, prefix_cache_mb)
+        return cls(load_model(model, device, dtype), overrides, prefix_cache_mb, compile)
 
     @property
     def name(self) -> str:
@@ -197,6 +202,21 @@ class Engine:
     def batch(self) -> EngineBatch:
         """An empty batch that requests can join between denoising steps (the resident engine's scheduler)."""
         return EngineBatch(self)
+
+    def warm_up(self, background: bool = True) -> None:
+        """Compile the batched step's decoder (when `compile` turned it on) on the inputs of made-up requests: one
+        alone, then two together (a batch of one is its own graph). Requests meanwhile run eager."""
+
+        def examples() -> list[dict[str, Any]]:
+            found = []
+            for prefixes in (["def area(r):\n    return "], ["import os\n\n\ndef main():\n    ", "x = [\n    "]):
+                batch = self.batch()
+                for error in (error for _, error in batch.add_many([InfillRequest(p, "\n") for p in prefixes])):
+                    raise error
+                found.append(batch.decoder_inputs())
+            return found
+
+        self.decoder.warm_up(examples, background)
 
     def _prepare(self, request: InfillRequest) -> Prepared:
         settings = self.settings.merged(request.overrides)
@@ -360,7 +380,7 @@ class EngineBatch:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._batch = DenoisingBatch(engine.loaded.model, pad_id=engine.stop_ids[-1])
+        self._batch = DenoisingBatch(engine.loaded.model, pad_id=engine.stop_ids[-1], decoder=engine.decoder)
         self._requests: dict[int, tuple[InfillRequest, Prepared]] = {}  # by job serial
 
     def __len__(self) -> int:
@@ -400,6 +420,11 @@ class EngineBatch:
                 self._requests[job.serial] = item
                 self._batch.add(job)
         return failed
+
+    def decoder_inputs(self) -> dict[str, Any]:
+        """The inputs of this batch's next decoder forward (what the compiler warms up on)."""
+        with self.engine._lock:
+            return self._batch.decoder_inputs([(job, *job.inputs()) for job in self._batch.jobs])
 
     def step(self) -> list[tuple[InfillRequest, InfillResult | InfillCancelled]]:
         with self.engine._lock:

@@ -9,7 +9,7 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
     POST /v1/fill          several holes and span rewrites in one canvas: {segments: [{"text": ...} | {"hole": true}
                            | {"rewrite": current text, "strength": s}, ...], settings, document}; the text before
                            the first hole is the prefix, after the last the suffix; the answers are `gaps`
-    GET  /health           model, device, queue depth
+    GET  /health           model, device, queue depth, the compiled decoder's state (warming, ready, failed, off)
     GET  /metrics          Prometheus text: requests, latency, steps, tokens per forward, prefix-cache hits, queue,
                            batch rows and step time by rows
 
@@ -100,7 +100,18 @@ class EngineService:
                                  buckets=(1, 2, 3, 4, 6, 8, 12, 16))  # fmt: skip
         self.m_step = Summary("canvas_step_seconds", "One denoising step of a batch (shared forward and the rows' "
                               "sampling), by rows in it", ["rows"], registry=registry)  # fmt: skip
+        compiled = engine.decoder.report
+        for name, key, text in (
+            ("canvas_compiled_steps", "compiled_steps", "Batched steps run by the compiled decoder"),
+            ("canvas_eager_steps", "eager_steps", "Batched steps run eager (compile off, warming up, or failed)"),
+            ("canvas_compilations_after_warmup", "compilations_after_warmup",
+             "Decoder graphs compiled after the warm-up (shapes it did not cover)"),
+        ):  # fmt: skip
+            Gauge(name, text, registry=registry).set_function(lambda key=key: float(compiled()[key]))
+        Gauge("canvas_compile_warmup_seconds", "Seconds the decoder's compilation took (0 until done)",
+              registry=registry).set_function(lambda: float(compiled()["warmup_seconds"] or 0.0))  # fmt: skip
         self.batcher = Batcher(engine, max_batch, self._observe_step)
+        engine.warm_up()  # compiles in the background when compile is on; requests run eager meanwhile
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -118,7 +129,8 @@ class EngineService:
     async def health(self, request: Request) -> JSONResponse:
         device = str(self.engine.loaded.device)
         return JSONResponse({"status": "ok", "model": self.engine.name, "device": device, "dtype": self.engine.dtype,
-                             "queue": self.queue, "pid": os.getpid()})  # fmt: skip
+                             "queue": self.queue, "pid": os.getpid(),
+                             "compile": self.engine.decoder.report()})  # fmt: skip
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

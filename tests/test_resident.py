@@ -97,6 +97,11 @@ def test_metrics_count_requests(unix_engine: httpx.Client) -> None:
     text = unix_engine.get("/metrics").text
     assert 'canvas_requests_total{endpoint="infill",outcome="ok"} 1.0' in text
     assert "canvas_latency_seconds_bucket" in text and "canvas_queue_depth" in text
+    # compile=auto on a CPU: the decoder stays eager and says so; every step is counted as such
+    compiled = unix_engine.get("/health").json()["compile"]
+    assert compiled["state"] == "off" and "cpu" in compiled["detail"]
+    eager = next(line for line in text.splitlines() if line.startswith("canvas_eager_steps "))
+    assert float(eager.split()[1]) >= 1 and "canvas_compiled_steps 0.0" in text
 
 
 def free_port() -> int:

@@ -1,0 +1,51 @@
+"""The compiled decoder step (`compile: on`): warmed up off the request path, then the same answers as eager."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from engine import Engine
+from engine.engine import InfillRequest
+from tests.test_batching import PREFIXES, SUFFIXES
+
+
+def test_compiled_steps_answer_as_eager_ones_alone_and_batched(tiny_model_dir: Path,
+                                                                tiny_engine_fp32: Engine) -> None:  # fmt: skip
+    compiled = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", compile="on")
+    assert compiled.decoder.report()["state"] == "warming"
+    settings = [{"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 5, "seed": s} for s in (1, 2, 3)]
+    requests = [InfillRequest(p, s, o) for p, s, o in zip(PREFIXES, SUFFIXES, settings, strict=True)]
+
+    # While it warms up in the background, requests are served eager (never refused, never waiting on it).
+    during = compiled.infill_batch(requests[:1])
+    compiled.warm_up(background=False)
+    report = compiled.decoder.report()
+    assert report["state"] == "ready", report
+    assert report["eager_steps"] == during[0].steps and report["compiled_steps"] == 0
+
+    for batch in (requests[:1], requests[1:2], requests):  # alone, and three rows sharing each forward
+        expected = tiny_engine_fp32.infill_batch(batch)
+        got = compiled.infill_batch(batch)
+        for want, have in zip(expected, got, strict=True):
+            assert have.tokens == want.tokens
+            assert have.steps == want.steps
+    report = compiled.decoder.report()
+    assert report["compiled_steps"] > 0 and report["eager_steps"] == during[0].steps
+    assert report["compilations_after_warmup"] == 0  # two warm-up shapes cover one and several rows
+
+
+def test_a_failed_compilation_leaves_the_engine_eager(tiny_model_dir: Path) -> None:
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", compile="on")
+
+    def broken() -> list[dict]:
+        raise RuntimeError("no compiler here")
+
+    engine.decoder.warm_up(broken, background=True)
+    for thread in threading.enumerate():
+        if thread.name == "canvas-compile":
+            thread.join(timeout=30)
+    report = engine.decoder.report()
+    assert report["state"] == "failed" and "no compiler here" in report["detail"]
+    result = engine.infill_batch([InfillRequest(PREFIXES[0], SUFFIXES[0], {"max_new_tokens": 4})])[0]
+    assert engine.decoder.report()["eager_steps"] == result.steps > 0
