@@ -5,7 +5,8 @@ Public names (everything else is internal), loaded on first use so that light mo
   Engine, InfillResult, InfillCancelled -- text in, result out (engine.engine)
   Hole, FillError                       -- several holes (and span rewrites) in one canvas (engine.regions)
   InfillSettings, SettingsError         -- the knobs (engine.settings)
-  ModelLoadError, DEFAULT_MODEL_DIR     -- loading (engine.loading)
+  ModelLoadError                        -- a model that cannot load (engine.errors, no torch)
+  DEFAULT_MODEL_DIR                     -- loading (engine.loading)
 """
 
 from importlib import import_module
@@ -19,7 +20,7 @@ _PUBLIC = {
     "InfillCancelled": "engine.canvas",
     "InfillResult": "engine.engine",
     "InfillSettings": "engine.settings",
-    "ModelLoadError": "engine.loading",
+    "ModelLoadError": "engine.errors",
     "SettingsError": "engine.settings",
 }
 __all__ = sorted(_PUBLIC)

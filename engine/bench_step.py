@@ -119,7 +119,7 @@ class StepCase:
         embed_dtype = model.get_input_embeddings().weight.dtype
         self.kwargs = dict(
             decoder_input_ids=torch.randint(3, vocab, (rows, canvas), generator=generator, device=device),
-            past_key_values=kv,
+            cache=kv,
             self_conditioning_logits=torch.randn(rows, canvas, vocab, generator=generator, device=device).to(
                 embed_dtype
             ),

@@ -246,7 +246,7 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 def encode(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int) -> None:
     """Run the causal encoder over `ids` ([1, n]) at positions start..start+n-1, appending to `cache`."""
     positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
-    model.model.encoder(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+    model.model.encoder(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
 
 
 @dataclass
@@ -334,7 +334,7 @@ def _encode_group(model: Any, rows: list[tuple[DynamicCache, list[int], int]]) -
         own = torch.zeros_like(allowed)
         own[:, :, past:] = torch.eye(width, dtype=torch.bool, device=device)
         masks[kind] = torch.where(query_ok[:, :, None], allowed, own)[:, None]  # [B, 1, N, P + N]
-    model.model.encoder(input_ids=input_ids, position_ids=positions, past_key_values=appending,
+    model.model.encoder(input_ids=input_ids, position_ids=positions, cache=appending,
                         attention_mask=masks)  # fmt: skip
     appending.commit(new_pad.tolist())
 
@@ -659,7 +659,7 @@ def fill(
     while not job.done:
         canvas, positions = job.inputs()
         logits = model(
-            decoder_input_ids=canvas, past_key_values=job.cache, self_conditioning_logits=job.self_cond,
+            decoder_input_ids=canvas, cache=job.cache, self_conditioning_logits=job.self_cond,
             decoder_position_ids=positions,
         ).logits  # [1, L, V]  # fmt: skip
         advance([job], logits)
@@ -797,7 +797,7 @@ class DenoisingBatch:
             ])  # fmt: skip
         return dict(
             decoder_input_ids=canvases,
-            past_key_values=kv,
+            cache=kv,
             self_conditioning_logits=self_cond,
             self_conditioning_mask=torch.tensor(conditioned, device=canvases.device) if self_cond is not None else None,
             decoder_attention_mask=kv.masks([canvas.shape[1] for _, canvas, _ in ready], width),

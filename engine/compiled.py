@@ -43,9 +43,10 @@ class CompiledDecoder:
         self.compilations_after_warmup = 0
         self._fn: Callable[..., Any] | None = None
         self._graphs_at_ready = 0
+        self._graphs_on_cuda = self.enabled and device.type == "cuda"
         if self.enabled:
-            cuda = device.type == "cuda"
-            self._fn = torch.compile(model, mode="reduce-overhead" if cuda else None, dynamic=True)
+            mode = "reduce-overhead" if self._graphs_on_cuda else None
+            self._fn = torch.compile(model, mode=mode, dynamic=True)
 
     @property
     def static_inputs(self) -> bool:
@@ -56,7 +57,11 @@ class CompiledDecoder:
         """The logits of one decoder forward: compiled once warm, eager before and after a failure."""
         if self.state == "ready" and self._fn is not None:
             try:
+                if self._graphs_on_cuda:  # a new iteration: the last replay's outputs were copied out
+                    torch.compiler.cudagraph_mark_step_begin()
                 logits = self._fn(**inputs).logits
+                if self._graphs_on_cuda:  # the next replay overwrites a graph's outputs; rows keep these logits
+                    logits = logits.clone()
             except Exception as exc:  # a compiler failure costs the speed, never the request
                 self._fail(exc)
             else:
@@ -85,8 +90,10 @@ class CompiledDecoder:
             assert self._fn is not None
             with torch.inference_mode():
                 for inputs in examples():
-                    self._fn(**inputs)
-                    self._fn(**inputs)  # CUDA graphs record on a later call than the first
+                    for _ in range(3 if self._graphs_on_cuda else 1):  # CUDA graphs record on a later call
+                        if self._graphs_on_cuda:
+                            torch.compiler.cudagraph_mark_step_begin()
+                        self._fn(**inputs)
         except Exception as exc:
             self._fail(exc)
             return

@@ -19,12 +19,10 @@ from typing import Any
 
 import torch
 
+from engine.errors import ModelLoadError
+
 # The model a user gets when they name none: trained by `canvas-ls train`, shipped inside the package.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be loaded; str(error) is one line meant for the user."""
 
 
 @dataclass
@@ -149,8 +147,7 @@ def quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    # 5.24 deprecates `past_key_values` for `cache` (removal announced for 5.40, hence the upper bound in
-    # pyproject.toml); the warning is for us, not for the user's terminal.
+    # The library's deprecation notices are for us (we pass `cache`, 5.24's name), not for the user's terminal.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 

@@ -292,7 +292,7 @@ def losses(
         input_ids=batch.prefix,
         attention_mask=batch.prefix_mask.long(),
         position_ids=batch.prefix_positions,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
     )
     hidden = model.config.text_config.hidden_size
@@ -316,7 +316,7 @@ def losses(
     start = batch.prefix_mask.sum(dim=1, keepdim=True)  # first canvas position per row
     positions = start + torch.arange(canvas.shape[1], device=device)[None, :]
     attention = torch.cat([batch.prefix_mask, torch.ones_like(noised), batch.head_mask], dim=1).long()
-    decoder_kwargs = {"past_key_values": cache, "decoder_attention_mask": attention, "decoder_position_ids": positions}
+    decoder_kwargs = {"cache": cache, "decoder_attention_mask": attention, "decoder_position_ids": positions}
 
     # 3. Self-conditioning on half the steps: a no-grad pass's logits feed the real pass.
     self_cond = None
@@ -422,7 +422,7 @@ def _fully_noised_first_slot(model: Any, batch: Batch, generator: torch.Generato
         input_ids=batch.prefix,
         attention_mask=batch.prefix_mask.long(),
         position_ids=batch.prefix_positions,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
     )
     noise = torch.randint(0, vocab, batch.gap.shape, generator=generator, device=batch.gap.device)
@@ -432,7 +432,7 @@ def _fully_noised_first_slot(model: Any, batch: Batch, generator: torch.Generato
     attention = torch.cat([batch.prefix_mask, torch.ones_like(noise, dtype=torch.bool), batch.head_mask], 1).long()
     logits = model(
         decoder_input_ids=canvas,
-        past_key_values=cache,
+        cache=cache,
         decoder_attention_mask=attention,
         decoder_position_ids=positions,
     ).logits

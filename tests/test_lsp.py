@@ -442,3 +442,26 @@ async def test_serve_over_tcp(writing_model_dir: Path) -> None:
     finally:
         server.kill()
         server.wait()
+
+
+def test_the_server_answers_initialize_without_importing_torch(tmp_path: Path) -> None:
+    """The language server's process never needs torch (the model runs in the resident engine): `canvas-ls serve`
+    answers `initialize` and exits on `exit` with torch never imported (`python -X importtime` lists every import)."""
+    import json
+    import os
+    import subprocess
+
+    def message(payload: dict[str, Any]) -> bytes:
+        body = json.dumps(payload).encode()
+        return b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+    stdin = message({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"capabilities": {}}})
+    stdin += message({"jsonrpc": "2.0", "method": "initialized", "params": {}})
+    stdin += message({"jsonrpc": "2.0", "id": 2, "method": "shutdown"}) + message({"jsonrpc": "2.0", "method": "exit"})
+    env = {**os.environ, "PYTHONPATH": str(FIXTURES.parent)}  # the checkout, run from elsewhere
+    done = subprocess.run([sys.executable, "-X", "importtime", *SERVE[1:]], input=stdin, capture_output=True,
+                          timeout=60, cwd=tmp_path, env=env)  # fmt: skip
+    assert b'"inlineCompletionProvider"' in done.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.decode().splitlines() if "|" in line]
+    assert "server.lsp" in imported and "lsprotocol.types" in imported
+    assert not [name for name in imported if name == "torch" or name.startswith("torch.")]
