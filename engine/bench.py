@@ -386,9 +386,10 @@ def run_engine_bench(
     per_client: int = 8,
     dtype: str = "auto",
     settings: dict[str, Any] | None = None,
+    engine_args: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Start `canvas-ls engine` on a private socket and measure it as editors would use it (every request with
-    `settings` on top of the benchmark's own)."""
+    """Start `canvas-ls engine` (with `engine_args`, e.g. an adapter or compile) on a private socket and measure it
+    as editors would use it (every request with `settings` on top of the benchmark's own)."""
 
     import httpx
 
@@ -397,13 +398,16 @@ def run_engine_bench(
     socket = folder / "engine.sock"
     command = [sys.executable, "-m", "server.cli", "engine", "--socket", str(socket), "--idle-exit", "0",
                "--dtype", dtype]  # fmt: skip
-    process = subprocess.Popen(command + (["--model", model] if model else []), stdin=subprocess.DEVNULL)
+    command += (["--model", model] if model else []) + (engine_args or [])
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     client = _engine_client(socket)
     try:
         for _ in range(3000):
             try:
-                if client.get("/health").status_code == 200:
-                    break
+                health = client.get("/health")
+                if health.status_code == 200 and health.json()["compile"]["state"] != "warming":
+                    break  # up, and its decoder compiled (when asked to) before anything is timed
+                time.sleep(0.1)
             except httpx.HTTPError:
                 time.sleep(0.1)
         tokenizer_ratio = 3.3  # characters per token, for sizing the prefixes (the result reports exact counts)

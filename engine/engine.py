@@ -139,8 +139,9 @@ class Engine:
         prefix_cache_mb: int = 256,
         dtype: str | None = None,
         compile: str = "off",
+        adapter: str | None = None,
     ) -> Engine:
-        return cls(load_model(model, device, dtype), overrides, prefix_cache_mb, compile)
+        return cls(load_model(model, device, dtype, adapter), overrides, prefix_cache_mb, compile)
 
     @property
     def name(self) -> str:

@@ -72,9 +72,11 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
-def load_model(name: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+def load_model(name: str | None = None, device: str | None = None, dtype: str | None = None,
+               adapter: str | None = None, merge_adapter: bool = True) -> LoadedModel:  # fmt: skip
     """Load `name` (a folder or a hub id; None: the shipped default model) onto `device` (None: best available),
-    in `dtype` (None: the fastest exact-enough one for that device, see `resolve_dtype`)."""
+    in `dtype` (None: the fastest exact-enough one for that device, see `resolve_dtype`), with a LoRA `adapter`
+    folder applied (merged into the weights unless `merge_adapter` is False)."""
     import time
 
     from transformers import AutoConfig, AutoTokenizer, DiffusionGemmaForBlockDiffusion
@@ -131,10 +133,14 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     if target.type != "cuda":
         model.to(target)
     model.eval()
+    if adapter:
+        from engine.adapters import apply_adapter
+
+        model = apply_adapter(model, adapter, merge_adapter)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        name=name,
+        name=f"{name} + {adapter}" if adapter else name,
         folder=folder,
         device=target,
         load_seconds=time.perf_counter() - started,

@@ -16,12 +16,14 @@ def runtime_dir() -> Path:
     return folder
 
 
-def default_socket(model: str | None = None, device: str | None = None) -> Path:
-    """One engine per model and device: `engine.sock` serves the shipped default model on the automatic device;
-    any other choice gets its own socket, so an editor configured for another model never reaches the wrong one."""
+def default_socket(model: str | None = None, device: str | None = None, adapter: str | None = None) -> Path:
+    """One engine per model, device and adapter: `engine.sock` serves the shipped default model on the automatic
+    device; any other choice gets its own socket, so an editor configured for another model never reaches the wrong
+    one."""
     device = None if device in (None, "auto") else device
-    if model is None and device is None:
+    if model is None and device is None and not adapter:
         return runtime_dir() / "engine.sock"
     where = str(Path(model).resolve()) if model and Path(model).exists() else str(model)
-    digest = hashlib.sha1(f"{where}\0{device}".encode()).hexdigest()[:12]
+    key = f"{where}\0{device}" + (f"\0{Path(adapter).expanduser().resolve()}" if adapter else "")
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return runtime_dir() / f"engine-{digest}.sock"

@@ -379,6 +379,13 @@ class TrainConfig:
     # "batched_mm", "eager"), applied when the model is loaded
     attention: str = "sdpa"
     experts: str | None = None
+    # LoRA (peft) instead of training every weight: the adapter's rank (0: full training), and whether it also
+    # adapts the fused MoE expert weights
+    lora_rank: int = 0
+    lora_experts: bool = False
+    # Stop after this many evaluations (every eval_every steps) without a better held-out diffusion loss, and keep
+    # the best weights (0: run the whole budget)
+    patience: int = 0
     device: str = "auto"  # "auto": CUDA when there is a GPU, else the CPU
     threads: int = 0  # 0: torch's default
     data_workers: int = 0  # processes cutting batches ahead of the steps (0: in the training loop)
@@ -386,6 +393,10 @@ class TrainConfig:
     checkpoint_minutes: float = 10.0
     eval_every: int = 100
     log_every: int = 10
+
+
+def _snapshot(parameters: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    return [p.detach().clone() for _, p in parameters]
 
 
 def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
@@ -461,8 +472,9 @@ def train(
         # cuDNN's attention backward returns NaN gradients with an explicit mask on H100/H200 (pytorch/pytorch#196678,
         # torch 2.11+); our padded batches always pass one. An H200 run trained NaN from its second step with it.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA: the adapter's alone
+    decay = [p for n, p in trained if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in trained if not (p.ndim >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
@@ -490,44 +502,70 @@ def train(
     budget = cfg.minutes * 60
     started = time.perf_counter() - state["elapsed"]
     last_checkpoint = time.perf_counter()
+    before = evaluate(model, eval_batches, cfg.bf16) if state["step"] == 0 else None  # the held-out start
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # Early stopping: the weights of the best held-out diffusion loss so far, and evaluations since it was set
+    best = (before["diffusion"], _snapshot(trained)) if before is not None and cfg.patience else None
+    worse = 0
     model.train()
     record: dict[str, Any] = {}
     data_seconds = 0.0
-    while (elapsed := time.perf_counter() - started) < budget:
-        step = state["step"]
-        lr = lr_at(cfg, step, elapsed / budget)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        waited = time.perf_counter()
-        batch = next(batches).to(device)
-        data_seconds += time.perf_counter() - waited
-        parts = train_step(model, optimizer, batch, generator, cfg, rng.random() < cfg.self_condition_prob)
-        state["step"] += 1
-        state["examples"] += cfg.batch_size
-        state["elapsed"] = time.perf_counter() - started
-        if progress is not None:
-            progress(state, parts["diffusion"].item(), parts["ar"].item(), budget)
-        if state["step"] % cfg.log_every == 0:
-            record = {
-                "step": state["step"],
-                "minutes": round(state["elapsed"] / 60, 2),
-                "lr": round(lr, 6),
-                "diffusion": round(parts["diffusion"].item(), 4),
-                "ar": round(parts["ar"].item(), 4),
-                # time the steps waited for their batches (a GPU run starved by the batch workers shows it here)
-                "data_s_per_step": round(data_seconds / cfg.log_every, 4),
-            }
-            data_seconds = 0.0
-            if state["step"] % cfg.eval_every == 0:
-                record.update({f"eval_{k}": round(v, 4) for k, v in evaluate(model, eval_batches, cfg.bf16).items()})
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-        if time.perf_counter() - last_checkpoint > cfg.checkpoint_minutes * 60:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
-            last_checkpoint = time.perf_counter()
+    stopped = "budget"
+    try:
+        while (elapsed := time.perf_counter() - started) < budget:
+            step = state["step"]
+            lr = lr_at(cfg, step, elapsed / budget)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            waited = time.perf_counter()
+            batch = next(batches).to(device)
+            data_seconds += time.perf_counter() - waited
+            parts = train_step(model, optimizer, batch, generator, cfg, rng.random() < cfg.self_condition_prob)
+            state["step"] += 1
+            state["examples"] += cfg.batch_size
+            state["elapsed"] = time.perf_counter() - started
+            if progress is not None:
+                progress(state, parts["diffusion"].item(), parts["ar"].item(), budget)
+            if state["step"] % cfg.log_every == 0:
+                record = {
+                    "step": state["step"],
+                    "minutes": round(state["elapsed"] / 60, 2),
+                    "lr": round(lr, 6),
+                    "diffusion": round(parts["diffusion"].item(), 4),
+                    "ar": round(parts["ar"].item(), 4),
+                    # time the steps waited for their batches (a GPU run starved by its batch workers shows it)
+                    "data_s_per_step": round(data_seconds / cfg.log_every, 4),
+                }
+                data_seconds = 0.0
+                if state["step"] % cfg.eval_every == 0:
+                    held_out = evaluate(model, eval_batches, cfg.bf16)
+                    record.update({f"eval_{k}": round(v, 4) for k, v in held_out.items()})
+                    if best is not None:
+                        if held_out["diffusion"] < best[0]:
+                            best, worse = (held_out["diffusion"], _snapshot(trained)), 0
+                        else:
+                            worse += 1
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                if best is not None and worse >= cfg.patience:
+                    stopped = "early"
+                    break
+            if time.perf_counter() - last_checkpoint > cfg.checkpoint_minutes * 60:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state},
+                           checkpoint)  # fmt: skip
+                last_checkpoint = time.perf_counter()
+    except KeyboardInterrupt:  # Ctrl-C: what was learnt so far is evaluated, saved and exported
+        stopped = "interrupted"
     final = evaluate(model, eval_batches, cfg.bf16)
+    if best is not None and best[0] < final["diffusion"]:  # the best held-out weights, not the last
+        with torch.no_grad():
+            for (_, parameter), kept in zip(trained, best[1], strict=True):
+                parameter.copy_(kept)
+        final = evaluate(model, eval_batches, cfg.bf16)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
-    summary = {**state, **{f"eval_{k}": v for k, v in final.items()}, "config": asdict(cfg)}
+    summary = {**state, **{f"eval_{k}": v for k, v in final.items()}, "stopped": stopped, "config": asdict(cfg)}
+    if before is not None:
+        summary.update({f"eval_before_{k}": v for k, v in before.items()})
     log.write(json.dumps({"final": summary}) + "\n")
     log.close()
     return summary
@@ -583,9 +621,14 @@ def run(
     progress: Any = None,
     start_from: str | None = None,
     overrides: dict[str, Any] | None = None,
+    repository: Path | None = None,
+    held_out: float = 0.2,
+    replay: float = 0.0,
 ) -> dict[str, Any]:
     """Build (or reuse) the corpus and tokenizer under out_dir, train (resuming), export to out_dir/model. With
-    `start_from`, continue an existing model folder: its tokenizer and weights (in fp32) instead of new ones."""
+    `start_from`, continue an existing model folder: its tokenizer and weights (in fp32) instead of new ones. With
+    `repository`, train on that folder's own source (`corpus.collect_repository`): a `held_out` share of its whole
+    files is evaluated before and after, and general-corpus files make up `replay` of the training bytes."""
     from transformers import AutoTokenizer
 
     from engine import corpus
@@ -597,15 +640,43 @@ def run(
     spec = PRESETS[preset]
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus_path = out_dir / "corpus.jsonl.gz"
-    if not corpus_path.is_file():
-        files = corpus.collect(spec["corpus_bytes"], exclude=[eval_dir] if eval_dir else [])
-        corpus.save(files, corpus_path)
-        report = {"corpus": corpus.summary(files)}
-        if eval_dir is not None:
-            report["decontamination"] = corpus.decontamination_report(files, sorted(eval_dir.glob("*.jsonl.gz")))
-        (out_dir / "corpus_report.json").write_text(json.dumps(report, indent=2))
-    files = corpus.load(corpus_path)
-    eval_files, train_files = files[:200], files[200:]
+
+    def general_corpus() -> list[corpus.CorpusFile]:
+        if not corpus_path.is_file():
+            files = corpus.collect(spec["corpus_bytes"], exclude=[eval_dir] if eval_dir else [])
+            corpus.save(files, corpus_path)
+            report = {"corpus": corpus.summary(files)}
+            if eval_dir is not None:
+                report["decontamination"] = corpus.decontamination_report(files, sorted(eval_dir.glob("*.jsonl.gz")))
+            (out_dir / "corpus_report.json").write_text(json.dumps(report, indent=2))
+        return corpus.load(corpus_path)
+
+    report: dict[str, Any] = {}
+    if repository is None:
+        files = general_corpus()
+        eval_files, train_files = files[:200], files[200:]
+    else:  # the user's code: whole files held out, the general corpus replayed at `replay` of the bytes
+        try:
+            files, report = corpus.collect_repository(repository)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from exc
+        if len(files) < 2:
+            raise TrainingError(f"'{repository}' holds {len(files)} usable source files; training needs at least 2 "
+                                f"(left out: {report['skipped']})")  # fmt: skip
+        random.Random(0).shuffle(files)
+        held = min(len(files) - 1, max(1, round(held_out * len(files))))
+        eval_files, train_files = files[:held], files[held:]
+        replayed: list[corpus.CorpusFile] = []
+        if replay > 0:
+            want = sum(len(f.text) for f in train_files) * replay / (1 - replay)
+            for file in general_corpus()[200:]:
+                if sum(len(f.text) for f in replayed) >= want:
+                    break
+                replayed.append(file)
+        train_files = train_files + replayed
+        report.update(held_out_files=[f.path for f in eval_files], replayed_files=len(replayed),
+                      replayed_bytes=sum(len(f.text) for f in replayed))  # fmt: skip
+        (out_dir / "repository_report.json").write_text(json.dumps(report, indent=2))
 
     tokenizer_dir = out_dir / "tokenizer"
     if start_from:  # the model's own tokenizer: its ids are what the model learned
@@ -632,9 +703,22 @@ def run(
     model.set_attn_implementation(cfg.attention)
     if cfg.experts is not None:
         model.set_experts_implementation(cfg.experts)
+    adapted = None
+    if cfg.lora_rank:
+        from engine.adapters import add_lora
+
+        adapted = add_lora(model, cfg.lora_rank, cfg.lora_experts)
+        model = adapted.get_base_model()  # the same model class, its targeted layers now LoRA layers
     summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress)
+    if report:
+        summary["repository"] = {k: v for k, v in report.items() if k not in ("held_out_files", "top_sources")}
 
     export = out_dir / "model"
+    if adapted is not None:  # the adapter alone (for `--adapter`), and the model with it merged
+        from engine.adapters import merged, save_adapter
+
+        save_adapter(adapted, out_dir / "adapter")
+        model = merged(adapted)
     model.to("cpu", torch.bfloat16).save_pretrained(str(export))
     tokenizer.save_pretrained(str(export))
     record: dict[str, Any] = {"infill": TRAINED_INFILL, "trained": summary}

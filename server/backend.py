@@ -73,7 +73,8 @@ def _check_ready(state: str, error: str | None) -> None:
 
 
 class LocalBackend:
-    def __init__(self) -> None:
+    def __init__(self, adapter: str | None = None) -> None:
+        self.adapter = adapter  # a LoRA adapter folder applied to whatever model `load` is given
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
         self._engine: Any = None
         self.state = "idle"  # idle -> loading -> ready | failed
@@ -91,7 +92,7 @@ class LocalBackend:
             try:
                 from engine import Engine
 
-                self._engine = Engine.load(model, None if device == "auto" else device)
+                self._engine = Engine.load(model, None if device == "auto" else device, adapter=self.adapter)
                 self.model_name = self._engine.name
                 self.state = "ready"
             except Exception as exc:  # a load failure is reported, never raised into the server
@@ -156,10 +157,11 @@ class ResidentBackend:
     """
 
     def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0, model: str | None = None,
-                 device: str = "auto"):  # fmt: skip
+                 device: str = "auto", adapter: str | None = None):  # fmt: skip
         from engine.paths import default_socket
 
-        self.socket = Path(socket) if socket else default_socket(model, device)
+        self.adapter = adapter
+        self.socket = Path(socket) if socket else default_socket(model, device, adapter)
         self.lock_file = self.socket.with_suffix(".lock")  # one starter at a time per engine
         self.log_file = self.socket.with_suffix(".log")
         self.idle_exit_s = idle_exit_s
@@ -221,6 +223,8 @@ class ResidentBackend:
                 command += ["--model", self._model]
             if self._device and self._device != "auto":
                 command += ["--device", self._device]
+            if self.adapter:
+                command += ["--adapter", self.adapter]
             with open(self.log_file, "ab") as sink:
                 logged = sink.tell()  # where this start's output begins in the log
                 process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,

@@ -90,6 +90,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--experts", choices=("grouped_mm", "batched_mm", "eager"),
                        help="MoE expert kernels (default: transformers' choice)")  # fmt: skip
     train.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    train.add_argument("--corpus", type=Path, metavar="DIR", help="train on this repository's own source (git's "
+                       "files; vendored, generated, binary files and secrets left out)")  # fmt: skip
+    train.add_argument("--held-out", type=float, default=0.2, help="with --corpus: share of whole files held out")
+    train.add_argument("--replay", type=float, default=0.0,
+                       help="with --corpus: share of training bytes from the general corpus")  # fmt: skip
+    train.add_argument("--patience", type=int, help="stop after N held-out evaluations without a better loss and "
+                       "keep the best weights (evaluations every 100 steps)")  # fmt: skip
+    train.add_argument("--lora", type=int, metavar="RANK", help="train a LoRA adapter of this rank (peft) instead "
+                       "of every weight; exports OUT/adapter and OUT/model (merged)")  # fmt: skip
+    train.add_argument("--lora-experts", action="store_true", help="the adapter also adapts the MoE expert weights")
     train.add_argument("--multi-gap-share", type=float, help="share of examples with 2-4 gaps in one canvas")
     train.add_argument("--rewrite-share", type=float, help="share of examples whose gap shows a corrupted middle")
 
@@ -141,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
     engine_bench.add_argument("--clients", default="1,4,8", help="concurrent client counts")
     engine_bench.add_argument("--runs", type=int, default=5, help="cold/warm pairs per prefix size")
     engine_bench.add_argument("--per-client", type=int, default=8, help="requests per client in the throughput runs")
+    engine_bench.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                              help="the engine's --compile (the figures wait for its warm-up)")  # fmt: skip
     _settings_argument(engine_bench)
     engine_bench.add_argument("--out", type=Path, help="JSON report path")
 
@@ -173,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> None:
     parser.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    parser.add_argument("--adapter", help="a LoRA adapter folder (`canvas-ls train --lora`) to apply to the model")
     if device:
         parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -213,7 +226,7 @@ def _complete(args: argparse.Namespace) -> int:
         "seed": args.seed,
         **_settings(args.settings),
     }
-    engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype)
+    engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype, adapter=args.adapter)
     result = engine.infill(text[:offset], text[offset:])
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
@@ -244,7 +257,8 @@ def _fill(args: argparse.Namespace) -> int:
         prefix, middle, suffix = split_parts(regions_to_parts(text, regions))
     except (PositionError, FillError) as exc:
         raise CliError(f"{args.file}: {exc}") from exc
-    engine = Engine.load(args.model, args.device, {"seed": args.seed, **_settings(args.settings)}, dtype=args.dtype)
+    engine = Engine.load(args.model, args.device, {"seed": args.seed, **_settings(args.settings)}, dtype=args.dtype,
+                         adapter=args.adapter)  # fmt: skip
     try:
         result = engine.fill(prefix, middle, suffix)
     except FillError as exc:
@@ -313,7 +327,7 @@ def _engine(args: argparse.Namespace) -> int:
         if not host or not port_text.isdigit():
             raise CliError(f"--tcp wants HOST:PORT, got '{args.tcp}'")
         port = int(port_text)
-    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device))
+    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device, args.adapter))
     try:  # before the model loads: a refusal is immediate
         if socket is None:
             check_address(host or "", token, args.allow_remote)
@@ -322,7 +336,7 @@ def _engine(args: argparse.Namespace) -> int:
     except ServeError as exc:
         raise CliError(str(exc)) from exc
     engine = Engine.load(args.model, args.device, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype,
-                         compile=args.compile)  # fmt: skip
+                         compile=args.compile, adapter=args.adapter)  # fmt: skip
     service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
     where = f"{engine.name} on {engine.loaded.device} ({engine.dtype})"
     print(f"canvas-ls engine: {where}, listening on {socket or args.tcp}", file=sys.stderr, flush=True)
@@ -360,10 +374,17 @@ def _train(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "multi_gap_share": args.multi_gap_share,
         "rewrite_share": args.rewrite_share,
+        "attention": args.attention,
+        "experts": args.experts,
+        "bf16": False if args.fp32 else None,
+        "lora_rank": args.lora,
+        "lora_experts": True if args.lora_experts else None,
+        "patience": args.patience,
     }
     try:
         summary = run(args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None,
-                      progress, args.start_from, {k: v for k, v in overrides.items() if v is not None})  # fmt: skip
+                      progress, args.start_from, {k: v for k, v in overrides.items() if v is not None},
+                      args.corpus, args.held_out, args.replay)  # fmt: skip
     except TrainingError as exc:
         raise CliError(str(exc)) from exc
     finally:
@@ -383,8 +404,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     clients = tuple(int(x) for x in args.clients.split(","))
+    engine_args = ["--compile", args.compile] + (["--adapter", args.adapter] if args.adapter else [])
     report = run_engine_bench(
-        args.model, prefixes, clients, args.runs, args.per_client, args.dtype, _settings(args.settings)
+        args.model, prefixes, clients, args.runs, args.per_client, args.dtype, _settings(args.settings), engine_args
     )
     return _report("engine", report, format_engine, args.out)
 
@@ -437,7 +459,7 @@ def _bench_infill(args: argparse.Namespace) -> int:
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
     overrides = {"max_new_tokens": args.max_new_tokens, **_settings(args.settings)}
-    engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype)
+    engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype, adapter=args.adapter)
 
     def progress(done: int, total: int) -> None:
         print(f"\r{done}/{total} tasks", end="", file=sys.stderr, flush=True)
@@ -463,7 +485,7 @@ def _bench_holes(args: argparse.Namespace) -> int:
     if any(c < 1 for c in counts):
         raise CliError("--holes counts must be >= 1")
     settings = {"max_new_tokens": args.max_new_tokens, **_settings(args.settings)}
-    engine = Engine.load(args.model, args.device, dtype=args.dtype)
+    engine = Engine.load(args.model, args.device, dtype=args.dtype, adapter=args.adapter)
     report = run_holes(engine, args.dataset, counts, args.limit, not args.no_tests, settings, args.rewrite_limit)
     return _report("holes", report, format_holes, args.out, plot_holes)
 

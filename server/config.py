@@ -18,6 +18,8 @@ class EngineOptions:
     model: str | None = None
     # "auto" takes CUDA when there is a GPU, else the CPU.
     device: str = "auto"
+    # A LoRA adapter folder (`canvas-ls train --lora`) applied to the model; None: the model as it is.
+    adapter: str | None = None
     # "resident": the model runs in `canvas-ls engine`, one process per model shared by every editor of this user
     # (started when none runs, restarted if it dies, gone after `idle_exit_s` without requests). "local": inside
     # this server (one copy of the model per editor). "openai": any OpenAI-compatible completions server at `url`.

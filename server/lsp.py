@@ -36,12 +36,12 @@ VERSION = "0.1.0"
 def make_backend(config: ServerConfig) -> LocalBackend | ResidentBackend | OpenAIBackend:
     options = config.engine
     if options.backend == "resident":
-        return ResidentBackend(options.socket, options.idle_exit_s, options.model, options.device)
+        return ResidentBackend(options.socket, options.idle_exit_s, options.model, options.device, options.adapter)
     if options.backend == "openai":
         key = options.api_key or os.environ.get("CANVAS_LS_API_KEY")
         return OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
                              options.fim_template)  # fmt: skip
-    return LocalBackend()
+    return LocalBackend(options.adapter)
 
 
 class CanvasServer(LanguageServer):

@@ -245,6 +245,8 @@ def test_one_engine_socket_per_model_and_device(tmp_path: Path) -> None:
     assert default_socket().name == default_socket(None, "auto").name == "engine.sock"  # the shipped model
     assert default_socket(str(tmp_path), "cpu") == default_socket(str(tmp_path / "." / ""), "cpu")
     assert default_socket(str(tmp_path), "cpu") not in (default_socket(str(tmp_path), "cuda"), default_socket())
+    adapted = default_socket(str(tmp_path), "cpu", str(tmp_path / "adapter"))  # an adapter is another engine
+    assert adapted != default_socket(str(tmp_path), "cpu") and adapted != default_socket(None, None, "other")
     assert oct(default_socket().parent.stat().st_mode & 0o777) == "0o700"
 
 

@@ -1,0 +1,64 @@
+"""A LoRA training step on DiffusionGemma 26B-A4B's geometry (random bf16 weights) on this machine's GPU: seconds
+per step and peak memory, per batch size, so that one device run says which cards (24/48/80 GB) can tune it. The
+adapter targets the attention and dense MLP projections (and, in a second run, the fused expert weights too).
+Part of `.ci/gpu`. Usage: OUT.json [LAYERS]"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.adapters import add_lora, trainable_parameters
+from engine.bench_step import full_width_config, random_model
+from engine.corpus import CorpusFile
+from engine.training import ExampleSampler, TrainConfig, collate, train_step
+
+
+def main(out: Path, layers: int = 30) -> None:
+    device = torch.device("cuda")
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as `canvas-ls train` does (pytorch/pytorch#196678)
+    tokenizer = AutoTokenizer.from_pretrained("engine/default_model")  # its ids are valid in a 262k vocabulary
+    files = [CorpusFile(str(p), "python", "repo", p.read_text()) for p in sorted(Path("engine").glob("*.py"))]
+    report = {"layers": layers, "runs": []}
+    for experts in (False, True):
+        model = random_model(full_width_config(layers), device, torch.bfloat16)
+        model.train()
+        adapted = add_lora(model, rank=16, experts=experts)
+        base = adapted.get_base_model()
+        optimizer = torch.optim.AdamW([p for p in base.parameters() if p.requires_grad], lr=1e-4)
+        for batch_size, prefix in ((1, 1024), (4, 1024), (8, 1024)):
+            cfg = TrainConfig(batch_size=batch_size, prefix_tokens=prefix, head_tokens=16, gap_choices=(32,),
+                              lora_rank=16, lora_experts=experts)  # fmt: skip
+            sampler = ExampleSampler(files, tokenizer, 0, prefix, 16)
+            generator = torch.Generator(device=device).manual_seed(0)
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                times = []
+                for step in range(4):
+                    batch = collate([sampler.example(32) for _ in range(batch_size)], tokenizer.pad_token_id)
+                    torch.cuda.synchronize(device)
+                    started = time.perf_counter()
+                    train_step(base, optimizer, batch.to(device), generator, cfg, self_condition=step % 2 == 1)
+                    torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - started)
+                row = {"experts": experts, "batch": batch_size, "prefix": prefix,
+                       "adapter_parameters": trainable_parameters(base), "s_per_step": round(min(times[1:]), 3),
+                       "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1)}  # fmt: skip
+            except torch.OutOfMemoryError:
+                row = {"experts": experts, "batch": batch_size, "prefix": prefix, "error": "out of memory"}
+                optimizer.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+            print(row, flush=True)
+            report["runs"].append(row)
+            out.write_text(json.dumps(report, indent=2))
+        del model, adapted, base, optimizer
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 30)

@@ -1,0 +1,131 @@
+"""LoRA adapters (peft): training touches the adapter alone, the engine applies it merged or not with the same
+answers, and its size for DiffusionGemma 26B-A4B is counted without building the model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DiffusionGemmaForBlockDiffusion
+
+from engine import Engine
+from engine.adapters import adapter_size, add_lora, save_adapter, trainable_parameters
+from engine.architecture import small_config
+from engine.bench_step import full_width_config
+from engine.tokenizer import train_tokenizer
+from engine.training import ExampleSampler, TrainConfig, collate, evaluate, train
+from tests.conftest import tokenizer_texts
+from tests.test_training import corpus_files
+
+PROMPTS = [("def add(a, b):\n    return ", "\n"), ("import os\n\n\ndef main():\n    path = ", "\n    return path\n"),
+           ("x = [\n    ", "\n]\n")]  # fmt: skip
+
+
+def test_lora_training_moves_the_adapter_alone(tmp_path: Path) -> None:
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path / "tok")
+    torch.manual_seed(0)
+    model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer)))
+    adapted = add_lora(model, rank=4, experts=True)
+    base = adapted.get_base_model()
+    frozen = {n: p.detach().clone() for n, p in base.named_parameters() if not p.requires_grad}
+    lora = {n: p.detach().clone() for n, p in base.named_parameters() if p.requires_grad}
+    assert lora and all("lora" in n for n in lora)
+    assert any("experts" in n for n in lora) and not any("vision" in n or "self_conditioning" in n for n in lora)
+    files = corpus_files()
+    cfg = TrainConfig(minutes=0.15, batch_size=8, prefix_tokens=64, head_tokens=8, gap_choices=(16,), lr=1e-2,
+                      warmup_steps=2, eval_every=1000, log_every=5, lora_rank=4)  # fmt: skip
+    held_out = ExampleSampler(files, tokenizer, 7, 64, 8)
+    batches = [collate([held_out.example(16) for _ in range(8)], tokenizer.pad_token_id) for _ in range(3)]
+    before = evaluate(base, batches, cfg.bf16)
+    summary = train(base, tokenizer, files, files, cfg, tmp_path / "run")
+    after = evaluate(base, batches, cfg.bf16)
+    assert summary["step"] > 3 and after["diffusion"] < before["diffusion"]
+    for name, value in base.named_parameters():
+        if name in frozen:
+            assert torch.equal(value, frozen[name]), name
+    assert sum(not torch.equal(p, lora[n]) for n, p in base.named_parameters() if n in lora) > len(lora) // 2
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An adapter for the tiny model whose weights are random (a fresh LoRA's B is zero: it would change nothing)."""
+    torch.manual_seed(3)
+    adapted = add_lora(DiffusionGemmaForBlockDiffusion.from_pretrained(str(tiny_model_dir)), rank=4, experts=True)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    assert trainable_parameters(adapted) > 0
+    return save_adapter(adapted, tmp_path_factory.mktemp("adapter"))
+
+
+def test_merged_and_unmerged_adapters_answer_alike(tiny_model_dir: Path, adapter_dir: Path,
+                                                    tiny_engine_fp32: Engine) -> None:  # fmt: skip
+    from engine.engine import InfillRequest
+    from engine.loading import load_model
+
+    merged = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", adapter=str(adapter_dir))
+    apart = Engine(load_model(str(tiny_model_dir), "cpu", "float32", str(adapter_dir), merge_adapter=False))
+    assert merged.name.endswith(str(adapter_dir))
+    assert any("lora" in n for n, _ in apart.loaded.model.named_parameters())
+    assert not any("lora" in n for n, _ in merged.loaded.model.named_parameters())
+    requests = [InfillRequest(p, s, {"max_new_tokens": 8, "min_new_tokens": 2, "seed": 1}) for p, s in PROMPTS]
+    with_merged, with_apart = merged.infill_batch(requests), apart.infill_batch(requests)
+    base = tiny_engine_fp32.infill_batch(requests)
+    for a, b in zip(with_merged, with_apart, strict=True):
+        assert a.tokens == b.tokens and a.steps == b.steps
+    assert [r.tokens for r in with_merged] != [r.tokens for r in base]  # the adapter does change the model
+
+
+def test_an_adapter_that_is_not_one_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("x = ")
+    (tmp_path / "notes").mkdir()
+    done = subprocess.run([sys.executable, "-m", "server.cli", "complete", str(tmp_path / "a.py"), "--line", "0",
+                           "--character", "4", "--model", str(tiny_model_dir), "--adapter", str(tmp_path / "notes")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("is not a peft adapter folder (no adapter_config.json in it)")
+
+
+def test_the_full_size_adapter_is_counted_on_the_meta_device() -> None:
+    size = adapter_size(full_width_config(), rank=16)
+    experts = adapter_size(full_width_config(), rank=16, experts=True)
+    assert 25e9 < size["model_parameters"] < 27e9  # DiffusionGemma 26B-A4B
+    # one LoRA per shared encoder/decoder weight: 30 layers x rank 16 x (q, k, v, o, gate, up, down) in + out dims
+    assert size["adapter_parameters"] < experts["adapter_parameters"] < 0.025 * size["model_parameters"]
+    # each expert of each layer: rank 16 x (2816 + 1408) for gate_up and 16 x (704 + 2816) for down
+    assert experts["adapter_parameters"] - size["adapter_parameters"] == 30 * 128 * 16 * (2816 + 1408 + 704 + 2816)
+
+
+def test_train_lora_on_a_repository_exports_an_adapter_the_engine_takes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    repo = tmp_path / "repo"
+    for index, text in enumerate(tokenizer_texts()[:12]):
+        (repo / "pkg").mkdir(parents=True, exist_ok=True)
+        (repo / "pkg" / f"m{index}.py").write_text(text)
+    model = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, model)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "train", "--from", str(model), "--corpus", str(repo),
+                           "--lora", "4", "--minutes", "0.05", "--out", str(out), "--fp32"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout[done.stdout.index("{") :])
+    assert summary["step"] >= 1 and "eval_before_diffusion" in summary and "eval_diffusion" in summary
+    assert summary["repository"]["files"] >= 2 and summary["stopped"] == "budget"
+    final = json.loads((out / "log.jsonl").read_text().splitlines()[-1])["final"]["config"]
+    assert (final["lora_rank"], final["bf16"]) == (4, False)  # the command's flags reach the training
+    held_out = json.loads((out / "repository_report.json").read_text())["held_out_files"]
+    assert held_out and all(name.startswith("pkg/") for name in held_out)
+    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "model" / "config.json").is_file()
+    (repo / "pkg" / "m0.py").write_text("def f(x):\n    return ")
+    answer = subprocess.run([sys.executable, "-m", "server.cli", "complete", str(repo / "pkg" / "m0.py"), "--line",
+                             "1", "--character", "11", "--model", str(model), "--adapter", str(out / "adapter"),
+                             "--json"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert answer.returncode == 0, answer.stderr
+    assert json.loads(answer.stdout)["model"].endswith(str(out / "adapter"))
