@@ -55,6 +55,10 @@ _TYPED = {"task": None, "indented": re.compile(r"[ \t]*"), "word": re.compile(r"
 
 
 def load_tasks(path: Path, limit: int | None = None, cursor: str = "task") -> list[Task]:
+    """HumanEval-Infilling-format tasks from a jsonl(.gz) file, or, from a `repository_report.json` that
+    `canvas-ls train --corpus` wrote, single lines of that repository's held-out files (`repository_tasks`)."""
+    if path.suffix == ".json":
+        return repository_tasks(path, limit)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as source:
         rows = [json.loads(line) for line in source if line.strip()]
@@ -68,6 +72,26 @@ def load_tasks(path: Path, limit: int | None = None, cursor: str = "task") -> li
         tasks = [replace(t, prompt=t.prompt + (done := typed.match(t.solution)[0]), solution=t.solution[len(done) :])
                  for t in tasks]  # fmt: skip
     return tasks
+
+
+def repository_tasks(report: Path, limit: int | None = None) -> list[Task]:
+    """Single-line tasks from the held-out files of a training run on a repository: every line with at least 6
+    characters after its indentation, the cursor after the indentation, the rest of the file as the suffix; evenly
+    spread when `limit` is given. No tests: exact match and edit similarity only."""
+    described = json.loads(report.read_text())
+    root = Path(described["root"])
+    tasks = []
+    for name in described["held_out_files"]:
+        text = (root / name).read_text(encoding="utf-8")
+        start = 0
+        for number, line in enumerate(text.splitlines(keepends=True)):
+            body = line.rstrip("\r\n")
+            code = body.lstrip(" \t")
+            if len(code) >= 6:
+                cut = start + len(body) - len(code)
+                tasks.append(Task(f"{name}:{number + 1}", text[:cut], text[start + len(body) :], code, None, None))
+            start += len(line)
+    return spread(tasks, limit)
 
 
 def spread(items: list, limit: int | None) -> list:

@@ -108,7 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     infill = benches.add_parser(
         "infill", help="HumanEval-Infilling-format quality and speed, parallel vs left to right"
     )
-    infill.add_argument("--dataset", type=Path, required=True, help="jsonl or jsonl.gz")
+    infill.add_argument("--dataset", type=Path, required=True,
+                        help="jsonl or jsonl.gz; or a training run's repository_report.json: lines of its held-out "
+                             "files")  # fmt: skip
     infill.add_argument("--limit", type=int, help="this many tasks, spread over the set")
     _model_arguments(infill)
     _settings_argument(infill)

@@ -174,3 +174,18 @@ def test_the_sandbox_kills_what_the_program_started_and_has_no_network(add_task:
         port = server.getsockname()[1]
         connect = f"    import socket\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
         assert not passes(add_task, connect + "    return a + b\n", timeout=5)  # with a network it would pass
+
+
+def test_repository_tasks_are_the_held_out_files_lines(tmp_path: Path) -> None:
+    from engine.bench import load_tasks
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("def f(x):\n    return x + 1\n\n\nok=2\n")
+    (tmp_path / "pkg" / "b.py").write_text("never = 'taken'\n")  # not held out
+    report = tmp_path / "repository_report.json"
+    report.write_text(json.dumps({"root": str(tmp_path), "held_out_files": ["pkg/a.py"]}))
+    tasks = load_tasks(report, cursor="indented")
+    assert [t.task_id for t in tasks] == ["pkg/a.py:1", "pkg/a.py:2"]  # `ok=2` is under 6 characters
+    second = tasks[1]
+    assert (second.prompt, second.solution, second.suffix) == ("def f(x):\n    ", "return x + 1", "\n\n\nok=2\n")
+    assert all(t.prompt + t.solution + t.suffix == (tmp_path / "pkg" / "a.py").read_text() for t in tasks)
