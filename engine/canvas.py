@@ -15,11 +15,14 @@ Token ids in, token ids out: this file knows nothing about text, files or editor
         answer += argmax gap up to the first EOS/pad
         no EOS in the gap: encode the gap into the KV cache and open the next canvas
 
-Several gaps (`fill`'s holes, span rewrites) share one canvas: [gap 1 | clamped 1 | gap 2 | ... | suffix head]. Every
-clamped segment is written back every step; acceptance, renoising and stopping read only gap slots (all gaps
-together, one entropy budget); each gap's answer ends at its own first EOS. A gap that fills without an EOS is grown
-and the canvas re-run from the drafts so far (it cannot be encoded: clamped text follows it), up to its token budget,
-or reported truncated. A rewrite gap starts from the span's current tokens with a share `strength` renoised.
+Jobs always denoise in a `DenoisingBatch` (a request alone is a batch of one): one decoder forward per step for all
+of them, each job's `advance` taking its row of the logits.
+
+Several gaps (`Engine.fill`'s holes, span rewrites) share one canvas: [gap 1 | clamped 1 | gap 2 | ... | suffix
+head]. Every clamped segment is written back every step; acceptance, renoising and stopping read only gap slots (all
+gaps together, one entropy budget); each gap's answer ends at its own first EOS. A gap that fills without an EOS is
+grown and the canvas re-run from the drafts so far (it cannot be encoded: clamped text follows it), up to its token
+budget, or reported truncated. A rewrite gap starts from the span's current tokens with a share `strength` renoised.
 
 The sampler, the temperature schedule and the stopping rule are transformers' own DiffusionGemma classes; the
 only subclass adds a torch.Generator so that one request's noise is reproducible and independent of any other.
@@ -386,8 +389,8 @@ BARRED_LOGIT = -1e4  # far below any softcapped logit (|x| <= 30), still finite 
 class CanvasJob:
     """One request's denoising state: its KV cache, its current canvas, its sampler and its answer so far.
 
-    `fill` drives one job; `DenoisingBatch` drives several through shared decoder forwards. Both call the same
-    `inputs()` -> forward -> `advance(logits)` cycle, so a batched request takes exactly the single path's steps.
+    `DenoisingBatch` drives jobs through shared decoder forwards (a request alone is a batch of one): each step is
+    `inputs()` -> forward -> `advance(logits)`, so a request takes the same steps alone or with others.
 
     The canvas after the prefix is `segments` (default: one gap of `params.gap_tokens`, then the suffix head). One
     gap first: the answer continues canvas after canvas (the gap is encoded into the cache). Otherwise each gap that
@@ -438,7 +441,7 @@ class CanvasJob:
                                 canvases=0, encode_seconds=encoded.seconds, prefix_reused=encoded.reused)  # fmt: skip
         self.started = time.perf_counter()
         self.done = False
-        self.error: InfillCancelled | None = None  # set by fill_batch when this job was cancelled
+        self.error: InfillCancelled | None = None  # set by DenoisingBatch.step when this job was cancelled
         self._lay_out()
         self._open_canvas(self._first_gap_canvas())
 
@@ -638,35 +641,7 @@ class CanvasJob:
         self.done = True
 
 
-@torch.inference_mode()
-def fill(
-    model: Any,
-    prefix_ids: Sequence[int],
-    suffix_head_ids: Sequence[int],
-    params: DenoiseParams,
-    stop_ids: Sequence[int],
-    cancel: CancelToken | None = None,
-    on_step: Callable[[StepView], None] | None = None,
-    prefix_cache: PrefixCache | None = None,
-    segments: Sequence[Segment] | None = None,
-) -> CanvasOutput:
-    """Fill the gap after `prefix_ids` (non-empty) and before `suffix_head_ids` (may be empty), or the gaps of
-    `segments`.
-
-    With a `prefix_cache`, the encoder KV of an earlier request's prefix is reused and only the new tail encoded."""
-    job = CanvasJob(model, prefix_ids, suffix_head_ids, params, stop_ids, cancel, on_step, prefix_cache,
-                    segments=segments)  # fmt: skip
-    while not job.done:
-        canvas, positions = job.inputs()
-        logits = model(
-            decoder_input_ids=canvas, cache=job.cache, self_conditioning_logits=job.self_cond,
-            decoder_position_ids=positions,
-        ).logits  # [1, L, V]  # fmt: skip
-        advance([job], logits)
-    return job.out
-
-
-def advance(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
+def step_jobs(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
     """One step for each job from its row of a (shared) decoder forward's logits [B, Lc, V]."""
     gathered = []  # [G, V] per job: a view for the single infill; a copy (written back) for several gaps
     for row, job in enumerate(jobs):
@@ -771,7 +746,7 @@ class DenoisingBatch:
 
     def _forward(self, ready: list[tuple[CanvasJob, torch.Tensor, torch.Tensor]]) -> None:
         logits = self.decoder(**self.decoder_inputs(ready))  # [B, Lc, V]
-        advance([job for job, _, _ in ready], logits)
+        step_jobs([job for job, _, _ in ready], logits)
 
     def decoder_inputs(self, ready: list[tuple[CanvasJob, torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
         """The shared decoder forward's inputs for jobs with their `inputs()`: canvases right-padded to one width,

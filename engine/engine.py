@@ -28,7 +28,6 @@ from engine.canvas import (
     Segment,
     StepView,
     encode_prefixes,
-    fill,
 )
 from engine.compiled import CompiledDecoder
 from engine.loading import LoadedModel, load_model
@@ -182,12 +181,12 @@ class Engine:
         return self.run(InfillRequest(prefix, suffix, overrides, cancel, middle=middle))
 
     def run(self, request: InfillRequest) -> InfillResult:
-        prepared = self._prepare(request)
-        with self._lock:
-            out = fill(self.loaded.model, prepared.encoder_ids, prepared.head_ids, prepared.params, self._stop_ids,
-                       request.cancel, request.on_step, self._prefix_cache(prepared.settings),
-                       prepared.segments)  # fmt: skip
-        return self._result(prepared, out)
+        """One request: a batch of one (the resident engine's path, alone). Raises what its preparation raised, or
+        InfillCancelled."""
+        outcome = self.infill_batch([request])[0]
+        if isinstance(outcome, InfillCancelled):
+            raise outcome
+        return outcome
 
     def infill_batch(self, requests: list[InfillRequest]) -> list[InfillResult | InfillCancelled]:
         """Fill several gaps at once: their canvases share each decoder forward. A cancelled request's slot holds

@@ -32,7 +32,6 @@ class LoadedModel:
     name: str  # what the user asked for (path or hub id)
     folder: Path | None  # the local folder the files came from, when there is one
     device: torch.device
-    load_seconds: float
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -77,12 +76,9 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     """Load `name` (a folder or a hub id; None: the shipped default model) onto `device` (None: best available),
     in `dtype` (None: the fastest exact-enough one for that device, see `resolve_dtype`), with a LoRA `adapter`
     folder applied (merged into the weights unless `merge_adapter` is False)."""
-    import time
-
     from transformers import AutoConfig, AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
     quiet_libraries()
-    started = time.perf_counter()
     target = resolve_device(device)
     weights_dtype = resolve_dtype(dtype, target)
 
@@ -143,7 +139,6 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         name=f"{name} + {adapter}" if adapter else name,
         folder=folder,
         device=target,
-        load_seconds=time.perf_counter() - started,
     )
 
 

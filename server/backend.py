@@ -258,19 +258,7 @@ class ResidentBackend:
         _check_ready(self.state, self.error)
         body = {"prefix": prefix, "suffix": suffix, "document": document,
                 "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
-        try:
-            response = await post_cancellable(self._client, "/v1/infill", body, cancel)
-        except httpx.HTTPError as exc:  # the engine died (or was killed): answer empty, start a new one
-            log.warning("resident engine unreachable (%s); restarting it", exc)
-            self.restarts += 1
-            self.load(self._model, self._device)
-            return None
-        if response is None or response.status_code == 499:
-            return None
-        if response.status_code != 200:
-            log.error("engine answered %d: %s", response.status_code, response.text[:200])
-            return None
-        return response.json()
+        return await self._post("/v1/infill", body, cancel, "completion")
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
                    document: str | None = None) -> dict | None:  # fmt: skip
@@ -279,12 +267,18 @@ class ResidentBackend:
         _check_ready(self.state, self.error)
         body = {"segments": segments, "document": document,
                 "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
+        return await self._post("/v1/fill", body, cancel, "fill")
+
+    async def _post(self, path: str, body: dict[str, Any], cancel: CancelFlag, what: str) -> dict | None:
+        """The engine's answer; None only when `cancel` won (or the engine says the request was cancelled). An
+        engine that went away is restarted and the request fails with BackendError, as does one that refused it."""
         try:
-            response = await post_cancellable(self._client, "/v1/fill", body, cancel)
-        except httpx.HTTPError as exc:
+            response = await post_cancellable(self._client, path, body, cancel)
+        except httpx.HTTPError as exc:  # the engine died (or was killed): start a new one, say what happened
+            log.warning("resident engine unreachable (%s); restarting it", exc)
             self.restarts += 1
             self.load(self._model, self._device)
-            raise BackendError(f"the engine went away during the fill ({exc}); it is restarting") from exc
+            raise BackendError(f"the engine went away during the {what} ({exc}); it is restarting") from exc
         if response is None or response.status_code == 499:
             return None
         if response.status_code != 200:

@@ -1,7 +1,11 @@
 """`canvas-ls`: the command line.
 
-    canvas-ls complete FILE --line L --character C [--model PATH_OR_ID] [--json]
+    canvas-ls complete FILE --line L --character C [--model PATH_OR_ID] [--adapter DIR] [--json]
     canvas-ls fill FILE --hole L:C-L:C [--hole ...] [--rewrite L:C-L:C --strength S] [--json]
+    canvas-ls serve [--tcp HOST:PORT]            the language server (stdio by default)
+    canvas-ls engine [--socket PATH | --tcp HOST:PORT] [--compile auto|on|off]   the resident engine
+    canvas-ls train [--preset cpu|gpu] [--from MODEL] [--corpus DIR] [--lora RANK] [--minutes M]
+    canvas-ls bench infill|holes|lsp|engine|step|sampler|train ...
     canvas-ls make-tiny-model DIR
 
 Errors are one line on stderr (`canvas-ls: error: ...`) and exit status 2; stdout carries only the answer.

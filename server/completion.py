@@ -55,6 +55,8 @@ class Stats:
     model_calls: int = 0
     cache_hits: int = 0
     typing_hits: int = 0
+    errors: int = 0  # model calls that failed (the engine refused the request, went away, or broke)
+    last_error: str | None = None
     by_source: dict[str, int] = field(default_factory=dict)
     # Per answered model call (the last 1,000): the backend call as the server waited on it (ms), and the engine's
     # own encode + denoise time within it (None from servers that do not say); the rest is transport and queueing.
@@ -139,6 +141,8 @@ class Completer:
             return nothing(f"not ready:{exc}")
         except BackendError as exc:
             log.error("request %d: %s", request_id, exc)
+            self.stats.errors += 1
+            self.stats.last_error = str(exc)
             return nothing(f"error:{exc}")
         finally:
             if self.in_flight.get(document.uri) is cancel:

@@ -86,8 +86,8 @@ class ServerConfig:
     # Completions remembered by context (LRU), answered without a model call.
     cache_size: int = 256
 
-    def enabled(self, language: str, language_id: str | None = None) -> bool:
-        return self.languages.get(language_id or language, self.languages.get(language, True))
+    def enabled(self, language: str) -> bool:
+        return self.languages.get(language, True)
 
 
 def parse_config(options: Any) -> tuple[ServerConfig, str | None]:

@@ -53,10 +53,19 @@ class CanvasServer(LanguageServer):
         self.completer = Completer(self.backend, self.config)
         self.pending_messages: list[str] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.shown_errors: set[str] = set()  # model-call errors already shown to the user (each is shown once)
 
     def log_to_client(self, message: str, kind: types.MessageType = types.MessageType.Info) -> None:
         log.info(message)
         self.window_log_message(types.LogMessageParams(type=kind, message=f"canvas-ls: {message}"))
+
+    def show_error_once(self, error: str) -> None:
+        """A failed model call: logged always, shown to the user the first time this error is seen."""
+        self.log_to_client(f"completion failed: {error}", types.MessageType.Error)
+        if error not in self.shown_errors and len(self.shown_errors) < 100:
+            self.shown_errors.add(error)
+            message = f"canvas-ls: completion failed: {error}"
+            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
 
     def apply_config(self, options: Any) -> None:
         config, error = parse_config(options)
@@ -65,6 +74,8 @@ class CanvasServer(LanguageServer):
         reload = config.engine != self.config.engine or self.backend.state == "idle"
         # A local backend reloads in place; any change that involves another backend gets a new backend object.
         changed = config.engine != self.config.engine
+        if isinstance(self.backend, LocalBackend):
+            self.backend.adapter = config.engine.adapter
         if changed and {config.engine.backend, self.config.engine.backend} != {"local"}:
             self.backend.shutdown()
             self.backend = make_backend(config)
@@ -155,6 +166,8 @@ async def _complete(ls: CanvasServer, uri: str, position: types.Position,
                     invoked: bool = False) -> tuple[Outcome, types.Range | None]:  # fmt: skip
     document = ls.documents.get(uri)
     outcome = await ls.completer.complete(document, position.line, position.character, invoked)
+    if outcome.source.startswith("error:"):
+        ls.show_error_once(outcome.source.removeprefix("error:"))
     if outcome.edit is None or document is None:
         return outcome, None
     index = document.index
@@ -220,6 +233,8 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "modelCalls": counters.model_calls,
         "cacheHits": counters.cache_hits,
         "typingHits": counters.typing_hits,
+        "errors": counters.errors,
+        "lastError": counters.last_error,
         "bySource": [{"source": k, "count": v} for k, v in counters.by_source.items()],
         "cancelledAfterSteps": ls.backend.cancelled_after_steps,
         "engineRestarts": getattr(ls.backend, "restarts", 0),

@@ -305,7 +305,9 @@ async def test_kill_9_mid_request_answers_empty_then_recovers(tiny_model_dir: Pa
         await asyncio.sleep(1.0)
         os.kill(victim, signal.SIGKILL)
         answer = await asyncio.wait_for(pending, 60)
-        assert answer.edit is None and answer.source == "cancelled"  # the editor gets an empty result
+        assert answer.edit is None  # the editor gets an empty result, said to be an error (never "cancelled")
+        assert answer.source.startswith("error:the engine went away during the completion")
+        assert (await stats(client)).errors == 1
         await wait_ready(client)  # ...the server starts a new engine...
         assert engine_health(path)["pid"] != victim
         assert (await stats(client)).engineRestarts == 1
