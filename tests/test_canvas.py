@@ -55,20 +55,28 @@ def prefix_len(engine: Engine) -> int:
 
 
 def test_suffix_head_is_clamped_after_every_step(tiny_engine: Engine) -> None:
+    """What the model is given at every forward: the gap slots, then the suffix head's own tokens, unchanged."""
     gap = 8
     head = tiny_engine.tokenizer.encode(SUFFIX, add_special_tokens=False)[:12]
-    seen: list[StepView] = []
-    result = tiny_engine.infill(
-        PREFIX,
-        SUFFIX,
-        {"gap_tokens": gap, "suffix_head_tokens": 12, "max_steps": 6, "max_new_tokens": 16},
-        on_step=seen.append,
-    )
+    model = tiny_engine.loaded.model
+    real_forward, inputs = model.forward, []
+
+    def forward(*args, **kwargs):
+        inputs.append(kwargs["decoder_input_ids"].clone())
+        return real_forward(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        result = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": gap, "suffix_head_tokens": 12, "max_steps": 6,
+                                                     "max_new_tokens": 16})  # fmt: skip
+    finally:
+        del model.forward
     assert result.suffix_head_tokens == 12
-    assert len(seen) == result.steps > 0
-    for view in seen:
-        assert view.canvas.shape == (gap + 12,)
-        assert view.canvas[gap:].tolist() == head
+    assert len(inputs) == result.forward_passes > 1
+    for given in inputs:
+        assert given.shape == (1, gap + 12)
+        assert given[0, gap:].tolist() == head
+    assert any(not torch.equal(inputs[0][0, :gap], later[0, :gap]) for later in inputs[1:])  # the gap does change
 
 
 def test_text_is_cut_at_the_first_eos(tiny_engine: Engine) -> None:

@@ -21,6 +21,8 @@ import pytest
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
+from engine import Engine
+
 ENGINE = [sys.executable, "-m", "server.cli", "engine"]
 BODY = {"prefix": "def add(a, b):\n    return ", "suffix": "\n", "settings": {"max_new_tokens": 8, "max_steps": 3}}
 
@@ -57,9 +59,13 @@ def test_socket_is_private(unix_engine: httpx.Client) -> None:
     assert mode == 0o600
 
 
-def test_infill_returns_the_whole_result(unix_engine: httpx.Client) -> None:
+def test_infill_returns_the_whole_result(unix_engine: httpx.Client, tiny_engine: Engine) -> None:
+    """Over HTTP the engine answers what the library answers in this process for the same request (same model,
+    dtype and seed): its tokens, text, steps and layout."""
     result = unix_engine.post("/v1/infill", json=BODY).json()
-    assert result["steps"] >= 1 and result["layout"] == "canvas" and len(result["tokens"]) <= 8
+    here = tiny_engine.infill(BODY["prefix"], BODY["suffix"], BODY["settings"]).to_dict()
+    for key in ("tokens", "text", "steps", "forward_passes", "stop_reason", "layout", "prefix_tokens", "dtype"):
+        assert result[key] == here[key], key
 
 
 def test_completions_are_openai_shaped(unix_engine: httpx.Client) -> None:
