@@ -30,7 +30,7 @@ MODES = ("auto", "on", "off")
 
 
 class CompiledDecoder:
-    def __init__(self, model: Any, mode: str = "auto"):
+    def __init__(self, model: Any, mode: str = "auto", backend: str = "inductor"):
         if mode not in MODES:
             raise ValueError(f"compile must be one of {', '.join(MODES)}, got '{mode}'")
         self.model = model
@@ -45,8 +45,8 @@ class CompiledDecoder:
         self._graphs_at_ready = 0
         self._graphs_on_cuda = self.enabled and device.type == "cuda"
         if self.enabled:
-            mode = "reduce-overhead" if self._graphs_on_cuda else None
-            self._fn = torch.compile(model, mode=mode, dynamic=True)
+            mode = "reduce-overhead" if self._graphs_on_cuda and backend == "inductor" else None
+            self._fn = torch.compile(model, mode=mode, dynamic=True, backend=backend)
 
     @property
     def static_inputs(self) -> bool:

@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 from engine import Engine
+from engine.compiled import CompiledDecoder
 from engine.engine import InfillRequest
 from tests.test_batching import PREFIXES, SUFFIXES
 
@@ -14,6 +15,9 @@ def test_compiled_steps_answer_as_eager_ones_alone_and_batched(tiny_model_dir: P
                                                                 tiny_engine_fp32: Engine) -> None:  # fmt: skip
     compiled = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", compile="on")
     assert compiled.decoder.report()["state"] == "warming"
+    # Dynamo's capture and AOT autograd without inductor's C++ code generation (~40 s of 2 cores on a clean machine):
+    # the engine's plumbing is what this checks; inductor's numerics on the shipped model: README, `bench step`.
+    compiled.decoder = CompiledDecoder(compiled.loaded.model, "on", backend="aot_eager")
     settings = [{"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 5, "seed": s} for s in (1, 2, 3)]
     requests = [InfillRequest(p, s, o) for p, s, o in zip(PREFIXES, SUFFIXES, settings, strict=True)]
 
