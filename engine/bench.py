@@ -348,6 +348,25 @@ def _fused_step(logits: torch.Tensor, temperature: float, generator: torch.Gener
     stopping(stats.argmax.view(shape), token_entropy=stats.entropy.view(shape))
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, runs: int, warmup: int = 2) -> float:
+    """Median milliseconds of `runs` calls after `warmup` untimed ones (the GPU synchronised around each)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append((time.perf_counter() - started) * 1000)
+    return statistics.median(samples)
+
+
 def run_sampler(device: str | None = None, canvases: tuple[int, ...] = (64, 256),
                 vocabs: tuple[int, ...] = (8192, 262144), steps: int = 20) -> dict[str, Any]:  # fmt: skip
     """Median milliseconds per step, torch vs fused (fused only where the kernel runs: CUDA with triton)."""
@@ -371,17 +390,8 @@ def run_sampler(device: str | None = None, canvases: tuple[int, ...] = (64, 256)
                     continue
                 sampler = SeededEntropyBoundSampler(config, canvas, vocab, steps, generator)
                 stopping = EntropyStableAndConfident(1, 0.005)
-                step(logits, 0.7, generator, sampler, stopping)  # warm-up (and kernel compilation), not timed
-                times = []
-                for _ in range(steps):
-                    if target.type == "cuda":
-                        torch.cuda.synchronize()
-                    started = time.perf_counter()
-                    step(logits, 0.7, generator, sampler, stopping)
-                    if target.type == "cuda":
-                        torch.cuda.synchronize()
-                    times.append((time.perf_counter() - started) * 1000)
-                row[name + "_ms"] = statistics.median(times)
+                call = functools.partial(step, logits, 0.7, generator, sampler, stopping)
+                row[name + "_ms"] = timed(call, target, steps, warmup=1)  # the warm-up compiles the kernel
             row["speedup"] = row["torch_ms"] / row["fused_ms"] if row["fused_ms"] else None
             rows.append(row)
     return {"device": str(target), "machine": machine(), "steps": steps, "rows": rows}
@@ -427,13 +437,11 @@ def run_engine_bench(
     client = _engine_client(socket)
     try:
         for _ in range(3000):
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 health = client.get("/health")
                 if health.status_code == 200 and health.json()["compile"]["state"] != "warming":
                     break  # up, and its decoder compiled (when asked to) before anything is timed
-                time.sleep(0.1)
-            except httpx.HTTPError:
-                time.sleep(0.1)
+            time.sleep(0.1)
         tokenizer_ratio = 3.3  # characters per token, for sizing the prefixes (the result reports exact counts)
 
         def prefix_of(tokens: int, tag: str) -> str:

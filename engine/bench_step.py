@@ -15,7 +15,6 @@ Figures, never pass/fail; the JSON holds every number the table prints.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, 
 from transformers.cache_utils import DynamicCache
 
 from engine.architecture import small_vision_config
+from engine.bench import synchronize, timed
 from engine.canvas import BatchedKV, encode
 from engine.sampling import step_stats_rows
 
@@ -71,25 +71,6 @@ def random_model(config: DiffusionGemmaConfig, device: torch.device, dtype: torc
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], device: torch.device, runs: int, warmup: int = 2) -> float:
-    """Median milliseconds of `runs` calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    samples = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        fn()
-        synchronize(device)
-        samples.append((time.perf_counter() - started) * 1000)
-    return statistics.median(samples)
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

@@ -503,7 +503,6 @@ def train(
     started = time.perf_counter() - state["elapsed"]
     last_checkpoint = time.perf_counter()
     before = evaluate(model, eval_batches, cfg.bf16) if state["step"] == 0 else None  # the held-out start
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # Early stopping: the weights of the best held-out diffusion loss so far, and evaluations since it was set
     best = (before["diffusion"], _snapshot(trained)) if before is not None and cfg.patience else None
     worse = 0
@@ -668,11 +667,12 @@ def run(
         eval_files, train_files = files[:held], files[held:]
         replayed: list[corpus.CorpusFile] = []
         if replay > 0:
-            want = sum(len(f.text) for f in train_files) * replay / (1 - replay)
+            want, taken = sum(len(f.text) for f in train_files) * replay / (1 - replay), 0
             for file in general_corpus()[200:]:
-                if sum(len(f.text) for f in replayed) >= want:
+                if taken >= want:
                     break
                 replayed.append(file)
+                taken += len(file.text)
         train_files = train_files + replayed
         report.update(held_out_files=[f.path for f in eval_files], replayed_files=len(replayed),
                       replayed_bytes=sum(len(f.text) for f in replayed))  # fmt: skip

@@ -72,11 +72,10 @@ class CanvasServer(LanguageServer):
         if error is not None:
             self.pending_messages.append(error)
         reload = config.engine != self.config.engine or self.backend.state == "idle"
-        # A local backend reloads in place; any change that involves another backend gets a new backend object.
+        # A local backend reloads in place (model or device); any other change gets a new backend object.
         changed = config.engine != self.config.engine
-        if isinstance(self.backend, LocalBackend):
-            self.backend.adapter = config.engine.adapter
-        if changed and {config.engine.backend, self.config.engine.backend} != {"local"}:
+        in_place = {config.engine.backend, self.config.engine.backend} == {"local"}
+        if changed and not (in_place and config.engine.adapter == self.config.engine.adapter):
             self.backend.shutdown()
             self.backend = make_backend(config)
             self.completer.backend = self.backend

@@ -16,9 +16,8 @@ from engine.adapters import adapter_size, add_lora, save_adapter, trainable_para
 from engine.architecture import small_config
 from engine.bench_step import full_width_config
 from engine.tokenizer import train_tokenizer
-from engine.training import ExampleSampler, TrainConfig, collate, evaluate, train
 from tests.conftest import tokenizer_texts
-from tests.test_training import corpus_files
+from tests.test_training import short_run
 
 PROMPTS = [("def add(a, b):\n    return ", "\n"), ("import os\n\n\ndef main():\n    path = ", "\n    return path\n"),
            ("x = [\n    ", "\n]\n")]  # fmt: skip
@@ -34,14 +33,8 @@ def test_lora_training_moves_the_adapter_alone(tmp_path: Path) -> None:
     lora = {n: p.detach().clone() for n, p in base.named_parameters() if p.requires_grad}
     assert lora and all("lora" in n for n in lora)
     assert any("experts" in n for n in lora) and not any("vision" in n or "self_conditioning" in n for n in lora)
-    files = corpus_files()
-    cfg = TrainConfig(minutes=0.15, batch_size=8, prefix_tokens=64, head_tokens=8, gap_choices=(16,), lr=1e-2,
-                      warmup_steps=2, eval_every=1000, log_every=5, lora_rank=4)  # fmt: skip
-    held_out = ExampleSampler(files, tokenizer, 7, 64, 8)
-    batches = [collate([held_out.example(16) for _ in range(8)], tokenizer.pad_token_id) for _ in range(3)]
-    before = evaluate(base, batches, cfg.bf16)
-    summary = train(base, tokenizer, files, files, cfg, tmp_path / "run")
-    after = evaluate(base, batches, cfg.bf16)
+    before, summary, after = short_run(base, tokenizer, tmp_path / "run", minutes=0.15, lr=1e-2, warmup_steps=2,
+                                       lora_rank=4)  # fmt: skip
     assert summary["step"] > 3 and after["diffusion"] < before["diffusion"]
     for name, value in base.named_parameters():
         if name in frozen:

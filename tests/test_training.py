@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,18 +89,23 @@ def test_examples_are_cut_where_the_engine_heals(tmp_path: Path) -> None:
     assert moved > 10  # the sampler cuts at any character: many prefixes end in a space or inside a word
 
 
+def short_run(model: Any, tokenizer: Any, out: Path, **config: Any) -> tuple[dict, dict, dict]:
+    """Train `model` briefly on the test corpus; (held-out losses before, the run's summary, held-out losses after)."""
+    files = corpus_files()
+    cfg = TrainConfig(**{"minutes": 0.25, "batch_size": 8, "prefix_tokens": 64, "head_tokens": 8, "gap_choices": (16,),
+                         "lr": 3e-3, "warmup_steps": 5, "eval_every": 1000, "log_every": 5, **config})  # fmt: skip
+    held_out = ExampleSampler(files, tokenizer, 7, 64, 8)
+    batches = [collate([held_out.example(16) for _ in range(8)], tokenizer.pad_token_id) for _ in range(3)]
+    before = evaluate(model, batches, cfg.bf16)
+    summary = train(model, tokenizer, files, files, cfg, out)
+    return before, summary, evaluate(model, batches, cfg.bf16)
+
+
 def test_a_short_run_lowers_the_loss(tmp_path: Path) -> None:
     tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path / "tok")
     torch.manual_seed(0)
     model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer)))
-    files = corpus_files()
-    cfg = TrainConfig(minutes=0.25, batch_size=8, prefix_tokens=64, head_tokens=8, gap_choices=(16,), lr=3e-3,
-                      warmup_steps=5, eval_every=1000, log_every=5, threads=0)  # fmt: skip
-    held_out = ExampleSampler(files, tokenizer, 7, 64, 8)
-    batches = [collate([held_out.example(16) for _ in range(8)], tokenizer.pad_token_id) for _ in range(3)]
-    before = evaluate(model, batches, cfg.bf16)
-    summary = train(model, tokenizer, files, files, cfg, tmp_path / "run")
-    after = evaluate(model, batches, cfg.bf16)
+    before, summary, after = short_run(model, tokenizer, tmp_path / "run")
     assert summary["step"] > 5
     assert after["diffusion"] < before["diffusion"] and after["ar"] < before["ar"]
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
