@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from engine.corpus import HELD_OUT_FILES
 from engine.engine import Engine
 
 MODES = {"parallel": "diffusion", "left_to_right": "left_to_right"}
@@ -55,13 +56,17 @@ _TYPED = {"task": None, "indented": re.compile(r"[ \t]*"), "word": re.compile(r"
 
 
 def load_tasks(path: Path, limit: int | None = None, cursor: str = "task") -> list[Task]:
-    """HumanEval-Infilling-format tasks from a jsonl(.gz) file, or, from a `repository_report.json` that
-    `canvas-ls train --corpus` wrote, single lines of that repository's held-out files (`repository_tasks`)."""
+    """HumanEval-Infilling-format tasks from a jsonl(.gz) file; or single lines of held-out source files
+    (`line_tasks`): of a repository from the `repository_report.json` that `canvas-ls train --corpus` wrote, or of a
+    training corpus (`corpus.jsonl.gz`, rows with "path" and "text") whose first 200 files `canvas-ls train` holds
+    out."""
     if path.suffix == ".json":
         return repository_tasks(path, limit)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as source:
         rows = [json.loads(line) for line in source if line.strip()]
+    if rows and "text" in rows[0] and "prompt" not in rows[0]:
+        return line_tasks([(r["path"], r["text"]) for r in rows[:HELD_OUT_FILES]], limit)
     tasks = [
         Task(r["task_id"], r["prompt"], r["suffix"], r["canonical_solution"], r.get("test"), r.get("entry_point"))
         for r in rows
@@ -75,14 +80,19 @@ def load_tasks(path: Path, limit: int | None = None, cursor: str = "task") -> li
 
 
 def repository_tasks(report: Path, limit: int | None = None) -> list[Task]:
-    """Single-line tasks from the held-out files of a training run on a repository: every line with at least 6
-    characters after its indentation, the cursor after the indentation, the rest of the file as the suffix; evenly
-    spread when `limit` is given. No tests: exact match and edit similarity only."""
+    """`line_tasks` of the held-out files of a training run on a repository (its `repository_report.json`)."""
     described = json.loads(report.read_text())
     root = Path(described["root"])
+    return line_tasks([(name, (root / name).read_text(encoding="utf-8")) for name in described["held_out_files"]],
+                      limit)  # fmt: skip
+
+
+def line_tasks(files: list[tuple[str, str]], limit: int | None = None) -> list[Task]:
+    """Single-line tasks from whole files: every line with at least 6 characters after its indentation, the cursor
+    after the indentation, the rest of the file as the suffix; evenly spread when `limit` is given. No tests: exact
+    match and edit similarity only."""
     tasks = []
-    for name in described["held_out_files"]:
-        text = (root / name).read_text(encoding="utf-8")
+    for name, text in files:
         start = 0
         for number, line in enumerate(text.splitlines(keepends=True)):
             body = line.rstrip("\r\n")

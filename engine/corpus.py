@@ -41,6 +41,8 @@ MAX_FILE_BYTES = 150_000
 MAX_LINE_CHARS = 300
 # The whole corpus is Python-first (completions are judged on Python); other languages are capped at this share.
 OTHER_LANGUAGE_SHARE = 0.15
+# `canvas-ls train` on the general corpus evaluates on its first this-many files (held out) and trains on the rest.
+HELD_OUT_FILES = 200
 
 
 @dataclass

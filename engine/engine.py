@@ -30,6 +30,7 @@ from engine.canvas import (
     encode_prefixes,
 )
 from engine.compiled import CompiledDecoder
+from engine.confidence import model_display, sequence_score
 from engine.loading import LoadedModel, load_model
 from engine.prefix_cache import PrefixCache
 from engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
@@ -65,6 +66,8 @@ class InfillRequest:
     on_step: Callable[[StepView], None] | None = None
     # Between prefix and suffix: holes and the code between them (`Engine.fill`); None is one plain hole.
     middle: list[str | Hole] | None = None
+    # Work computed ahead (an editor's next suggestion): the resident engine runs it only when nothing else waits.
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,11 @@ class InfillResult:
     # Per gap, in document order: text, tokens, confidence, healed, stop_reason ("eos", or "truncated": it filled its
     # budget without one). One entry for `infill`, whose `text` is that gap's; `fill` fills several.
     gaps: list[dict[str, Any]] = field(default_factory=list)
+    # How much the model stands behind `text` (`engine.confidence`): the score, which score it is, and the
+    # threshold calibrated for this model (`canvas-ls bench calibrate`; 0: uncalibrated, show everything).
+    score: float = 1.0
+    score_kind: str = "geometric"
+    min_confidence: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +131,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         generation_config = getattr(loaded.model, "generation_config", None)
         self.settings = InfillSettings().merged(model_settings(loaded.folder, generation_config)).merged(overrides)
+        self.display = model_display(loaded.folder)
         self._stop_ids = _stop_ids(loaded.model, self.tokenizer)
         self._lock = threading.Lock()
         self._newline_ids: frozenset[int] | None = None
@@ -313,6 +322,7 @@ class Engine:
             "text": self.tokenizer.decode(gap.tokens, skip_special_tokens=True).removeprefix(cut if gap.tokens else ""),
             "tokens": gap.tokens,
             "confidence": [round(c, 4) for c in gap.confidence],
+            "score": round(sequence_score(gap.confidence, self.display.score), 4),
             "healed": cut if gap.tokens else "",
             "stop_reason": "eos" if gap.ended_with_eos else "truncated",
         } for gap, cut in zip(out.gaps, cuts, strict=True)]  # fmt: skip
@@ -341,6 +351,9 @@ class Engine:
             healed=gaps[0]["healed"],
             settings=prepared.settings.to_dict(),
             gaps=gaps,
+            score=gaps[0]["score"],
+            score_kind=self.display.score,
+            min_confidence=self.display.min_confidence,
         )
 
     # -- layouts -------------------------------------------------------------------------------------------------

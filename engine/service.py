@@ -5,7 +5,8 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
 
     POST /v1/completions   OpenAI-compatible: prompt (= prefix), suffix, max_tokens, temperature, stream (drafts
                            as server-sent events), so the client side can also talk to vLLM or SGLang
-    POST /v1/infill        the engine's whole result (InfillResult) for {prefix, suffix, settings, document}
+    POST /v1/infill        the engine's whole result (InfillResult) for {prefix, suffix, settings, document,
+                           priority}; priority "background": work computed ahead (an editor's next suggestion)
     POST /v1/fill          several holes and span rewrites in one canvas: {segments: [{"text": ...} | {"hole": true}
                            | {"rewrite": current text, "strength": s}, ...], settings, document}; the text before
                            the first hole is the prefix, after the last the suffix; the answers are `gaps`
@@ -16,7 +17,8 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
 Requests run on one scheduler thread (`Batcher`): every request in flight denoises in one batch, their canvases
 sharing each decoder forward; requests join and leave between steps. Each has a cancel flag the denoising loop
 checks every step: a client that disconnects, or a newer request for the same `document`, stops it at its next
-step; the others go on.
+step; the others go on. Background requests run only while no other request waits or runs: one that arrives
+stops them before the next step (they answer 499, counted in canvas_background_preempted).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class EngineService:
             "canvas_cancelled_after_steps", "Denoising steps a cancelled request had run (a disconnect or a newer "
             "request stops it at its next step)", registry=registry, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 512),
         )  # fmt: skip
+        self.m_preempted = Counter("canvas_background_preempted", "Background requests dropped for a real one",
+                                   registry=registry)  # fmt: skip
         self.m_queue = Gauge("canvas_queue_depth", "Requests waiting or running", registry=registry)
         self.m_batch = Histogram("canvas_batch_size", "Requests sharing a decoder forward", registry=registry,
                                  buckets=(1, 2, 3, 4, 6, 8, 12, 16))  # fmt: skip
@@ -110,7 +114,7 @@ class EngineService:
             Gauge(name, text, registry=registry).set_function(lambda key=key: float(compiled()[key]))
         Gauge("canvas_compile_warmup_seconds", "Seconds the decoder's compilation took (0 until done)",
               registry=registry).set_function(lambda: float(compiled()["warmup_seconds"] or 0.0))  # fmt: skip
-        self.batcher = Batcher(engine, max_batch, self._observe_step)
+        self.batcher = Batcher(engine, max_batch, self._observe_step, self.m_preempted.inc)
         engine.warm_up()  # compiles in the background when compile is on; requests run eager meanwhile
         self.app = Starlette(
             routes=[
@@ -141,7 +145,11 @@ class EngineService:
         settings = body.get("settings") or {}
         if not isinstance(settings, dict):
             raise BadRequest(400, "'settings' must be an object")
-        result = await self._run(request, "infill", prefix, suffix, settings, body.get("document"))
+        priority = body.get("priority", "normal")
+        if priority not in ("normal", "background"):
+            raise BadRequest(400, f"'priority' must be 'normal' or 'background', got {priority!r}")
+        result = await self._run(request, "infill", prefix, suffix, settings, body.get("document"),
+                                 background=priority == "background")  # fmt: skip
         if result is None:
             return JSONResponse({"cancelled": True}, status_code=499)
         return JSONResponse(result)
@@ -251,14 +259,17 @@ class EngineService:
         document: Any,
         on_step: Callable[[StepView], None] | None = None,
         middle: list[str | Hole] | None = None,
+        background: bool = False,
     ) -> dict[str, Any] | None:
-        """Run one infill on the worker; None when it was cancelled (client gone, or superseded)."""
+        """Run one infill on the worker; None when it was cancelled (client gone, superseded, or, in the
+        background, preempted). A document's background request supersedes only its older background one."""
         try:
             self.engine.settings.merged(settings)  # a bad setting is this request's 400, not its batch's failure
         except SettingsError as exc:
             raise BadRequest(400, str(exc)) from exc
         cancel = threading.Event()
         if isinstance(document, str):
+            document = f"background:{document}" if background else document
             older = self.in_flight.get(document)
             if older is not None:
                 older.set()  # a newer request for the same document supersedes the older one
@@ -268,7 +279,9 @@ class EngineService:
         self.last_activity = time.monotonic()
         started = time.perf_counter()
 
-        job = asyncio.wrap_future(self.batcher.submit(InfillRequest(prefix, suffix, settings, cancel, on_step, middle)))
+        job = asyncio.wrap_future(
+            self.batcher.submit(InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background))
+        )
         watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
         try:
             try:
@@ -313,13 +326,17 @@ class EngineService:
 class Batcher:
     """The scheduler: one thread runs every request in flight (up to `max_batch`) one denoising step at a time,
     their canvases sharing each decoder forward. Between steps, requests that arrived join the batch and the ones
-    that ended leave it (iteration-level scheduling): nobody waits for a whole batch to finish."""
+    that ended leave it (iteration-level scheduling): nobody waits for a whole batch to finish. Background requests
+    wait while any other request waits or runs, and one that arrives cancels those running (`on_preempt`)."""
 
-    def __init__(self, engine: Engine, max_batch: int, on_step: Callable[[int, float], None] | None = None):
+    def __init__(self, engine: Engine, max_batch: int, on_step: Callable[[int, float], None] | None = None,
+                 on_preempt: Callable[[], None] | None = None):  # fmt: skip
         self.engine = engine
         self.max_batch = max_batch
         self.on_step = on_step
+        self.on_preempt = on_preempt
         self.waiting: queue.Queue[tuple[InfillRequest, Future]] = queue.Queue()
+        self.held: list[tuple[InfillRequest, Future]] = []  # background requests waiting for an idle batch
         threading.Thread(target=self._loop, name="canvas-batcher", daemon=True).start()
 
     def submit(self, request: InfillRequest) -> Future:
@@ -330,8 +347,9 @@ class Batcher:
     def _loop(self) -> None:
         batch = self.engine.batch()
         futures: dict[int, Future] = {}  # id(request) -> its future, for the requests in `batch`
+        running: dict[int, InfillRequest] = {}  # id(request) -> request, for every request in `batch`
         while True:
-            self._admit(batch, futures)
+            self._admit(batch, futures, running)
             if not batch:
                 continue
             rows, started = len(batch), time.perf_counter()
@@ -340,35 +358,54 @@ class Batcher:
             except Exception as exc:  # a failing step fails the requests in it, not the scheduler
                 for future in futures.values():
                     future.set_exception(exc)
-                batch, futures = self.engine.batch(), {}
+                batch, futures, running = self.engine.batch(), {}, {}
                 continue
             if self.on_step is not None:
                 self.on_step(rows, time.perf_counter() - started)
             for request, outcome in ended:
+                running.pop(id(request), None)
                 future = futures.pop(id(request), None)
                 if future is not None and not future.done():
                     future.set_result(outcome)
 
-    def _admit(self, batch: EngineBatch, futures: dict[int, Future]) -> None:
-        """Take waiting requests into the batch (blocking only when it is empty); the ones that arrived together
-        are encoded together."""
+    def _admit(self, batch: EngineBatch, futures: dict[int, Future], running: dict[int, InfillRequest]) -> None:
+        """Take waiting requests into the batch (blocking only when nothing runs or waits); the ones that arrived
+        together are encoded together. Background requests join only a batch of background requests, when no other
+        request arrived; a request that arrives stops the background ones in the batch before the next step."""
         arrived: list[tuple[InfillRequest, Future]] = []
         while len(batch) + len(arrived) < self.max_batch:
             try:
-                request, future = self.waiting.get(block=not batch and not arrived)
+                request, future = self.waiting.get(block=not batch and not arrived and not self.held)
             except queue.Empty:
                 break
             if request.cancel is not None and request.cancel.is_set():
                 future.set_result(InfillCancelled(0))  # gone before it started
-                continue
-            arrived.append((request, future))
+            elif request.background:
+                self.held.append((request, future))
+            else:
+                arrived.append((request, future))
+        if arrived:
+            for request in running.values():
+                if request.background and request.cancel is not None and not request.cancel.is_set():
+                    request.cancel.set()  # dropped at the next step, before its forward
+                    if self.on_preempt is not None:
+                        self.on_preempt()
+        elif not any(not request.background for request in running.values()):
+            while self.held and len(batch) + len(arrived) < self.max_batch:
+                request, future = self.held.pop(0)
+                if request.cancel is not None and request.cancel.is_set():
+                    future.set_result(InfillCancelled(0))
+                else:
+                    arrived.append((request, future))
         for request, future in arrived:
             futures[id(request)] = future
+            running[id(request)] = request
         try:
             failed = batch.add_many([request for request, _ in arrived])
         except Exception as exc:  # whatever goes wrong, the scheduler stays up and these requests get the error
             failed = [(request, exc) for request, _ in arrived]
         for request, error in failed:  # a bad request must not take the scheduler down
+            running.pop(id(request), None)
             future = futures.pop(id(request), None)
             if future is not None and not future.done():
                 future.set_exception(error)

@@ -653,7 +653,7 @@ def run(
     report: dict[str, Any] = {}
     if repository is None:
         files = general_corpus()
-        eval_files, train_files = files[:200], files[200:]
+        eval_files, train_files = files[: corpus.HELD_OUT_FILES], files[corpus.HELD_OUT_FILES :]
     else:  # the user's code: whole files held out, the general corpus replayed at `replay` of the bytes
         try:
             files, report = corpus.collect_repository(repository)
@@ -668,7 +668,7 @@ def run(
         replayed: list[corpus.CorpusFile] = []
         if replay > 0:
             want, taken = sum(len(f.text) for f in train_files) * replay / (1 - replay), 0
-            for file in general_corpus()[200:]:
+            for file in general_corpus()[corpus.HELD_OUT_FILES :]:
                 if taken >= want:
                     break
                 replayed.append(file)

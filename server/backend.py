@@ -106,8 +106,9 @@ class LocalBackend:
         self._executor.submit(work)
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None) -> dict | None:  # fmt: skip
-        """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed."""
+                     document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
+        """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed.
+        `background`: work computed ahead (the server cancels it when a real request comes; one worker here)."""
         return await self._call(cancel, lambda engine: engine.infill(prefix, suffix, overrides, cancel=cancel))
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
@@ -254,10 +255,13 @@ class ResidentBackend:
     # -- requests ----------------------------------------------------------------------------------------------
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None) -> dict | None:  # fmt: skip
+                     document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
+        """`background`: the engine runs it only when no real request waits, and drops it when one comes."""
         _check_ready(self.state, self.error)
         body = {"prefix": prefix, "suffix": suffix, "document": document,
                 "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
+        if background:
+            body["priority"] = "background"
         return await self._post("/v1/infill", body, cancel, "completion")
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
@@ -349,7 +353,7 @@ class OpenAIBackend:
             on_done(self)
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None) -> dict | None:  # fmt: skip
+                     document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
         body = completion_request(prefix, suffix, overrides, self.model, self.suffix_mode, self.template)
         try:
             response = await post_cancellable(self._client, "/v1/completions", body, cancel)

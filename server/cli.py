@@ -5,7 +5,7 @@
     canvas-ls serve [--tcp HOST:PORT]            the language server (stdio by default)
     canvas-ls engine [--socket PATH | --tcp HOST:PORT] [--compile auto|on|off]   the resident engine
     canvas-ls train [--preset cpu|gpu] [--from MODEL] [--corpus DIR] [--lora RANK] [--minutes M]
-    canvas-ls bench infill|holes|lsp|engine|step|sampler|train ...
+    canvas-ls bench infill|holes|calibrate|lsp|engine|step|sampler|train ...
     canvas-ls make-tiny-model DIR
 
 Errors are one line on stderr (`canvas-ls: error: ...`) and exit status 2; stdout carries only the answer.
@@ -136,6 +136,23 @@ def _parser() -> argparse.ArgumentParser:
     holes.add_argument("--max-new-tokens", type=int, default=48, help="answer bound per hole")
     holes.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the programs' tests)")
     holes.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
+
+    calibrate = benches.add_parser(
+        "calibrate", help="the confidence score and threshold that show only good answers; written into the model"
+    )
+    calibrate.add_argument("--calibration", type=Path, required=True,
+                           help="held-out code to calibrate on: a training corpus (corpus.jsonl.gz: its first 200 "
+                           "files, which `canvas-ls train` holds out) or a run's repository_report.json")  # fmt: skip
+    calibrate.add_argument("--dataset", type=Path, help="evaluation set reported at the chosen threshold "
+                                                        "(HumanEval-Infilling-format jsonl.gz)")  # fmt: skip
+    calibrate.add_argument("--limit", type=int, default=200, help="tasks per set, spread over it")
+    calibrate.add_argument("--target", type=float, default=0.5, help="precision the threshold must reach")
+    calibrate.add_argument("--min-shown", type=int, default=10, help="answers a threshold must still show")
+    calibrate.add_argument("--no-tests", action="store_true", help="skip running the evaluation tasks' tests")
+    calibrate.add_argument("--dry-run", action="store_true", help="report only; leave the model's canvas_ls.json")
+    _model_arguments(calibrate)
+    _settings_argument(calibrate)
+    calibrate.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
 
     lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client, cold and typing-through")
     lsp.add_argument("--requests", type=int, default=100, help="cold requests (each may add a typing one)")
@@ -401,7 +418,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
-                "train": _bench_train, "holes": _bench_holes, "step": _bench_step}  # fmt: skip
+                "train": _bench_train, "holes": _bench_holes, "step": _bench_step,
+                "calibrate": _bench_calibrate}  # fmt: skip
     return handlers[args.bench](args)
 
 
@@ -494,6 +512,34 @@ def _bench_holes(args: argparse.Namespace) -> int:
     engine = Engine.load(args.model, args.device, dtype=args.dtype, adapter=args.adapter)
     report = run_holes(engine, args.dataset, counts, args.limit, not args.no_tests, settings, args.rewrite_limit)
     return _report("holes", report, format_holes, args.out, plot_holes)
+
+
+def _bench_calibrate(args: argparse.Namespace) -> int:
+    from engine import Engine
+    from engine.bench_calibrate import format_calibrate, plot_calibrate, run_calibrate, write_threshold
+
+    for path in (args.calibration, args.dataset):
+        if path is not None and not path.is_file():
+            raise CliError(f"{path} does not exist")
+    if not 0 < args.target <= 1:
+        raise CliError(f"--target must be in (0, 1], got {args.target}")
+    engine = Engine.load(args.model, args.device, _settings(args.settings), dtype=args.dtype, adapter=args.adapter)
+
+    def progress(name: str, done: int, total: int) -> None:
+        print(f"\r{name}: {done}/{total} tasks", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    report = run_calibrate(engine, args.calibration, args.dataset, args.limit, args.target, args.min_shown,
+                           not args.no_tests, progress)  # fmt: skip
+    code = _report("calibrate", report, format_calibrate, args.out, plot_calibrate)
+    folder = engine.loaded.folder
+    if args.dry_run:
+        print("--dry-run: the model's settings are unchanged")
+    elif args.adapter or folder is None:
+        print("not written: the threshold belongs to a model folder (not an adapter or a hub id); "
+              "set completion.min_confidence in the editor instead")  # fmt: skip
+    else:
+        print(f"written: {write_threshold(folder, report)} (display.min_confidence = {report['threshold']:.4f})")
+    return code
 
 
 def _report(name: str, report: dict, formatter: Callable[[dict], str], out: Path | None,

@@ -1,11 +1,18 @@
 """One completion request, top to bottom:
 
     document -> position -> enabled? -> context (tree-sitter) -> typing-through? -> cache? -> debounce
-             -> engine (off the loop, cancellable) -> still current? -> edit (shape, range, syntax check)
+             -> engine (off the loop, cancellable) -> still current? -> confident enough? -> edit (shape, range,
+             syntax check)
 
 Cheap exits come first and answer None (an empty list for the client), never an error. A newer request for the
 same document cancels the older one (its denoising stops at the next step), and a result computed for a document
 version that is no longer current is never returned.
+
+After a suggestion is shown, the completion that follows it once accepted is computed in the background
+(speculation, as llama.vim does): the document with the suggestion applied, the cursor after it. Accepting the
+suggestion (or typing it out) then finds that answer in the cache, or joins it while it runs. A speculation never
+delays a real request: any real model call cancels the speculations in flight (the resident engine also runs real
+requests first), and a change that makes one useless drops it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.confidence import judge
 from server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
 from server.config import ServerConfig
 from server.context import CompletionContext, Skip, build_context
@@ -27,6 +35,8 @@ from server.edits import Edit, checked_edit
 from server.positions import PositionError
 
 log = logging.getLogger(__name__)
+# What the cache keeps of an engine result: enough to decide again what to show.
+_ANSWER_KEYS = ("text", "token_texts", "confidence", "score", "score_kind", "min_confidence", "healed")
 
 
 @dataclass
@@ -34,10 +44,11 @@ class Outcome:
     """What a request produced, with the why, for logs, benchmarks and tests."""
 
     edit: Edit | None
-    source: str  # "model", "cache", "typing", or why there is nothing: "skip:...", "stale", "cancelled"...
+    source: str  # "model", "cache", "typing", or why there is nothing: "skip:...", "stale", "hidden", "error:..."
     request_id: int
     elapsed_ms: float
     result: dict[str, Any] | None = None  # the engine's full result, when the model ran
+    detail: str | None = None  # what the user should know: why the answer was hidden or cut
 
 
 @dataclass
@@ -50,6 +61,28 @@ class _Remembered:
 
 
 @dataclass
+class _Speculation:
+    """The completion that follows a shown suggestion, computed before the suggestion is accepted."""
+
+    key: str  # the cache key of the request at the end of the accepted suggestion
+    before: str  # the document text when the suggestion was shown
+    edit: Edit  # the suggestion
+    after: str  # the text once it is accepted
+    cancel: CancelFlag = field(default_factory=CancelFlag)
+    task: asyncio.Task[None] | None = None
+    done: bool = False  # its answer is in the cache
+
+    def still_useful(self, text: str) -> bool:
+        """Whether the document is the accepted text, or on its way there (the suggestion partly typed out)."""
+        if text == self.after:
+            return True
+        prefix, rest = self.before[: self.edit.start], self.before[self.edit.start :]
+        if len(text) < len(prefix) + len(rest) or not text.startswith(prefix) or not text.endswith(rest):
+            return False
+        return self.edit.text.startswith(text[len(prefix) : len(text) - len(rest)])
+
+
+@dataclass
 class Stats:
     requests: int = 0
     model_calls: int = 0
@@ -58,6 +91,11 @@ class Stats:
     errors: int = 0  # model calls that failed (the engine refused the request, went away, or broke)
     last_error: str | None = None
     by_source: dict[str, int] = field(default_factory=dict)
+    hidden: int = 0  # answers below the confidence threshold, not shown
+    speculated: int = 0  # next suggestions computed ahead (started)
+    speculation_used: int = 0  # ...that answered a request
+    speculation_wasted: int = 0  # ...dropped unused (cancelled by a real request or a change, or never asked for)
+    heads: int = 0  # answers cut to their confident head
     # Per answered model call (the last 1,000): the backend call as the server waited on it (ms), and the engine's
     # own encode + denoise time within it (None from servers that do not say); the rest is transport and queueing.
     call_ms: deque[tuple[float, float | None]] = field(default_factory=lambda: deque(maxlen=1000))
@@ -67,11 +105,14 @@ class Completer:
     def __init__(self, backend: LocalBackend | ResidentBackend | OpenAIBackend, config: ServerConfig):
         self.backend = backend
         self.config = config
-        self.cache: OrderedDict[str, str] = OrderedDict()  # context key -> model text (before shaping)
+        # context key -> the model's answer (text, and its tokens' texts and confidences), before shaping
+        self.cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.remembered: dict[str, _Remembered] = {}
         self.in_flight: dict[str, CancelFlag] = {}  # uri -> cancel flag of its newest request
         self.ids = itertools.count(1)
         self.stats = Stats()
+        self.speculations: dict[str, _Speculation] = {}  # uri -> the next suggestion computed ahead
+        self.last: tuple[str, Outcome] | None = None  # the last request's uri and outcome (for the status bar)
 
     async def complete(self, document: Document | None, line: int, character: int, invoked: bool = False) -> Outcome:
         """`invoked`: the user asked for a completion (a key, a command) rather than the editor on typing; the
@@ -82,6 +123,8 @@ class Completer:
         outcome.elapsed_ms = (time.perf_counter() - started) * 1000
         self.stats.requests += 1
         self.stats.by_source[outcome.source] = self.stats.by_source.get(outcome.source, 0) + 1
+        if document is not None:
+            self.last = (document.uri, outcome)
         log.info("request %d %s: %s in %.1f ms", request_id, document.uri if document else "?", outcome.source,
                  outcome.elapsed_ms)  # fmt: skip
         return outcome
@@ -115,12 +158,20 @@ class Completer:
         # 4. Cache, keyed on the context the model would see.
         overrides = self._overrides(context, invoked)
         key = self._key(document, context, overrides)
+        ahead = self.speculations.get(document.uri)
+        if ahead is not None and ahead.key == key and not ahead.done and ahead.task is not None:
+            await asyncio.shield(ahead.task)  # the answer is being computed ahead: join it
         if key in self.cache:
             self.cache.move_to_end(key)
             self.stats.cache_hits += 1
-            edit = checked_edit(document, context, self.cache[key], self.config.completion.max_lines)
-            self._remember(document, offset, edit)
-            return Outcome(edit, "cache", request_id, 0.0)
+            source = "cache"
+            if ahead is not None and ahead.key == key:
+                del self.speculations[document.uri]
+                self.stats.speculation_used += 1
+                source = "speculated"
+            outcome = self._answer(document, context, offset, self.cache[key], invoked, source, request_id)
+            self._speculate(document, outcome.edit)
+            return outcome
 
         # 5. Supersede the document's older request; debounce; call the model off the loop.
         cancel = CancelFlag()
@@ -134,6 +185,7 @@ class Completer:
                 await asyncio.sleep(self.config.completion.debounce_ms / 1000)
                 if cancel.is_set():
                     return nothing("superseded")
+            self._drop_speculations(running_only=True)  # real requests first
             self.stats.model_calls += 1
             called = time.perf_counter()
             result = await self.backend.infill(context.prefix, context.suffix, overrides, cancel, document.uri)
@@ -155,12 +207,36 @@ class Completer:
         # 6. Never answer for a document that has moved on.
         if document.version != version:
             return nothing("stale")
-        self._store(key, result["text"])
-        edit = checked_edit(document, context, result["text"], self.config.completion.max_lines)
-        self._remember(document, offset, edit)
-        return Outcome(edit, "model" if edit else "rejected", request_id, 0.0, result)
+        answer = {k: result[k] for k in _ANSWER_KEYS if k in result}
+        self._store(key, answer)
+        outcome = self._answer(document, context, offset, answer, invoked, "model", request_id)
+        outcome.result = result
+        self._speculate(document, outcome.edit)
+        return outcome
 
     # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _answer(self, document: Document, context: CompletionContext, offset: int, answer: dict[str, Any],
+                invoked: bool, source: str, request_id: int) -> Outcome:  # fmt: skip
+        """The model's answer as the edit to show (shaped and syntax-checked): whole when the user asked for it or
+        the model stands behind it, else its confident head, else nothing."""
+        options = self.config.completion
+        edit = checked_edit(document, context, answer["text"], options.max_lines)
+        threshold = options.min_confidence if options.min_confidence is not None else answer.get("min_confidence", 0)
+        detail = None
+        if edit is not None and not invoked and threshold > 0 and "score_kind" in answer:
+            score, head = judge(answer, edit.text, threshold)
+            if score < threshold:
+                why = f"confidence {score:.2f} below {threshold:.2f} ({answer['score_kind']} token probability)"
+                cut = checked_edit(document, context, head, options.max_lines) if options.show_head else None
+                if cut is None or not cut.text.strip():
+                    self.stats.hidden += 1
+                    self._remember(document, offset, None)
+                    return Outcome(None, "hidden", request_id, 0.0, detail=f"hidden: {why}")
+                self.stats.heads += 1
+                edit, detail = cut, f"cut to its confident head: {why}"
+        self._remember(document, offset, edit)
+        return Outcome(edit, source if edit else "rejected", request_id, 0.0, detail=detail)
 
     def _overrides(self, context: CompletionContext, invoked: bool) -> dict[str, Any]:
         options = self.config.completion
@@ -182,8 +258,61 @@ class Completer:
             digest.update(part.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
 
-    def _store(self, key: str, text: str) -> None:
-        self.cache[key] = text
+    # -- the next suggestion, computed ahead ---------------------------------------------------------------------
+
+    def _speculate(self, document: Document, edit: Edit | None) -> None:
+        """Start computing the completion that follows `edit` once it is accepted, in the background."""
+        if edit is None or not self.config.completion.speculate:
+            return
+        accepted = document.edited(edit.start, edit.end, edit.text)
+        context = build_context(accepted, edit.start + len(edit.text), self.config.completion)
+        key = None
+        if not isinstance(context, Skip):
+            overrides = self._overrides(context, invoked=False)
+            key = self._key(accepted, context, overrides)
+        running = self.speculations.get(document.uri)
+        if running is not None and running.key == key:
+            return  # the same suggestion again: its speculation stands
+        self._drop(document.uri)
+        if key is None or key in self.cache:
+            return
+        ahead = _Speculation(key, document.text, edit, accepted.text)
+        ahead.task = asyncio.get_running_loop().create_task(self._compute_ahead(ahead, context, overrides,
+                                                                                document.uri))  # fmt: skip
+        self.speculations[document.uri] = ahead
+        self.stats.speculated += 1
+
+    async def _compute_ahead(self, ahead: _Speculation, context: CompletionContext, overrides: dict[str, Any],
+                             uri: str) -> None:  # fmt: skip
+        try:
+            result = await self.backend.infill(context.prefix, context.suffix, overrides, ahead.cancel, uri,
+                                               background=True)  # fmt: skip
+        except (BackendNotReady, BackendError) as exc:  # real requests report the engine's errors
+            log.info("speculation for %s: %s", uri, exc)
+            return
+        if result is not None and not ahead.cancel.is_set():
+            self._store(ahead.key, {k: result[k] for k in _ANSWER_KEYS if k in result})
+            ahead.done = True
+
+    def changed(self, document: Document) -> None:
+        """After a change: drop the speculation the change made useless."""
+        ahead = self.speculations.get(document.uri)
+        if ahead is not None and not ahead.still_useful(document.text):
+            self._drop(document.uri)
+
+    def _drop(self, uri: str) -> None:
+        ahead = self.speculations.pop(uri, None)
+        if ahead is not None:
+            ahead.cancel.set()
+            self.stats.speculation_wasted += 1
+
+    def _drop_speculations(self, running_only: bool) -> None:
+        for uri, ahead in list(self.speculations.items()):
+            if not (running_only and ahead.done):
+                self._drop(uri)
+
+    def _store(self, key: str, answer: dict[str, Any]) -> None:
+        self.cache[key] = answer
         self.cache.move_to_end(key)
         while len(self.cache) > self.config.cache_size:
             self.cache.popitem(last=False)
@@ -211,6 +340,7 @@ class Completer:
         return Edit(offset, offset + replaced, shown[typed_len:])
 
     def forget(self, uri: str) -> None:
+        self._drop(uri)
         self.remembered.pop(uri, None)
         cancel = self.in_flight.pop(uri, None)
         if cancel is not None:

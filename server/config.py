@@ -56,6 +56,21 @@ class CompletionOptions:
     max_lines: int = 30
     # Wait this long after a keystroke before calling the model; a newer request in the meantime wins.
     debounce_ms: int = 0
+    # Completions asked for while typing are shown only when the model stands behind them: the answer's confidence
+    # score (`engine.confidence`) must reach this. None: the model's calibrated threshold (`canvas-ls bench
+    # calibrate` writes it into the model folder; 0 when it has none); 0: show everything. Invoked completions (a key,
+    # a command) are always shown.
+    min_confidence: float | None = None
+    # Below the threshold, show the answer's confident head (whole tokens from the start, cut where the score would
+    # fall under it) instead of nothing.
+    show_head: bool = True
+    # After a suggestion is shown, compute the one that follows it (once accepted) in the background, so that
+    # accepting answers at once. Never delays a real request: those cancel it.
+    speculate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"completion.min_confidence must be null or in [0, 1], got {self.min_confidence}")
 
 
 @dataclass

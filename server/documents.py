@@ -62,6 +62,14 @@ class Document:
         self.version = version
         return True
 
+    def edited(self, start: int, end: int, new_text: str) -> Document:
+        """A copy with text[start:end] replaced (its tree re-parsed incrementally); this document is unchanged.
+        What the document will be once an edit is accepted."""
+        copy = Document(self.uri, self.text, self.version, self.language, self.encoding, self.parser,
+                        self.tree.copy() if self.tree is not None else None)  # fmt: skip
+        copy._replace(start, end, new_text)
+        return copy
+
     def _apply_range(self, span: types.Range, new_text: str) -> None:
         index = self.index
         try:
@@ -70,7 +78,10 @@ class Document:
         except PositionError:  # a range past the end: clamp to the end of the text
             start = min(len(self.text), _safe_offset(index, span.start))
             end = min(len(self.text), _safe_offset(index, span.end))
-        start, end = min(start, end), max(start, end)
+        self._replace(min(start, end), max(start, end), new_text)
+
+    def _replace(self, start: int, end: int, new_text: str) -> None:
+        index = self.index
         start_point, old_end_point = index.point(start), index.point(end)
         start_byte = len(utf8(self.text[:start]))
         old_end_byte = start_byte + len(utf8(self.text[start:end]))

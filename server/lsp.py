@@ -152,7 +152,9 @@ def did_open(ls: CanvasServer, params: types.DidOpenTextDocumentParams) -> None:
 
 @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
 def did_change(ls: CanvasServer, params: types.DidChangeTextDocumentParams) -> None:
-    ls.documents.change(params)
+    document = ls.documents.change(params)
+    if document is not None:
+        ls.completer.changed(document)
 
 
 @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
@@ -214,6 +216,7 @@ async def fill(ls: CanvasServer, params: Any) -> dict[str, Any]:
     outcome, span = await _complete(ls, uri, types.Position(line, character))
     return {
         "source": outcome.source,
+        "detail": outcome.detail,
         "elapsedMs": round(outcome.elapsed_ms, 2),
         "edit": None if span is None or outcome.edit is None else {
             "range": ls.protocol._converter.unstructure(span), "text": outcome.edit.text,
@@ -232,6 +235,22 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "modelCalls": counters.model_calls,
         "cacheHits": counters.cache_hits,
         "typingHits": counters.typing_hits,
+        "hidden": counters.hidden,
+        "heads": counters.heads,
+        "speculation": {
+            "started": counters.speculated,
+            "used": counters.speculation_used,
+            "wasted": counters.speculation_wasted,
+            "running": sum(not ahead.done for ahead in ls.completer.speculations.values()),
+            "ready": sum(ahead.done for ahead in ls.completer.speculations.values()),
+        },
+        "last": None
+        if ls.completer.last is None
+        else {
+            "uri": ls.completer.last[0],
+            "source": ls.completer.last[1].source,
+            "detail": ls.completer.last[1].detail,
+        },  # the last completion request: what it gave, or why nothing was shown
         "errors": counters.errors,
         "lastError": counters.last_error,
         "bySource": [{"source": k, "count": v} for k, v in counters.by_source.items()],

@@ -182,6 +182,92 @@ async def test_typing_through_is_answered_without_a_model_call(client: LanguageC
     assert stats["modelCalls"] == calls and stats["typingHits"] == 1
 
 
+async def test_answers_the_model_does_not_stand_behind_are_hidden_or_cut_while_typing(
+    client: LanguageClient, writing_model_dir: Path
+) -> None:
+    """min_confidence: a typing request's answer under it is hidden (or cut to its confident head); a request the
+    user invoked is shown whole; canvas/fill and canvas/stats say why. One model call: the cache re-decides."""
+    from engine.confidence import judge
+
+    def configure(**completion: Any) -> None:
+        settings = {"canvas-ls": options(writing_model_dir, max_steps=4, **completion)}
+        client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
+
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    first = await fill(client, "a.py", COMMENT_POS)  # the tiny model is uncalibrated: its threshold is 0
+    assert first["source"] == "model" and first["result"]["min_confidence"] == 0 and first["detail"] is None
+    configure(min_confidence=1.0, show_head=False)
+    hidden = await fill(client, "a.py", COMMENT_POS)
+    assert hidden["source"] == "hidden" and hidden["edit"] is None
+    assert hidden["detail"].startswith("hidden: confidence ") and "below 1.00" in hidden["detail"]
+    assert await inline(client, "a.py", COMMENT_POS) == []
+    stats = await request(client, "canvas/stats", {})
+    assert stats["hidden"] == 2 and stats["last"]["source"] == "hidden" and stats["modelCalls"] == 1
+    invoked = await inline(client, "a.py", COMMENT_POS, types.InlineCompletionTriggerKind.Invoked)
+    assert len(invoked) == 1 and invoked[0].insert_text.strip()  # asked for: always shown
+    # At the first token's own confidence, the answer is shown whole or cut to its confident head.
+    result, shown = first["result"], first["edit"]["text"]
+    threshold = result["confidence"][0]
+    configure(min_confidence=threshold, show_head=True)
+    score, head = judge(result, shown, threshold)
+    cut = await fill(client, "a.py", COMMENT_POS)
+    expected = head.split("\n", 1)[0].rstrip()  # the head as a single-line completion is shaped
+    if score >= threshold:
+        assert (cut["edit"]["text"], cut["detail"]) == (shown, None)
+    elif expected:
+        assert cut["edit"]["text"] == expected and shown.startswith(expected)
+        assert cut["detail"].startswith("cut to its confident head")
+    else:  # the first token alone writes only whitespace
+        assert cut["source"] == "hidden"
+    configure(min_confidence=0)  # 0 shows everything
+    assert (await fill(client, "a.py", COMMENT_POS))["edit"]["text"] == shown
+    assert (await request(client, "canvas/stats", {}))["modelCalls"] == 2  # the invoked request's own call
+
+
+async def accept(client: LanguageClient, name: str, at: types.Position, text: str, version: int) -> types.Position:
+    """Insert `text` at `at` as the editor does when a suggestion is accepted; the cursor after it."""
+    client.text_document_did_change(
+        types.DidChangeTextDocumentParams(
+            text_document=types.VersionedTextDocumentIdentifier(uri=uri(name), version=version),
+            content_changes=[types.TextDocumentContentChangePartial(range=types.Range(at, at), text=text)],
+        )
+    )
+    encoding = client.init_result.capabilities.position_encoding
+    width = len(text.encode("utf-8")) if encoding == "utf-8" else len(text.encode("utf-16-le")) // 2
+    return types.Position(at.line, at.character + width)
+
+
+async def speculation(client: LanguageClient, until: str, at_least: int = 1) -> dict[str, int]:
+    for _ in range(600):
+        counts = (await request(client, "canvas/stats", {}))["speculation"]
+        if counts[until] >= at_least:
+            return counts
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no speculation {until}: {counts}")
+
+
+async def test_the_next_suggestion_is_ready_when_one_is_accepted(client: LanguageClient) -> None:
+    """After a suggestion is shown, the one that follows it is computed in the background; accepting it is
+    answered from that, without a model call. A change that leaves the suggestion drops it (wasted)."""
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    shown = (await fill(client, "a.py", COMMENT_POS))["edit"]["text"]
+    await speculation(client, "ready")
+    calls = (await request(client, "canvas/stats", {}))["modelCalls"]
+    after = await accept(client, "a.py", COMMENT_POS, shown, 2)
+    answered = await fill(client, "a.py", after)
+    stats = await request(client, "canvas/stats", {})
+    assert answered["source"] == "speculated" and stats["modelCalls"] == calls
+    assert stats["speculation"]["used"] == 1 and stats["speculation"]["wasted"] == 0
+    # the speculation started after that answer is dropped by a change that leaves its suggestion behind
+    await speculation(client, "started", 2)
+    nxt = (answered["edit"] or {"text": ""})["text"]
+    await accept(client, "a.py", after, "y" if nxt.startswith("x") else "x", 3)
+    counts = await speculation(client, "wasted")
+    assert counts["running"] == counts["ready"] == 0
+
+
 async def test_completion_fallback_returns_one_text_edit(client: LanguageClient) -> None:
     await wait_ready(client)
     open_doc(client, "a.py", COMMENT_DOC)

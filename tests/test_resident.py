@@ -380,6 +380,44 @@ def test_concurrent_requests_share_decoder_forwards(unix_engine: httpx.Client) -
     assert float(batched[0].split()[-1]) < float(count[0].split()[-1])  # at least one batch held 2+ requests
 
 
+def test_background_work_waits_for_real_requests_and_yields_to_them(unix_engine: httpx.Client) -> None:
+    """priority "background" (an editor's next suggestion, computed ahead): it waits while a real request runs,
+    and a real request that arrives stops it before the next step (499, counted)."""
+    import concurrent.futures
+
+    path = unix_engine.socket_path  # type: ignore[attr-defined]
+    endless = {"max_new_tokens": 16, "gap_tokens": 16, "max_steps": 300, "stability_threshold": 1000,
+               "confidence_threshold": 1e-9}  # every step runs: ~1 s of denoising  # fmt: skip
+
+    def post(body: dict[str, Any]) -> tuple[int, float]:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine", timeout=120) as c:
+            status = c.post("/v1/infill", json=body).status_code
+            return status, time.monotonic()
+
+    def preempted() -> float:
+        line = next(x for x in unix_engine.get("/metrics").text.splitlines()
+                    if x.startswith("canvas_background_preempted_total "))  # fmt: skip
+        return float(line.split()[1])
+
+    before = preempted()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        background = pool.submit(post, {**BODY, "settings": endless, "priority": "background", "document": "d"})
+        while unix_engine.get("/health").json()["queue"] < 1:
+            time.sleep(0.01)
+        time.sleep(0.2)  # it is denoising now
+        real = post(BODY)
+        assert real[0] == 200 and background.result()[0] == 499
+    assert preempted() == before + 1
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the other way round: it waits, then runs
+        real_future = pool.submit(post, {**BODY, "settings": endless})
+        while unix_engine.get("/health").json()["queue"] < 1:
+            time.sleep(0.01)
+        background_status, background_done = post({**BODY, "priority": "background"})
+        real_status, real_done = real_future.result()
+    assert (real_status, background_status) == (200, 200) and background_done >= real_done
+    assert unix_engine.post("/v1/infill", json={**BODY, "priority": "urgent"}).status_code == 400
+
+
 def test_fill_takes_segments_and_answers_per_gap(unix_engine: httpx.Client) -> None:
     segments = [{"text": "def add(a, b):\n    "}, {"hole": True}, {"text": "\n\n\ndef sub(a, b):\n    "},
                 {"rewrite": "return a + b", "strength": 0.5}, {"text": "\n"}]  # fmt: skip

@@ -10,6 +10,7 @@ export interface CanvasSettings {
   enabledLanguages: string[];
   gapTokens: { singleLine?: number; multiLine?: number };
   rewriteStrength: number;
+  minConfidence: number | null; // null: the model's calibrated threshold; 0: show every answer
 }
 
 export const DEFAULT_SETTINGS: CanvasSettings = {
@@ -23,6 +24,7 @@ export const DEFAULT_SETTINGS: CanvasSettings = {
   ],
   gapTokens: { singleLine: 16, multiLine: 32 },
   rewriteStrength: 0.5,
+  minConfidence: null,
 };
 
 export interface ServerCommand {
@@ -40,13 +42,31 @@ export function serverCommand(settings: CanvasSettings): ServerCommand {
 
 // The server's option tree (server/config.py): engine, completion, languages.
 export function initializationOptions(settings: CanvasSettings): Record<string, unknown> {
-  const completion: Record<string, number> = {};
+  const completion: Record<string, number | null> = {};
   if (settings.gapTokens.singleLine) completion.gap_tokens_single_line = settings.gapTokens.singleLine;
   if (settings.gapTokens.multiLine) completion.gap_tokens_multi_line = settings.gapTokens.multiLine;
+  if (typeof settings.minConfidence === "number") completion.min_confidence = settings.minConfidence;
   return {
     engine: { model: settings.model || null, device: settings.device || "auto", backend: settings.backend || "resident" },
     completion,
   };
+}
+
+// `canvas/stats`' account of the last completion request: what it gave, or why nothing was shown.
+export interface LastOutcome {
+  uri: string;
+  source: string;
+  detail: string | null;
+}
+
+// The status bar's note for a request that showed nothing (or a cut answer); undefined when there is nothing to say.
+export function outcomeNote(last: LastOutcome | null): string | undefined {
+  if (!last) return undefined;
+  if (last.detail) return last.detail;
+  if (last.source === "rejected") return "the answer failed the syntax check";
+  if (last.source.startsWith("error:")) return last.source.slice("error:".length);
+  if (last.source.startsWith("skip:")) return last.source.slice("skip:".length);
+  return undefined;
 }
 
 // `canvas/fillRegions`: the commands "Fill holes" (the placeholders of the function or class at the cursor) and

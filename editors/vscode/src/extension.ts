@@ -14,6 +14,8 @@ import {
   fillHolesParams,
   fillMessage,
   initializationOptions,
+  LastOutcome,
+  outcomeNote,
   rewriteParams,
   serverCommand,
 } from "./config";
@@ -35,14 +37,27 @@ function readSettings(): CanvasSettings {
     enabledLanguages: c.get("enabledLanguages", DEFAULT_SETTINGS.enabledLanguages),
     gapTokens: c.get("gapTokens", DEFAULT_SETTINGS.gapTokens),
     rewriteStrength: c.get("rewriteStrength", DEFAULT_SETTINGS.rewriteStrength),
+    minConfidence: c.get("minConfidence", DEFAULT_SETTINGS.minConfidence),
   };
 }
 
-function showStatus(state: string): void {
+function showStatus(state: string, note?: string): void {
   const icon = !enabled ? "$(circle-slash)" : state === "ready" ? "$(check)" : state === "failed" ? "$(error)" : "$(sync~spin)";
   const latency = lastLatencyMs === undefined ? "" : ` ${Math.round(lastLatencyMs)} ms`;
-  status.text = `${icon} canvas-ls${enabled ? latency : ""}`;
-  status.tooltip = `canvas-ls: engine ${state}${enabled ? "" : " (inline completion off)"}. Click to toggle.`;
+  const shown = note === undefined ? "" : note.startsWith("hidden") ? " (hidden)" : note.startsWith("cut") ? " (cut)" : "";
+  status.text = `${icon} canvas-ls${enabled ? latency + shown : ""}`;
+  const why = note === undefined ? "" : `\nLast completion: ${note}`;
+  status.tooltip = `canvas-ls: engine ${state}${enabled ? "" : " (inline completion off)"}.${why}\nClick to toggle.`;
+}
+
+// After a request that showed nothing (or a cut answer), the server's reason, in the status bar.
+async function explain(running: LanguageClient): Promise<void> {
+  try {
+    const stats = await running.sendRequest<{ engine: { state: string }; last: LastOutcome | null }>("canvas/stats", {});
+    showStatus(stats.engine.state, outcomeNote(stats.last));
+  } catch {
+    // the server went away: the client reports that itself
+  }
 }
 
 async function pollEngine(): Promise<void> {
@@ -74,6 +89,7 @@ async function start(): Promise<void> {
         const result = await next(document, position, context, token);
         lastLatencyMs = Date.now() - started;
         showStatus("ready");
+        if (client) void explain(client);
         return result;
       },
     },

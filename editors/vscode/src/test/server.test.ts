@@ -27,6 +27,7 @@ import {
   fillHolesParams,
   fillMessage,
   initializationOptions,
+  outcomeNote,
   rewriteParams,
   serverCommand,
 } from "../config";
@@ -71,6 +72,17 @@ test("settings become the server's option tree", () => {
   assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, { model: null, device: "auto", backend: "resident" });
   const local = initializationOptions({ ...DEFAULT_SETTINGS, backend: "local" }).engine as { backend: string };
   assert.equal(local.backend, "local");
+  const strict = initializationOptions({ ...DEFAULT_SETTINGS, minConfidence: 0 }).completion as Record<string, unknown>;
+  assert.equal(strict.min_confidence, 0); // 0 is a value (show everything), not "unset"
+});
+
+test("the status bar's note says why nothing was shown", () => {
+  const hidden = "hidden: confidence 0.12 below 0.40 (geometric token probability)";
+  assert.equal(outcomeNote({ uri: "u", source: "hidden", detail: hidden }), hidden);
+  assert.equal(outcomeNote({ uri: "u", source: "rejected", detail: null }), "the answer failed the syntax check");
+  assert.equal(outcomeNote({ uri: "u", source: "skip:inside an identifier", detail: null }), "inside an identifier");
+  assert.equal(outcomeNote({ uri: "u", source: "model", detail: null }), undefined);
+  assert.equal(outcomeNote(null), undefined);
 });
 
 test("the fill commands' requests, and what the user is told", () => {

@@ -1,0 +1,251 @@
+"""`canvas-ls bench calibrate`: which confidence score tells good answers from bad, and the threshold to show them.
+
+On a calibration set (single lines of held-out files: a training corpus's held-out split, or a repository's after
+`canvas-ls train --corpus`; never the evaluation set) every task is completed as the server asks while typing (one
+line, the cursor after the indentation). An answer is good when it is exact (whitespace-normalised), passes the
+task's tests, or has edit similarity >= 0.7 with the solution. Per score (`engine.confidence.SCORES`): the area
+under the ROC curve over the answers that wrote something (0.5: no better than chance), and precision (share of
+shown answers that are good) against coverage (share of all requests that show one) over every threshold. The
+score with the best area is chosen, and the lowest threshold whose precision reaches the target (with at least
+`min_shown` answers shown); when no threshold reaches it, the one with the best precision, and the report says the
+target was missed. The same threshold is then applied to the evaluation set (HumanEval), and the answers it hides
+are cut to their confident heads (`confident_head`) to measure how often a head is a correct start of the solution.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.bench import edit_similarity, load_tasks, machine, normalise, passes
+from engine.confidence import SCORES, confident_head, sequence_score, shown_tokens
+from engine.engine import Engine
+from engine.settings import MODEL_SETTINGS_FILE
+
+GOOD_SIMILARITY = 0.7
+# What the server asks for while typing a line (server.config.CompletionOptions' single-line defaults).
+TYPING = {"single_line": True, "gap_tokens": 16, "max_new_tokens": 48}
+
+
+def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: bool,
+                progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Each task completed once; its text, per-token confidences and texts, scores and labels."""
+    tasks = load_tasks(dataset, limit, cursor="indented")
+    rows = []
+    for number, task in enumerate(tasks, 1):
+        result = engine.infill(task.prompt, task.suffix, TYPING)
+        text = result.text.split("\n", 1)[0]  # what the editor shows of a one-line completion
+        count = shown_tokens(result.token_texts, result.healed, text)  # the tokens that write it
+        confidence, token_texts = result.confidence[:count], result.token_texts[:count]
+        written = bool(text.strip())
+        solution = task.solution.rstrip("\r\n")
+        exact = written and normalise(text) == normalise(solution)
+        passed = passes(task, text + "\n") if run_tests and written and task.test and task.entry_point else None
+        similarity = edit_similarity(text, solution)
+        rows.append({
+            "task_id": task.task_id,
+            "text": text,
+            "solution": solution,
+            "written": written,
+            "exact": exact,
+            "passed": passed,
+            "edit_similarity": round(similarity, 4),
+            "good": written and (exact or bool(passed) or similarity >= GOOD_SIMILARITY),
+            "scores": {kind: round(sequence_score(confidence, kind), 6) for kind in SCORES},
+            "confidence": confidence,
+            "token_texts": token_texts,
+            "healed": result.healed,
+        })  # fmt: skip
+        if progress is not None:
+            progress(number, len(tasks))
+    return rows
+
+
+def auroc(scores: list[float], labels: list[bool]) -> float | None:
+    """Probability that a good answer outscores a bad one (ties count half); None without both kinds."""
+    good = [s for s, label in zip(scores, labels, strict=True) if label]
+    bad = [s for s, label in zip(scores, labels, strict=True) if not label]
+    if not good or not bad:
+        return None
+    wins = sum((g > b) + 0.5 * (g == b) for g in good for b in bad)
+    return wins / (len(good) * len(bad))
+
+
+def curve(rows: list[dict[str, Any]], kind: str) -> list[dict[str, float]]:
+    """Precision and coverage at each threshold (each written answer's score), from showing all to showing one."""
+    written = sorted((r for r in rows if r["written"]), key=lambda r: -r["scores"][kind])
+    points, good = [], 0
+    for shown, row in enumerate(written, 1):
+        good += row["good"]
+        nxt = written[shown]["scores"][kind] if shown < len(written) else None
+        if nxt == row["scores"][kind]:
+            continue  # a threshold shows every answer with this score or more
+        points.append({"threshold": row["scores"][kind], "shown": shown, "coverage": shown / max(len(rows), 1),
+                       "precision": good / shown})  # fmt: skip
+    return points[::-1]  # lowest threshold (most shown) first
+
+
+def at_threshold(rows: list[dict[str, Any]], kind: str, threshold: float) -> dict[str, Any]:
+    """Coverage and precision when answers scoring under `threshold` are hidden; and their confident heads."""
+    shown = [r for r in rows if r["written"] and r["scores"][kind] >= threshold]
+    hidden = [r for r in rows if r["written"] and r["scores"][kind] < threshold]
+    heads = [(r, confident_head(r["token_texts"], r["confidence"], kind, threshold, r["healed"])) for r in hidden]
+    heads = [(r, head) for r, head in heads if head.strip()]
+    right = [r for r, head in heads if normalise(r["solution"]).startswith(normalise(head))]
+    return {
+        "threshold": threshold,
+        "tasks": len(rows),
+        "written": sum(r["written"] for r in rows),
+        "shown": len(shown),
+        "coverage": len(shown) / max(len(rows), 1),
+        "precision": statistics.fmean(r["good"] for r in shown) if shown else None,
+        "precision_all_written": statistics.fmean(r["good"] for r in rows if r["written"]) if any(
+            r["written"] for r in rows) else None,
+        "exact_shown": sum(r["exact"] for r in shown),
+        "heads_shown": len(heads),
+        "heads_correct_start": len(right),
+        "mean_head_chars": statistics.fmean(len(h) for _, h in heads) if heads else None,
+    }  # fmt: skip
+
+
+def choose(points: list[dict[str, float]], target: float, min_shown: int) -> tuple[float, bool]:
+    """The lowest threshold reaching `target` precision with at least `min_shown` answers; else the best
+    precision's (lowest threshold among ties). Returns (threshold, target met)."""
+    supported = [p for p in points if p["shown"] >= min_shown] or points
+    if not supported:
+        return 0.0, False
+    for point in supported:
+        if point["precision"] >= target:
+            return point["threshold"], True
+    best = max(p["precision"] for p in supported)
+    return next(p["threshold"] for p in supported if p["precision"] == best), False
+
+
+def run_calibrate(engine: Engine, calibration: Path, evaluation: Path | None, limit: int | None, target: float,
+                  min_shown: int, run_tests: bool, progress: Callable[[str, int, int], None] | None = None,
+                  ) -> dict[str, Any]:  # fmt: skip
+    def step(name: str) -> Callable[[int, int], None] | None:
+        return None if progress is None else lambda done, total: progress(name, done, total)
+
+    rows = answer_rows(engine, calibration, limit, run_tests, step("calibration"))
+    labels = [r["good"] for r in rows if r["written"]]
+    areas = {kind: auroc([r["scores"][kind] for r in rows if r["written"]], labels) for kind in SCORES}
+    kind = max(SCORES, key=lambda k: -1 if areas[k] is None else areas[k])
+    points = {k: curve(rows, k) for k in SCORES}
+    threshold, met = choose(points[kind], target, min_shown)
+    report: dict[str, Any] = {
+        "model": engine.name,
+        "dtype": engine.dtype,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "target_precision": target,
+        "min_shown": min_shown,
+        "good_means": f"exact, passing, or edit similarity >= {GOOD_SIMILARITY}",
+        "score": kind,
+        "threshold": threshold,
+        "target_met": met,
+        "calibration": {
+            "dataset": str(calibration),
+            "auroc": areas,
+            "at_threshold": at_threshold(rows, kind, threshold),
+            "shown_all": at_threshold(rows, kind, 0.0),
+            "curves": points,
+            "rows": rows,
+        },
+    }
+    if evaluation is not None:
+        eval_rows = answer_rows(engine, evaluation, limit, run_tests, step("evaluation"))
+        eval_labels = [r["good"] for r in eval_rows if r["written"]]
+        report["evaluation"] = {
+            "dataset": str(evaluation),
+            "auroc": {k: auroc([r["scores"][k] for r in eval_rows if r["written"]], eval_labels) for k in SCORES},
+            "at_threshold": at_threshold(eval_rows, kind, threshold),
+            "shown_all": at_threshold(eval_rows, kind, 0.0),
+            "curves": {kind: curve(eval_rows, kind)},
+            "rows": eval_rows,
+        }
+    return report
+
+
+def write_threshold(model_dir: Path, report: dict[str, Any]) -> Path:
+    """The chosen score and threshold into the model folder's canvas_ls.json ("display"), with how they were found."""
+    path = model_dir / MODEL_SETTINGS_FILE
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    found = report["calibration"]["at_threshold"]
+    record["display"] = {
+        "score": report["score"],
+        "min_confidence": report["threshold"],
+        "calibrated": {
+            "date": report["date"],
+            "set": Path(report["calibration"]["dataset"]).name,
+            "tasks": found["tasks"],
+            "target_precision": report["target_precision"],
+            "target_met": report["target_met"],
+            "precision": found["precision"],
+            "coverage": found["coverage"],
+            "auroc": report["calibration"]["auroc"],
+        },
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def format_calibrate(report: dict[str, Any]) -> str:
+    lines = [f"model {report['model']} ({report['dtype']}); {report['machine']}",
+             f"good = {report['good_means']}; target precision {_pct(report['target_precision'])}%", ""]  # fmt: skip
+    sets = [("calibration", report["calibration"])] + ([("evaluation", report["evaluation"])]
+                                                        if "evaluation" in report else [])  # fmt: skip
+    lines.append(f"{'AUROC':<14}" + "".join(f"{kind:>11}" for kind in SCORES))
+    for name, part in sets:
+        lines.append(f"{name:<14}" + "".join(f"{_pct(part['auroc'][k]):>11}" for k in SCORES))
+    met = "met" if report["target_met"] else "MISSED: the best precision any threshold gives"
+    lines += ["", f"chosen: score '{report['score']}', threshold {report['threshold']:.4f} (target {met})", ""]
+    header = f"{'':<14}{'threshold':>10}{'tasks':>7}{'written':>9}{'shown':>7}{'coverage':>10}{'precision':>11}"
+    lines.append(header + f"{'exact':>7}{'heads':>7}{'head ok':>9}")
+    for name, part in sets:
+        for label, row in (("all", part["shown_all"]), ("threshold", part["at_threshold"])):
+            lines.append(
+                f"{name + ' ' + label[:3]:<14}{row['threshold']:>10.4f}{row['tasks']:>7}{row['written']:>9}"
+                f"{row['shown']:>7}{_pct(row['coverage']):>10}{_pct(row['precision']):>11}{row['exact_shown']:>7}"
+                f"{row['heads_shown']:>7}{row['heads_correct_start']:>9}"
+            )
+    return "\n".join(lines)
+
+
+def plot_calibrate(report: dict[str, Any], path: Path) -> Path:
+    """Precision against coverage, each score on the calibration set and the chosen one on the evaluation set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for kind in SCORES:
+        points = report["calibration"]["curves"][kind]
+        axis.plot([p["coverage"] for p in points], [p["precision"] for p in points], label=f"calibration, {kind}")
+    if "evaluation" in report:
+        points = report["evaluation"]["curves"][report["score"]]
+        axis.plot([p["coverage"] for p in points], [p["precision"] for p in points], "k--",
+                  label=f"evaluation, {report['score']}")  # fmt: skip
+    chosen = report["calibration"]["at_threshold"]
+    if chosen["precision"] is not None:
+        axis.plot([chosen["coverage"]], [chosen["precision"]], "ro", label=f"threshold {report['threshold']:.3f}")
+    axis.axhline(report["target_precision"], color="grey", linewidth=0.8, linestyle=":")
+    axis.set_xlabel("coverage (share of requests that show an answer)")
+    axis.set_ylabel("precision (share of shown answers that are good)")
+    axis.set_ylim(0, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    axis.set_title(f"confidence calibration ({report['model']})", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -1,0 +1,103 @@
+"""Confidence scores, confident heads, and `canvas-ls bench calibrate` writing a threshold the engine then reports."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.bench_calibrate import auroc, choose, curve
+from engine.confidence import Display, confident_head, judge, sequence_score, shown_tokens
+from tests.conftest import FIXTURES
+from tests.test_cli import canvas_ls
+
+
+def test_the_three_scores() -> None:
+    confidence = [0.9, 0.5, 0.8]
+    assert sequence_score(confidence, "min") == 0.5
+    assert sequence_score(confidence, "mean") == pytest.approx(2.2 / 3)
+    assert sequence_score(confidence, "geometric") == pytest.approx((0.9 * 0.5 * 0.8) ** (1 / 3))
+    assert sequence_score([], "geometric") == 1.0  # nothing to doubt (and nothing is shown)
+    assert math.isfinite(math.log(sequence_score([0.0, 0.9], "geometric")))  # a rounded-to-0 token stays finite
+    with pytest.raises(ValueError, match="unknown confidence score 'max'"):
+        sequence_score(confidence, "max")
+
+
+def test_the_confident_head_is_whole_tokens_from_the_start() -> None:
+    texts, confidence = [" (x", " +", " y", ")"], [0.9, 0.8, 0.2, 0.95]
+    assert confident_head(texts, confidence, "min", 0.5) == " (x +"
+    assert confident_head(texts, confidence, "min", 0.95) == ""  # the first token falls short
+    # geometric: the run stops being kept once its mean log falls under the threshold, and may recover after
+    assert confident_head(texts, confidence, "geometric", 0.6) == " (x + y)"
+    assert confident_head(texts, confidence, "geometric", 0.7) == " (x +"
+    # the healed prefix text (re-written by the first token) is not part of the head
+    assert confident_head(["  return", " x"], [0.9, 0.3], "min", 0.5, healed="  ") == "return"
+
+
+def test_only_the_tokens_that_write_what_is_shown_are_judged() -> None:
+    texts = ["  if", " x", ":\n", "        junk", " more"]
+    assert shown_tokens(texts, "  ", "if x:") == 3  # the first line (healed indentation first)
+    assert shown_tokens(texts, "  ", "if x") == 2
+    assert shown_tokens(texts, "  ", "something else") == 5  # not a start of the answer: all tokens
+    answer = {"token_texts": texts, "confidence": [0.9, 0.9, 0.9, 0.01, 0.01], "score_kind": "min", "healed": "  "}
+    score, head = judge(answer, "if x:", 0.5)
+    assert score == 0.9 and head == "if x:\n"  # the junk after the line break does not count
+
+
+def test_display_settings_are_checked() -> None:
+    assert Display.from_record(None) == Display("geometric", 0.0)
+    assert Display.from_record({"score": "min", "min_confidence": 0.3, "calibrated": {}}) == Display("min", 0.3)
+    for bad in ({"score": "max"}, {"min_confidence": 2}):
+        with pytest.raises(ValueError, match="bad display settings"):
+            Display.from_record(bad)
+
+
+def _rows(pairs: list[tuple[float, bool]]) -> list[dict]:
+    return [{"written": True, "good": good, "scores": {"min": score}} for score, good in pairs]
+
+
+def test_auroc_curve_and_the_chosen_threshold() -> None:
+    rows = _rows([(0.9, True), (0.8, True), (0.7, False), (0.4, True), (0.3, False), (0.1, False)])
+    rows.append({"written": False, "good": False, "scores": {"min": 1.0}})  # empty: never shown, still a request
+    labels = [r["good"] for r in rows if r["written"]]
+    assert auroc([r["scores"]["min"] for r in rows if r["written"]], labels) == pytest.approx(8 / 9)
+    assert auroc([0.5, 0.5], [True, False]) == 0.5 and auroc([0.5], [True]) is None
+    points = curve(rows, "min")
+    assert [p["threshold"] for p in points] == [0.1, 0.3, 0.4, 0.7, 0.8, 0.9]  # most shown first
+    assert points[0]["coverage"] == pytest.approx(6 / 7) and points[0]["precision"] == 0.5
+    assert points[2] == {"threshold": 0.4, "shown": 4, "coverage": pytest.approx(4 / 7), "precision": 0.75}
+    assert choose(points, 0.75, 1) == (0.4, True)  # the lowest threshold that reaches the target
+    assert choose(points, 0.75, 5) == (0.3, False)  # with 5 shown at least, 0.6 is the best there is
+    assert choose(points, 1.0, 1) == (0.8, True)
+
+
+def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)  # the session's tiny model stays uncalibrated for the other tests
+    corpus = tmp_path / "corpus.jsonl.gz"
+    source = (FIXTURES / "python" / "stats.py").read_text()
+    with gzip.open(corpus, "wt") as out:
+        out.write(json.dumps({"path": "stats.py", "language": "python", "source": "test", "text": source}) + "\n")
+    out = tmp_path / "calibrate.json"
+    done = canvas_ls("bench", "calibrate", "--calibration", str(corpus), "--dataset", str(FIXTURES / "bench" /
+                     "tiny-infill.jsonl"), "--limit", "4", "--min-shown", "1", "--model", str(model), "--set",
+                     "max_steps=4", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "AUROC" in done.stdout and "written:" in done.stdout
+    report = json.loads(out.read_text())
+    assert len(report["calibration"]["rows"]) == 4 and len(report["evaluation"]["rows"]) == 3
+    assert report["calibration"]["rows"][0]["task_id"].startswith("stats.py:")
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    display = json.loads((model / "canvas_ls.json").read_text())["display"]
+    assert display["score"] == report["score"] and display["min_confidence"] == report["threshold"]
+    assert json.loads((model / "canvas_ls.json").read_text())["infill"]["layout"] == "canvas"  # the rest kept
+
+    from engine import Engine
+
+    result = Engine.load(str(model), "cpu", {"max_steps": 4}).infill("def f(x):\n    return ", "\n")
+    assert (result.score_kind, result.min_confidence) == (report["score"], report["threshold"])
+    assert result.score == pytest.approx(sequence_score(result.confidence, result.score_kind), abs=1e-3)
