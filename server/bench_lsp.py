@@ -2,9 +2,12 @@
 
 A real LSP client (pygls) starts `canvas-ls serve` over stdio, opens the fixtures, and sends inline-completion
 requests: "cold" ones at line ends across the files (each context new to the server), and after each cold answer
-that offered text, a "typing" one where the user has typed the completion's first characters (the server should
-answer from what is on screen, with no model call). Reported: p50/p95 per kind, the cache hit rate and the model
-calls, from the server's own counters.
+that offered text, a "typing" one where the user, after a pause to read it (`think_ms`), has typed the
+completion's first characters (the server should answer from what is on screen, with no model call), then an
+"accepted" one where the rest of the suggestion is accepted and the editor asks at its end (the server should have
+computed that next suggestion in the background meanwhile). Reported: p50/p95 per kind, accepted ones split by
+whether the speculation answered, the share it answered, the cache hit rate and the model calls, from the server's
+own counters. Every answer is shown (`min_confidence` 0), so that the figures measure the path, not the threshold.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def _positions(text: str) -> list[tuple[int, int]]:
     return spots
 
 
-async def _drive(command: list[str], files: list[Path], requests: int, init: dict[str, Any]) -> dict[str, Any]:
+async def _drive(command: list[str], files: list[Path], requests: int, init: dict[str, Any],
+                 think_ms: float) -> dict[str, Any]:  # fmt: skip
     client = LanguageClient("canvas-ls-bench", "1")
     for method in (types.WINDOW_LOG_MESSAGE, types.WINDOW_SHOW_MESSAGE, types.PROGRESS):
         client.feature(method)(lambda *args: None)
@@ -57,6 +61,7 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
     spots = [spots[int(i * len(spots) / requests)] for i in range(min(requests, len(spots)))]
     cold: list[float] = []
     typing: list[float] = []
+    accepted: dict[str, list[float]] = {"speculated": [], "other": []}
     versions: dict[Path, int] = {}
     for path, (line, character) in spots:
         uri = path.resolve().as_uri()
@@ -72,25 +77,37 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         cold.append((time.perf_counter() - started) * 1000)
         if not items or len(items[0].insert_text) < 2:
             continue
-        typed = items[0].insert_text[: min(3, len(items[0].insert_text) - 1)]
-        at = types.Position(line, character)
-        client.text_document_did_change(
-            types.DidChangeTextDocumentParams(
-                types.VersionedTextDocumentIdentifier(version=version + 1000, uri=uri),
-                [types.TextDocumentContentChangePartial(range=types.Range(at, at), text=typed)],
-            )
-        )
+        await asyncio.sleep(think_ms / 1000)  # the user reads the suggestion
+        shown = items[0]
+        typed = shown.insert_text[: min(3, len(shown.insert_text) - 1)]
+        at = _insert(client, uri, version + 1000, types.Position(line, character), typed)
         started = time.perf_counter()
-        await _inline(client, uri, line, character + len(typed.encode("utf-16-le")) // 2)
+        await _inline(client, uri, at.line, at.character)
         typing.append((time.perf_counter() - started) * 1000)
+        # Accept the rest (Tab): the suggestion's range is replaced, the cursor goes to its end.
+        rest = shown.insert_text[len(typed) :]
+        end = _insert(client, uri, version + 2000, at, rest, shown.range.end if shown.range else None, len(typed))
+        before = (await client.protocol.send_request_async("canvas/stats", {})).speculation.used
+        started = time.perf_counter()
+        await _inline(client, uri, end.line, end.character)
+        elapsed = (time.perf_counter() - started) * 1000
+        used = (await client.protocol.send_request_async("canvas/stats", {})).speculation.used > before
+        accepted["speculated" if used else "other"].append(elapsed)
     stats = await client.protocol.send_request_async("canvas/stats", {})
     await client.shutdown_async(None)
     client.exit(None)
     drain.cancel()
+    accepts = len(accepted["speculated"]) + len(accepted["other"])
     return {
-        "requests": len(cold) + len(typing),
+        "requests": len(cold) + len(typing) + accepts,
+        "think_ms": think_ms,
         "cold": _summary(cold),
         "typing": _summary(typing),
+        "accepted": _summary(accepted["speculated"] + accepted["other"]),
+        "accepted_speculated": _summary(accepted["speculated"]),
+        "accepted_other": _summary(accepted["other"]),
+        "speculation_share": len(accepted["speculated"]) / max(accepts, 1),
+        "speculation": {k: getattr(stats.speculation, k) for k in ("started", "used", "wasted")},
         "model_calls": stats.modelCalls,
         "cache_hits": stats.cacheHits,
         "typing_hits": stats.typingHits,
@@ -102,6 +119,25 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         "engine": _summary([row.engine for row in stats.modelCallMs if row.engine is not None]),
         "call_overhead": _summary([row.call - row.engine for row in stats.modelCallMs if row.engine is not None]),
     }
+
+
+def _insert(client: LanguageClient, uri: str, version: int, at: types.Position, text: str,
+            replaced_end: types.Position | None = None, typed: int = 0) -> types.Position:  # fmt: skip
+    """Insert `text` at `at` (replacing up to the suggestion's range end, moved by what was typed, when it replaced
+    closers); the cursor after it. One line of text: the bench asks for single-line completions at line ends, and
+    multi-line ones move the cursor to the last line."""
+    end = at
+    if replaced_end is not None and replaced_end.line == at.line:
+        end = types.Position(at.line, max(at.character, replaced_end.character + typed))
+    client.text_document_did_change(
+        types.DidChangeTextDocumentParams(
+            types.VersionedTextDocumentIdentifier(version=version, uri=uri),
+            [types.TextDocumentContentChangePartial(range=types.Range(at, end), text=text)],
+        )
+    )
+    lines = text.split("\n")
+    width = len(lines[-1].encode("utf-16-le")) // 2
+    return types.Position(at.line + len(lines) - 1, (at.character if len(lines) == 1 else 0) + width)
 
 
 async def _drain(client: LanguageClient) -> None:
@@ -130,11 +166,12 @@ def _summary(values: list[float]) -> dict[str, Any]:
     return {"n": len(values), "p50_ms": statistics.median(values), "p95_ms": percentile(values, 0.95)}
 
 
-def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str,
-                  backend: str = "resident") -> dict[str, Any]:  # fmt: skip
+def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str, backend: str = "resident",
+                  think_ms: float = 300, speculate: bool = True) -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, "-m", "server.cli", "serve", "--log-level", "WARNING"]
-    init = {"engine": {"model": model, "device": device, "backend": backend}}
-    report = asyncio.run(_drive(command, files, requests, init))
+    init = {"engine": {"model": model, "device": device, "backend": backend},
+            "completion": {"min_confidence": 0, "speculate": speculate}}  # fmt: skip
+    report = asyncio.run(_drive(command, files, requests, init, think_ms))
     report["machine"] = machine()
     report["model"] = model or "(default)"
     report["backend"] = backend
@@ -144,11 +181,17 @@ def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: s
 def format_report(report: dict[str, Any]) -> str:
     where = f" ({report['backend']} backend)" if "backend" in report else ""
     lines = [f"model {report['model']}{where}", report["machine"], f"{report['requests']} requests", ""]
-    for kind in ("cold", "typing", "model_call", "engine", "call_overhead"):
+    for kind in ("cold", "typing", "accepted", "accepted_speculated", "accepted_other", "model_call", "engine",
+                 "call_overhead"):  # fmt: skip
         s = report.get(kind, {"n": 0})
         if s["n"]:
             lines.append(f"{kind:<14} n={s['n']:<4} p50 {s['p50_ms']:8.1f} ms   p95 {s['p95_ms']:8.1f} ms")
     lines.append(f"model calls {report['model_calls']}, cache hits {report['cache_hits']}, "
                  f"typing-through hits {report['typing_hits']}, hit rate {100 * report['hit_rate']:.1f}%")  # fmt: skip
+    if "speculation" in report:
+        spec = report["speculation"]
+        lines.append(f"after a {report['think_ms']:.0f} ms pause, accepted suggestions answered from the speculation: "
+                     f"{100 * report['speculation_share']:.1f}% (started {spec['started']}, used {spec['used']}, "
+                     f"wasted {spec['wasted']})")  # fmt: skip
     lines.append(f"outcomes: {report['by_source']}")
     return "\n".join(lines)

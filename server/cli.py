@@ -154,8 +154,12 @@ def _parser() -> argparse.ArgumentParser:
     _settings_argument(calibrate)
     calibrate.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
 
-    lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client, cold and typing-through")
-    lsp.add_argument("--requests", type=int, default=100, help="cold requests (each may add a typing one)")
+    lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client: cold, typing-through, "
+                                         "accepting a suggestion")  # fmt: skip
+    lsp.add_argument("--requests", type=int, default=100, help="cold requests (each may add a typing and an "
+                                                               "accepting one)")  # fmt: skip
+    lsp.add_argument("--think-ms", type=float, default=300, help="the user's pause to read a suggestion")
+    lsp.add_argument("--no-speculate", action="store_true", help="turn off computing the next suggestion ahead")
     lsp.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     lsp.add_argument("--device", default="auto")
     lsp.add_argument("--files", type=Path, nargs="*", help="files to complete in (default: the fixtures)")
@@ -472,7 +476,10 @@ def _bench_lsp(args: argparse.Namespace) -> int:
     fixtures = Path(__file__).resolve().parent.parent / "fixtures"
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
     return _report(
-        "lsp", run_lsp_bench(files, args.requests, args.model, args.device, args.backend), format_report, args.out
+        "lsp",
+        run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms, not args.no_speculate),
+        format_report,
+        args.out,
     )
 
 
