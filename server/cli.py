@@ -475,12 +475,9 @@ def _bench_lsp(args: argparse.Namespace) -> int:
 
     fixtures = Path(__file__).resolve().parent.parent / "fixtures"
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
-    return _report(
-        "lsp",
-        run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms, not args.no_speculate),
-        format_report,
-        args.out,
-    )
+    speculate = not args.no_speculate
+    report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms, speculate)
+    return _report("lsp", report, format_report, args.out)
 
 
 def _bench_infill(args: argparse.Namespace) -> int:
