@@ -5,7 +5,7 @@
     canvas-ls serve [--tcp HOST:PORT]            the language server (stdio by default)
     canvas-ls engine [--socket PATH | --tcp HOST:PORT] [--compile auto|on|off]   the resident engine
     canvas-ls train [--preset cpu|gpu] [--from MODEL] [--corpus DIR] [--lora RANK] [--minutes M]
-    canvas-ls bench infill|holes|calibrate|lsp|engine|step|sampler|train ...
+    canvas-ls bench infill|holes|calibrate|crossfile|lsp|engine|step|sampler|train ...
     canvas-ls make-tiny-model DIR
 
 Errors are one line on stderr (`canvas-ls: error: ...`) and exit status 2; stdout carries only the answer.
@@ -153,6 +153,19 @@ def _parser() -> argparse.ArgumentParser:
     _model_arguments(calibrate)
     _settings_argument(calibrate)
     calibrate.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
+
+    cross = benches.add_parser("crossfile", help="context from other files: retrieval recall by budget, exact "
+                                                 "match with and without it, prefix reuse while typing")  # fmt: skip
+    cross.add_argument("--repo", type=Path, action="append", required=True,
+                       help="a repository (its Python files) to make tasks from; repeatable")  # fmt: skip
+    cross.add_argument("--limit", type=int, default=300, help="tasks, shuffled over the repositories")
+    cross.add_argument("--budgets", default="256,512,1024", help="context block budgets in tokens")
+    cross.add_argument("--open", type=int, default=8, help="files open in the editor (the defining one among them)")
+    cross.add_argument("--exact-limit", type=int, default=100, help="tasks completed by the model (0: recall only)")
+    cross.add_argument("--typing-tasks", type=int, default=5, help="answers typed out to measure prefix reuse")
+    cross.add_argument("--budget", type=int, default=512, help="the block's budget for the model's runs")
+    _model_arguments(cross)
+    cross.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
 
     lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client: cold, typing-through, "
                                          "accepting a suggestion")  # fmt: skip
@@ -423,7 +436,7 @@ def _train(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
                 "train": _bench_train, "holes": _bench_holes, "step": _bench_step,
-                "calibrate": _bench_calibrate}  # fmt: skip
+                "calibrate": _bench_calibrate, "crossfile": _bench_crossfile}  # fmt: skip
     return handlers[args.bench](args)
 
 
@@ -544,6 +557,25 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
     else:
         print(f"written: {write_threshold(folder, report)} (display.min_confidence = {report['threshold']:.4f})")
     return code
+
+
+def _bench_crossfile(args: argparse.Namespace) -> int:
+    from server.bench_crossfile import format_crossfile, plot_crossfile, run_crossfile
+
+    for repo in args.repo:
+        if not repo.is_dir():
+            raise CliError(f"--repo {repo} is not a folder")
+    budgets = _ints(args.budgets)
+    engine = None
+    if args.exact_limit > 0:
+        from engine import Engine
+
+        engine = Engine.load(args.model, args.device, dtype=args.dtype, adapter=args.adapter)
+    report = run_crossfile(args.repo, args.limit, budgets, args.open, engine, args.exact_limit, args.typing_tasks,
+                           args.budget)  # fmt: skip
+    if not report["tasks"]:
+        raise CliError("no tasks: no line in these repositories uses a name defined in another of their files")
+    return _report("crossfile", report, format_crossfile, args.out, plot_crossfile)
 
 
 def _report(name: str, report: dict, formatter: Callable[[dict], str], out: Path | None,

@@ -1,6 +1,7 @@
 """One completion request, top to bottom:
 
-    document -> position -> enabled? -> context (tree-sitter) -> typing-through? -> cache? -> debounce
+    document -> position -> enabled? -> context (tree-sitter; snippets of other files) -> typing-through? -> cache?
+             -> debounce
              -> engine (off the loop, cancellable) -> still current? -> confident enough? -> edit (shape, range,
              syntax check)
 
@@ -23,14 +24,15 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.confidence import judge
 from server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
 from server.config import ServerConfig
 from server.context import CompletionContext, Skip, build_context
-from server.documents import Document
+from server.crossfile import CrossFile
+from server.documents import Document, DocumentStore
 from server.edits import Edit, checked_edit
 from server.positions import PositionError
 
@@ -102,9 +104,12 @@ class Stats:
 
 
 class Completer:
-    def __init__(self, backend: LocalBackend | ResidentBackend | OpenAIBackend, config: ServerConfig):
+    def __init__(self, backend: LocalBackend | ResidentBackend | OpenAIBackend, config: ServerConfig,
+                 documents: DocumentStore | None = None):  # fmt: skip
         self.backend = backend
         self.config = config
+        self.documents = documents  # the other files, for context from them
+        self.cross_file = CrossFile()
         # context key -> the model's answer (text, and its tokens' texts and confidences), before shaping
         self.cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.remembered: dict[str, _Remembered] = {}
@@ -145,7 +150,7 @@ class Completer:
             return nothing("skip:language disabled")
 
         # 2. Context from the syntax tree; cheap exits.
-        context = build_context(document, offset, self.config.completion)
+        context = self._context(document, offset)
         if isinstance(context, Skip):
             return nothing(f"skip:{context.reason}")
 
@@ -238,13 +243,22 @@ class Completer:
         self._remember(document, offset, edit)
         return Outcome(edit, source if edit else "rejected", request_id, 0.0, detail=detail)
 
+    def _context(self, document: Document, offset: int) -> CompletionContext | Skip:
+        """The windows around the cursor, the prefix led by snippets of the other files of its language."""
+        context = build_context(document, offset, self.config.completion)
+        budget = self.config.completion.context_tokens
+        if isinstance(context, Skip) or self.documents is None or budget <= 0:
+            return context
+        block = self.cross_file.block(document, offset, self.documents.others(document), budget)
+        return context if block is None or not block.text else replace(context, prefix=block.text + context.prefix)
+
     def _overrides(self, context: CompletionContext, invoked: bool) -> dict[str, Any]:
         options = self.config.completion
         return {
             "min_new_tokens": 1 if invoked else None,  # None: the model's own setting
             "gap_tokens": context.gap_tokens,
             "max_new_tokens": context.max_new_tokens,
-            "max_prefix_tokens": options.prefix_tokens,
+            "max_prefix_tokens": options.prefix_tokens + options.context_tokens,
             "max_suffix_tokens": options.suffix_tokens,
             "max_steps": options.max_steps,
             "entropy_bound": options.entropy_bound,
@@ -265,7 +279,7 @@ class Completer:
         if edit is None or not self.config.completion.speculate:
             return
         accepted = document.edited(edit.start, edit.end, edit.text)
-        context = build_context(accepted, edit.start + len(edit.text), self.config.completion)
+        context = self._context(accepted, edit.start + len(edit.text))
         key = None
         if not isinstance(context, Skip):
             overrides = self._overrides(context, invoked=False)
@@ -341,6 +355,7 @@ class Completer:
 
     def forget(self, uri: str) -> None:
         self._drop(uri)
+        self.cross_file.forget(uri)
         self.remembered.pop(uri, None)
         cancel = self.in_flight.pop(uri, None)
         if cancel is not None:

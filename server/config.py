@@ -67,6 +67,10 @@ class CompletionOptions:
     # After a suggestion is shown, compute the one that follows it (once accepted) in the background, so that
     # accepting answers at once. Never delays a real request: those cancel it.
     speculate: bool = True
+    # Context from the other open (and recently closed) files of the same language: snippets chosen by identifier
+    # overlap and the definitions of names used near the cursor, placed before the prefix, within this many tokens.
+    # 0 turns it off.
+    context_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:

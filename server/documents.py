@@ -8,6 +8,7 @@ late notification can never rewind the text.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from lsprotocol import types
@@ -106,14 +107,21 @@ def _safe_offset(index: LineIndex, position: types.Position) -> int:
         return len(index.text)
 
 
+# Closed documents kept as context for the others (`DocumentStore.others`), and the largest one worth reading.
+RECENT_DOCUMENTS = 20
+SOURCE_MAX_CHARS = 1_000_000
+
+
 class DocumentStore:
     def __init__(self) -> None:
         self._documents: dict[str, Document] = {}
+        self.recent: OrderedDict[str, Document] = OrderedDict()  # closed, most recent last
         self.encoding = "utf-16"  # set from the initialize handshake
 
     def open(self, item: types.TextDocumentItem) -> Document:
         document = Document.open(item.uri, item.text, item.version, item.language_id, self.encoding)
         self._documents[item.uri] = document
+        self.recent.pop(item.uri, None)
         return document
 
     def change(self, params: types.DidChangeTextDocumentParams) -> Document | None:
@@ -125,7 +133,17 @@ class DocumentStore:
         return document
 
     def close(self, uri: str) -> None:
-        self._documents.pop(uri, None)
+        document = self._documents.pop(uri, None)
+        if document is not None:
+            self.recent[uri] = document
+            while len(self.recent) > RECENT_DOCUMENTS:
+                self.recent.popitem(last=False)
+
+    def others(self, document: Document) -> list[Document]:
+        """The other open documents of its language, then the recently closed ones (context from other files)."""
+        pool = [*self._documents.values(), *reversed(self.recent.values())]
+        return [d for d in pool if d.uri != document.uri and d.language == document.language
+                and len(d.text) <= SOURCE_MAX_CHARS]  # fmt: skip
 
     def get(self, uri: str) -> Document | None:
         return self._documents.get(uri)

@@ -50,7 +50,7 @@ class CanvasServer(LanguageServer):
         self.documents = DocumentStore()
         self.config = ServerConfig()
         self.backend: LocalBackend | ResidentBackend | OpenAIBackend = make_backend(self.config)
-        self.completer = Completer(self.backend, self.config)
+        self.completer = Completer(self.backend, self.config, self.documents)
         self.pending_messages: list[str] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shown_errors: set[str] = set()  # model-call errors already shown to the user (each is shown once)
@@ -235,6 +235,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "modelCalls": counters.model_calls,
         "cacheHits": counters.cache_hits,
         "typingHits": counters.typing_hits,
+        "contextBlocks": {"built": ls.completer.cross_file.built, "reused": ls.completer.cross_file.reused},
         "hidden": counters.hidden,
         "heads": counters.heads,
         "speculation": {
