@@ -250,7 +250,9 @@ class Completer:
         if isinstance(context, Skip) or self.documents is None or budget <= 0:
             return context
         block = self.cross_file.block(document, offset, self.documents.others(document), budget)
-        return context if block is None or not block.text else replace(context, prefix=block.text + context.prefix)
+        if block is None or not block.text:
+            return context
+        return replace(context, prefix=block.text + context.prefix, lead_tokens=budget)
 
     def _overrides(self, context: CompletionContext, invoked: bool) -> dict[str, Any]:
         options = self.config.completion
@@ -258,7 +260,7 @@ class Completer:
             "min_new_tokens": 1 if invoked else None,  # None: the model's own setting
             "gap_tokens": context.gap_tokens,
             "max_new_tokens": context.max_new_tokens,
-            "max_prefix_tokens": options.prefix_tokens + options.context_tokens,
+            "max_prefix_tokens": options.prefix_tokens + context.lead_tokens,
             "max_suffix_tokens": options.suffix_tokens,
             "max_steps": options.max_steps,
             "entropy_bound": options.entropy_bound,

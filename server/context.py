@@ -40,6 +40,7 @@ class CompletionContext:
     gap_tokens: int
     max_new_tokens: int
     line_suffix: str  # the rest of the cursor's line, right of the cursor
+    lead_tokens: int = 0  # the budget of the snippets from other files that lead the prefix (0: none)
 
 
 @dataclass(frozen=True)
