@@ -8,8 +8,10 @@ under the ROC curve over the answers that wrote something (0.5: no better than c
 shown answers that are good) against coverage (share of all requests that show one) over every threshold. The
 score with the best area is chosen, and the lowest threshold whose precision reaches the target (with at least
 `min_shown` answers shown); when no threshold reaches it, the one with the best precision, and the report says the
-target was missed. The same threshold is then applied to the evaluation set (HumanEval), and the answers it hides
-are cut to their confident heads (`confident_head`) to measure how often a head is a correct start of the solution.
+target was missed. Score and threshold are chosen on half the calibration tasks (every other one) and checked on
+the other half, which they never saw. The same threshold is then applied to the evaluation set (HumanEval), and the
+answers it hides are cut to their confident heads (`confident_head`) to measure how often a head is a correct start
+of the solution.
 """
 
 from __future__ import annotations
@@ -132,10 +134,11 @@ def run_calibrate(engine: Engine, calibration: Path, evaluation: Path | None, li
         return None if progress is None else lambda done, total: progress(name, done, total)
 
     rows = answer_rows(engine, calibration, limit, run_tests, step("calibration"))
-    labels = [r["good"] for r in rows if r["written"]]
-    areas = {kind: auroc([r["scores"][kind] for r in rows if r["written"]], labels) for kind in SCORES}
+    fit, check = rows[::2], rows[1::2]
+    labels = [r["good"] for r in fit if r["written"]]
+    areas = {kind: auroc([r["scores"][kind] for r in fit if r["written"]], labels) for kind in SCORES}
     kind = max(SCORES, key=lambda k: -1 if areas[k] is None else areas[k])
-    points = {k: curve(rows, k) for k in SCORES}
+    points = {k: curve(fit, k) for k in SCORES}
     threshold, met = choose(points[kind], target, min_shown)
     report: dict[str, Any] = {
         "model": engine.name,
@@ -151,10 +154,18 @@ def run_calibrate(engine: Engine, calibration: Path, evaluation: Path | None, li
         "calibration": {
             "dataset": str(calibration),
             "auroc": areas,
-            "at_threshold": at_threshold(rows, kind, threshold),
-            "shown_all": at_threshold(rows, kind, 0.0),
+            "at_threshold": at_threshold(fit, kind, threshold),
+            "shown_all": at_threshold(fit, kind, 0.0),
             "curves": points,
             "rows": rows,
+        },
+        "held_out": {  # the calibration tasks the choice never saw
+            "at_threshold": at_threshold(check, kind, threshold),
+            "shown_all": at_threshold(check, kind, 0.0),
+            "auroc": {
+                k: auroc([r["scores"][k] for r in check if r["written"]], [r["good"] for r in check if r["written"]])
+                for k in SCORES
+            },
         },
     }
     if evaluation is not None:
@@ -187,6 +198,8 @@ def write_threshold(model_dir: Path, report: dict[str, Any]) -> Path:
             "target_met": report["target_met"],
             "precision": found["precision"],
             "coverage": found["coverage"],
+            "held_out_precision": report["held_out"]["at_threshold"]["precision"],
+            "held_out_coverage": report["held_out"]["at_threshold"]["coverage"],
             "auroc": report["calibration"]["auroc"],
         },
     }
@@ -201,19 +214,19 @@ def _pct(value: float | None) -> str:
 def format_calibrate(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']} ({report['dtype']}); {report['machine']}",
              f"good = {report['good_means']}; target precision {_pct(report['target_precision'])}%", ""]  # fmt: skip
-    sets = [("calibration", report["calibration"])] + ([("evaluation", report["evaluation"])]
-                                                        if "evaluation" in report else [])  # fmt: skip
-    lines.append(f"{'AUROC':<14}" + "".join(f"{kind:>11}" for kind in SCORES))
+    sets = [("calib. fit", report["calibration"]), ("calib. held", report["held_out"])]
+    sets += [("evaluation", report["evaluation"])] if "evaluation" in report else []
+    lines.append(f"{'AUROC':<18}" + "".join(f"{kind:>11}" for kind in SCORES))
     for name, part in sets:
-        lines.append(f"{name:<14}" + "".join(f"{_pct(part['auroc'][k]):>11}" for k in SCORES))
+        lines.append(f"{name:<18}" + "".join(f"{_pct(part['auroc'][k]):>11}" for k in SCORES))
     met = "met" if report["target_met"] else "MISSED: the best precision any threshold gives"
     lines += ["", f"chosen: score '{report['score']}', threshold {report['threshold']:.4f} (target {met})", ""]
-    header = f"{'':<14}{'threshold':>10}{'tasks':>7}{'written':>9}{'shown':>7}{'coverage':>10}{'precision':>11}"
+    header = f"{'':<18}{'threshold':>10}{'tasks':>7}{'written':>9}{'shown':>7}{'coverage':>10}{'precision':>11}"
     lines.append(header + f"{'exact':>7}{'heads':>7}{'head ok':>9}")
     for name, part in sets:
         for label, row in (("all", part["shown_all"]), ("threshold", part["at_threshold"])):
             lines.append(
-                f"{name + ' ' + label[:3]:<14}{row['threshold']:>10.4f}{row['tasks']:>7}{row['written']:>9}"
+                f"{name + ' ' + label[:3]:<18}{row['threshold']:>10.4f}{row['tasks']:>7}{row['written']:>9}"
                 f"{row['shown']:>7}{_pct(row['coverage']):>10}{_pct(row['precision']):>11}{row['exact_shown']:>7}"
                 f"{row['heads_shown']:>7}{row['heads_correct_start']:>9}"
             )
