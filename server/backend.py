@@ -2,7 +2,8 @@
 
 `LocalBackend` loads the engine in this process on one worker thread and runs every infill there, so the event
 loop that answers the editor never waits on the model. `ResidentBackend` talks to `canvas-ls engine`, one shared
-process per user, over its unix socket, and starts or restarts it as needed. Both have the same methods.
+process per user, over its unix socket, and starts or restarts it as needed. `OpenAIBackend` asks any
+OpenAI-compatible completions server. All three follow `Backend`.
 
 Only this module imports `engine`, and only inside the worker (or `engine.paths`, which needs no torch): the
 server starts answering before torch is even imported.
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -63,6 +64,29 @@ class BackendNotReady(Exception):
 
 class BackendError(Exception):
     """The model's server answered with an error; the message says what it said."""
+
+
+class Backend(Protocol):
+    """What the server asks of where the model runs. `infill` and `fill` return the engine's result as a dict, or
+    None when `cancel` won; they raise BackendNotReady (loading, or failed to load) and BackendError (the engine
+    refused the request, failed, or went away: with the reason), never None for an error. `background`: work
+    computed ahead, which the engine may drop for real requests."""
+
+    state: str  # "idle", "loading", "ready" or "failed"
+    error: str | None
+    model_name: str | None
+    load_seconds: float | None
+    cancelled_after_steps: list[int]
+
+    def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None: ...
+
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
+                     document: str | None = None, background: bool = False) -> dict | None: ...  # fmt: skip
+
+    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
+                   document: str | None = None) -> dict | None: ...  # fmt: skip
+
+    def shutdown(self) -> None: ...
 
 
 def _check_ready(state: str, error: str | None) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.confidence import judge
-from server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
+from server.backend import Backend, BackendError, BackendNotReady, CancelFlag
 from server.config import ServerConfig
 from server.context import CompletionContext, Skip, build_context
 from server.crossfile import CrossFile
@@ -104,7 +104,7 @@ class Stats:
 
 
 class Completer:
-    def __init__(self, backend: LocalBackend | ResidentBackend | OpenAIBackend, config: ServerConfig,
+    def __init__(self, backend: Backend, config: ServerConfig,
                  documents: DocumentStore | None = None):  # fmt: skip
         self.backend = backend
         self.config = config

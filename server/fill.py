@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.regions import FillError, Region, parts_to_json, regions_to_parts
-from server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
+from server.backend import Backend, BackendError, BackendNotReady, CancelFlag
 from server.config import FillOptions
 from server.documents import Document
 from server.edits import Edit, adds_syntax_errors
@@ -60,8 +60,8 @@ REASONS = {
 }
 
 
-async def fill_regions(document: Document, regions: list[Region], backend: LocalBackend | ResidentBackend |
-                       OpenAIBackend, options: FillOptions, cancel: CancelFlag) -> FillOutcome:  # fmt: skip
+async def fill_regions(document: Document, regions: list[Region], backend: Backend, options: FillOptions,
+                       cancel: CancelFlag) -> FillOutcome:  # fmt: skip
     started = time.perf_counter()
     version, text = document.version, document.text
     try:

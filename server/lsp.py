@@ -16,7 +16,7 @@ from pygls.exceptions import JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
 from engine.regions import Region
-from server.backend import CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
+from server.backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
 from server.completion import Completer, Outcome
 from server.config import ServerConfig, parse_config
 from server.documents import Document, DocumentStore
@@ -33,7 +33,7 @@ REWRITE_COMMAND = "canvas-ls.rewriteSelection"
 VERSION = "0.1.0"
 
 
-def make_backend(config: ServerConfig) -> LocalBackend | ResidentBackend | OpenAIBackend:
+def make_backend(config: ServerConfig) -> Backend:
     options = config.engine
     if options.backend == "resident":
         return ResidentBackend(options.socket, options.idle_exit_s, options.model, options.device, options.adapter)
@@ -49,7 +49,7 @@ class CanvasServer(LanguageServer):
         super().__init__("canvas-ls", VERSION)
         self.documents = DocumentStore()
         self.config = ServerConfig()
-        self.backend: LocalBackend | ResidentBackend | OpenAIBackend = make_backend(self.config)
+        self.backend: Backend = make_backend(self.config)
         self.completer = Completer(self.backend, self.config, self.documents)
         self.pending_messages: list[str] = []
         self.loop: asyncio.AbstractEventLoop | None = None
