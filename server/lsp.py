@@ -257,8 +257,11 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "bySource": [{"source": k, "count": v} for k, v in counters.by_source.items()],
         "cancelledAfterSteps": ls.backend.cancelled_after_steps,
         "engineRestarts": getattr(ls.backend, "restarts", 0),
-        "modelCallMs": [{"call": call, "engine": engine} for call, engine in counters.call_ms],
-    }
+        # the per-call timings (up to 1,000), unless the client asks for the counters alone ({"brief": true})
+        "modelCallMs": [] if _get(params, "brief") is True else [
+            {"call": call, "engine": engine} for call, engine in counters.call_ms
+        ],
+    }  # fmt: skip
 
 
 def _get(value: Any, key: str) -> Any:

@@ -53,7 +53,8 @@ function showStatus(state: string, note?: string): void {
 // After a request that showed nothing (or a cut answer), the server's reason, in the status bar.
 async function explain(running: LanguageClient): Promise<void> {
   try {
-    const stats = await running.sendRequest<{ engine: { state: string }; last: LastOutcome | null }>("canvas/stats", {});
+    type Brief = { engine: { state: string }; last: LastOutcome | null };
+    const stats = await running.sendRequest<Brief>("canvas/stats", { brief: true });
     showStatus(stats.engine.state, outcomeNote(stats.last));
   } catch {
     // the server went away: the client reports that itself
