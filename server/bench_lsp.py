@@ -167,14 +167,16 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 
 def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str, backend: str = "resident",
-                  think_ms: float = 300, speculate: bool = True) -> dict[str, Any]:  # fmt: skip
+                  think_ms: float = 300, speculate: bool = True,
+                  context_tokens: int = 512) -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, "-m", "server.cli", "serve", "--log-level", "WARNING"]
     init = {"engine": {"model": model, "device": device, "backend": backend},
-            "completion": {"min_confidence": 0, "speculate": speculate}}  # fmt: skip
+            "completion": {"min_confidence": 0, "speculate": speculate, "context_tokens": context_tokens}}  # fmt: skip
     report = asyncio.run(_drive(command, files, requests, init, think_ms))
     report["machine"] = machine()
     report["model"] = model or "(default)"
     report["backend"] = backend
+    report["speculate"], report["context_tokens"] = speculate, context_tokens
     return report
 
 

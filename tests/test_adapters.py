@@ -3,8 +3,6 @@ answers, and its size for DiffusionGemma 26B-A4B is counted without building the
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from engine.architecture import small_config
 from engine.bench_step import full_width_config
 from engine.tokenizer import train_tokenizer
 from tests.conftest import tokenizer_texts
+from tests.test_cli import cli
 from tests.test_training import short_run
 
 PROMPTS = [("def add(a, b):\n    return ", "\n"), ("import os\n\n\ndef main():\n    path = ", "\n    return path\n"),
@@ -104,9 +103,8 @@ def test_train_lora_on_a_repository_exports_an_adapter_the_engine_takes(tiny_mod
     model = tmp_path / "base"
     shutil.copytree(tiny_model_dir, model)
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "train", "--from", str(model), "--corpus", str(repo),
-                           "--lora", "4", "--minutes", "0.05", "--out", str(out), "--fp32"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = cli("train", "--from", str(model), "--corpus", str(repo), "--lora", "4", "--minutes", "0.05", "--out",
+               str(out), "--fp32")  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout[done.stdout.index("{") :])
     assert summary["step"] >= 1 and "eval_before_diffusion" in summary and "eval_diffusion" in summary
@@ -117,8 +115,7 @@ def test_train_lora_on_a_repository_exports_an_adapter_the_engine_takes(tiny_mod
     assert held_out and all(name.startswith("pkg/") for name in held_out)
     assert (out / "adapter" / "adapter_config.json").is_file() and (out / "model" / "config.json").is_file()
     (repo / "pkg" / "m0.py").write_text("def f(x):\n    return ")
-    answer = subprocess.run([sys.executable, "-m", "server.cli", "complete", str(repo / "pkg" / "m0.py"), "--line",
-                             "1", "--character", "11", "--model", str(model), "--adapter", str(out / "adapter"),
-                             "--json"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    answer = cli("complete", str(repo / "pkg" / "m0.py"), "--line", "1", "--character", "11", "--model", str(model),
+                 "--adapter", str(out / "adapter"), "--json")  # fmt: skip
     assert answer.returncode == 0, answer.stderr
     assert json.loads(answer.stdout)["model"].endswith(str(out / "adapter"))

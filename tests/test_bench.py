@@ -10,7 +10,7 @@ import pytest
 
 from engine.bench import Task, load_tasks, passes
 from tests.conftest import FIXTURES
-from tests.test_cli import canvas_ls
+from tests.test_cli import canvas_ls, cli
 
 DATASET = FIXTURES / "bench" / "tiny-infill.jsonl"
 
@@ -55,7 +55,7 @@ def test_the_cursor_moves_what_the_user_typed_into_the_prompt(cursor: str, typed
 
 def test_bench_infill_prints_the_table_and_writes_the_report(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    done = canvas_ls(
+    done = cli(
         "bench",
         "infill",
         "--dataset",
@@ -139,7 +139,7 @@ def test_corrupt_changes_one_token() -> None:
 
 def test_bench_holes_prints_the_table_writes_the_report_and_the_plot(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "holes.json"
-    done = canvas_ls("bench", "holes", "--dataset", str(HOLES), "--model", str(tiny_model_dir), "--set",
+    done = cli("bench", "holes", "--dataset", str(HOLES), "--model", str(tiny_model_dir), "--set",
                      "max_steps=4", "--max-new-tokens", "8", "--rewrite-limit", "2", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "joint / sequential: forward passes" in done.stdout and "rewrite of a line" in done.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from server.cli import main
 from tests.conftest import FIXTURES
 
 STATS = FIXTURES / "python" / "stats.py"
@@ -35,6 +38,9 @@ RESULT_FIELDS = {
     "dtype",
     "settings",
     "gaps",
+    "score",
+    "score_kind",
+    "min_confidence",
 }
 
 
@@ -47,6 +53,18 @@ def canvas_ls(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
         env={**os.environ, **(env or {})},
         stdin=subprocess.DEVNULL,
     )
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command run by the same `main` in this process: what it prints and returns, without another start of
+    torch and transformers (~6 s a process here). Tests of what a fresh process prints use `canvas_ls`."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse refuses the arguments this way
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(["canvas-ls", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_complete_json_prints_every_field(tiny_model_dir: Path) -> None:
@@ -90,8 +108,8 @@ def test_complete_plain_prints_the_text(tiny_model_dir: Path) -> None:
         "--max-steps",
         "3",
     )
-    plain = canvas_ls(*args)
-    as_json = canvas_ls(*args, "--json")
+    plain = cli(*args)
+    as_json = cli(*args, "--json")
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout == json.loads(as_json.stdout)["text"] + "\n"
 
@@ -131,7 +149,7 @@ def test_hub_id_while_offline_is_one_clear_line() -> None:
 
 
 def test_position_past_the_end_is_one_clear_line(tiny_model_dir: Path) -> None:
-    done = canvas_ls("complete", str(STATS), "--line", "500", "--character", "0", "--model", str(tiny_model_dir))
+    done = cli("complete", str(STATS), "--line", "500", "--character", "0", "--model", str(tiny_model_dir))
     assert "line 500 is past the end" in one_line_error(done)
 
 
@@ -155,7 +173,7 @@ def test_dtype_follows_the_cpu(tmp_path: Path) -> None:
 
 def test_complete_runs_in_the_dtype_asked_for(tiny_model_dir: Path) -> None:
     for dtype in ("float32", "bfloat16"):
-        done = canvas_ls("complete", str(STATS), "--line", "19", "--character", "11",
+        done = cli("complete", str(STATS), "--line", "19", "--character", "11",
                          "--model", str(tiny_model_dir), "--dtype", dtype, "--json")  # fmt: skip
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
@@ -167,14 +185,14 @@ def test_fill_prints_each_region_and_the_filled_file(tiny_model_dir: Path) -> No
     region in the order given; without --json, the file with the fills in place."""
     common = ("--model", str(tiny_model_dir), "--set", "max_steps=4", "--set", "max_new_tokens=8")
     regions = ("--hole", "8:4-8:36", "--hole", "2:0-2:30", "--rewrite", "19:4-19:20", "--strength", "0.4")
-    done = canvas_ls("fill", str(STATS), *regions, *common, "--json")
+    done = cli("fill", str(STATS), *regions, *common, "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert [r["range"]["start"]["line"] for r in report["regions"]] == [8, 2, 19]
     assert [r["strength"] for r in report["regions"]] == [1.0, 1.0, 0.4]
     assert all(r["stop_reason"] in ("eos", "truncated") and "text" in r for r in report["regions"])
     assert len(report["result"]["gaps"]) == 3 and report["result"]["forward_passes"] == report["result"]["steps"]
-    plain = canvas_ls("fill", str(STATS), *regions, *common)
+    plain = cli("fill", str(STATS), *regions, *common)
     lines = plain.stdout.split("\n")
     source = STATS.read_text().split("\n")
     by_line = {r["range"]["start"]["line"]: r for r in report["regions"]}
@@ -193,5 +211,5 @@ def test_fill_prints_each_region_and_the_filled_file(tiny_model_dir: Path) -> No
     ],
 )
 def test_fill_errors_are_one_clear_line(tiny_model_dir: Path, regions: tuple[str, ...], message: str) -> None:
-    done = canvas_ls("fill", str(STATS), *regions, "--model", str(tiny_model_dir))
+    done = cli("fill", str(STATS), *regions, "--model", str(tiny_model_dir))
     assert done.returncode == 2 and message in done.stderr and done.stdout == ""

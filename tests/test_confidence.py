@@ -13,7 +13,7 @@ import pytest
 from engine.bench_calibrate import auroc, choose, curve
 from engine.confidence import Display, confident_head, judge, sequence_score, shown_tokens
 from tests.conftest import FIXTURES
-from tests.test_cli import canvas_ls
+from tests.test_cli import cli
 
 
 def test_the_three_scores() -> None:
@@ -83,7 +83,7 @@ def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model
     with gzip.open(corpus, "wt") as out:
         out.write(json.dumps({"path": "stats.py", "language": "python", "source": "test", "text": source}) + "\n")
     out = tmp_path / "calibrate.json"
-    done = canvas_ls("bench", "calibrate", "--calibration", str(corpus), "--dataset", str(FIXTURES / "bench" /
+    done = cli("bench", "calibrate", "--calibration", str(corpus), "--dataset", str(FIXTURES / "bench" /
                      "tiny-infill.jsonl"), "--limit", "4", "--min-shown", "1", "--model", str(model), "--set",
                      "max_steps=4", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr

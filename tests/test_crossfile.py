@@ -12,7 +12,7 @@ from server.completion import Completer
 from server.config import ServerConfig
 from server.crossfile import CrossFile, choose, snippets, words
 from server.documents import Document, DocumentStore
-from tests.test_cli import canvas_ls
+from tests.test_cli import cli
 
 UTIL = '''import os
 
@@ -96,7 +96,7 @@ def test_bench_crossfile_measures_recall(tmp_path: Path) -> None:
     (repo / "pkg" / "noise.py").write_text(NOISE)
     (repo / "main.py").write_text(MAIN + "    return Loader().load(cfg)\n")
     out = tmp_path / "cross.json"
-    done = canvas_ls("bench", "crossfile", "--repo", str(repo), "--exact-limit", "0", "--open", "2",
+    done = cli("bench", "crossfile", "--repo", str(repo), "--exact-limit", "0", "--open", "2",
                      "--budgets", "64,512", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())

@@ -84,9 +84,10 @@ async def fill(client: LanguageClient, name: str, position: types.Position) -> d
 
 
 def options(writing_model_dir: Path, backend: str | None = None, **completion: Any) -> dict[str, Any]:
-    """The server's options for the tiny model; no backend named means the default (the resident engine)."""
+    """The server's options for the tiny model; no backend named means the default (the resident engine).
+    Speculation is off unless asked for: background work would make the other tests' timing its hostage."""
     engine = {"model": str(writing_model_dir), "device": "cpu"} | ({"backend": backend} if backend else {})
-    return {"engine": engine, "completion": completion}
+    return {"engine": engine, "completion": {"speculate": False, **completion}}
 
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
@@ -247,10 +248,14 @@ async def speculation(client: LanguageClient, until: str, at_least: int = 1) -> 
     raise AssertionError(f"no speculation {until}: {counts}")
 
 
-async def test_the_next_suggestion_is_ready_when_one_is_accepted(client: LanguageClient) -> None:
+async def test_the_next_suggestion_is_ready_when_one_is_accepted(
+    client: LanguageClient, writing_model_dir: Path
+) -> None:
     """After a suggestion is shown, the one that follows it is computed in the background; accepting it is
     answered from that, without a model call. A change that leaves the suggestion drops it (wasted)."""
     await wait_ready(client)
+    settings = {"canvas-ls": options(writing_model_dir, max_steps=4, speculate=True)}
+    client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
     open_doc(client, "a.py", COMMENT_DOC)
     shown = (await fill(client, "a.py", COMMENT_POS))["edit"]["text"]
     await speculation(client, "ready")

@@ -25,7 +25,7 @@ vim.opt.rtp:prepend(root .. '/editors/neovim')
 require('canvas_ls').setup({
   config = {
     cmd = { python, '-m', 'server.cli', 'serve' },
-    init_options = { engine = { model = model, device = 'cpu' }, completion = { max_steps = 4 } },
+    init_options = { engine = { model = model, device = 'cpu' }, completion = { max_steps = 4, speculate = false } },
   },
 })
 """

@@ -242,7 +242,7 @@ def engine_health(path: Path) -> dict[str, Any]:
 
 def resident(tiny_model_dir: Path, path: Path, **completion: Any) -> dict[str, Any]:
     engine = {"backend": "resident", "socket": str(path), "model": str(tiny_model_dir), "device": "cpu"}
-    return {"engine": engine, "completion": {"max_steps": 3, **completion}}
+    return {"engine": engine, "completion": {"max_steps": 3, "speculate": False, **completion}}
 
 
 def test_one_engine_socket_per_model_and_device(tmp_path: Path) -> None:
