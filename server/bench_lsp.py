@@ -108,6 +108,7 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         "accepted_other": _summary(accepted["other"]),
         "speculation_share": len(accepted["speculated"]) / max(accepts, 1),
         "speculation": {k: getattr(stats.speculation, k) for k in ("started", "used", "wasted")},
+        "context_blocks": {"built": stats.contextBlocks.built, "reused": stats.contextBlocks.reused},
         "model_calls": stats.modelCalls,
         "cache_hits": stats.cacheHits,
         "typing_hits": stats.typingHits,
@@ -195,5 +196,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"after a {report['think_ms']:.0f} ms pause, accepted suggestions answered from the speculation: "
                      f"{100 * report['speculation_share']:.1f}% (started {spec['started']}, used {spec['used']}, "
                      f"wasted {spec['wasted']})")  # fmt: skip
+    if report.get("context_tokens"):
+        blocks = report["context_blocks"]
+        lines.append(f"context from other files ({report['context_tokens']} tokens): blocks built {blocks['built']}, "
+                     f"reused {blocks['reused']}")  # fmt: skip
     lines.append(f"outcomes: {report['by_source']}")
     return "\n".join(lines)
