@@ -18,7 +18,8 @@ Requests run on one scheduler thread (`Batcher`): every request in flight denois
 sharing each decoder forward; requests join and leave between steps. Each has a cancel flag the denoising loop
 checks every step: a client that disconnects, or a newer request for the same `document`, stops it at its next
 step; the others go on. Background requests run only while no other request waits or runs: one that arrives
-stops them before the next step (they answer 499, counted in canvas_background_preempted).
+stops them before the next step (they answer 499, counted in canvas_background_preempted; their requests are
+counted under endpoint "infill_background").
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class EngineService:
         priority = body.get("priority", "normal")
         if priority not in ("normal", "background"):
             raise BadRequest(400, f"'priority' must be 'normal' or 'background', got {priority!r}")
-        result = await self._run(request, "infill", prefix, suffix, settings, body.get("document"),
+        endpoint = "infill_background" if priority == "background" else "infill"  # counted apart in /metrics
+        result = await self._run(request, endpoint, prefix, suffix, settings, body.get("document"),
                                  background=priority == "background")  # fmt: skip
         if result is None:
             return JSONResponse({"cancelled": True}, status_code=499)

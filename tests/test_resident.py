@@ -408,6 +408,8 @@ def test_background_work_waits_for_real_requests_and_yields_to_them(unix_engine:
         real = post(BODY)
         assert real[0] == 200 and background.result()[0] == 499
     assert preempted() == before + 1
+    metrics = unix_engine.get("/metrics").text
+    assert 'canvas_requests_total{endpoint="infill_background",outcome="cancelled"}' in metrics
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the other way round: it waits, then runs
         real_future = pool.submit(post, {**BODY, "settings": endless})
         while unix_engine.get("/health").json()["queue"] < 1:
