@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from engine.adapters import add_lora, trainable_parameters
 from engine.bench_step import full_width_config, random_model
 from engine.corpus import CorpusFile
+from engine.plan import training_plan
 from engine.training import ExampleSampler, TrainConfig, collate, train_step
 
 
@@ -46,9 +47,11 @@ def main(out: Path, layers: int = 30) -> None:
                     train_step(base, optimizer, batch.to(device), generator, cfg, self_condition=step % 2 == 1)
                     torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - started)
+                planned = training_plan(full_width_config(layers), batch_size, prefix, 32 + 16, 16, experts)
                 row = {"experts": experts, "batch": batch_size, "prefix": prefix,
                        "adapter_parameters": trainable_parameters(base), "s_per_step": round(min(times[1:]), 3),
-                       "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1)}  # fmt: skip
+                       "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
+                       "planned_gib": round(planned["total_bytes"] / 2**30, 1)}  # `train --plan`'s sum  # fmt: skip
             except torch.OutOfMemoryError:
                 row = {"experts": experts, "batch": batch_size, "prefix": prefix, "error": "out of memory"}
                 optimizer.zero_grad(set_to_none=True)

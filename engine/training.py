@@ -602,6 +602,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 TRAINED_INFILL = {"layout": "canvas", "gap_tokens": 16, "suffix_head_tokens": 16, "max_steps": 8}
 
 
+def run_plan(cfg: TrainConfig, start_from: str | None, preset: str, vocab_size: int) -> dict[str, Any]:
+    """`engine.plan.training_plan` for this run's model and settings."""
+    from engine.plan import model_config, training_plan
+
+    gap = max(cfg.gap_choices)
+    canvas = gap + cfg.head_tokens + (gap if cfg.multi_gap_share > 0 else 0)  # several gaps: up to twice the slots
+    return training_plan(model_config(start_from, preset, vocab_size), cfg.batch_size, cfg.prefix_tokens, canvas,
+                         cfg.lora_rank, cfg.lora_experts, cfg.bf16)  # fmt: skip
+
+
 def preset_model(preset: str, vocab_size: int) -> Any:
     """A freshly initialised model of the preset's size."""
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -630,8 +640,8 @@ def run(
     files is evaluated before and after, and general-corpus files make up `replay` of the training bytes."""
     from transformers import AutoTokenizer
 
-    from engine import corpus
-    from engine.loading import quiet_libraries
+    from engine import corpus, plan
+    from engine.loading import quiet_libraries, resolve_device
     from engine.settings import MODEL_SETTINGS_FILE
     from engine.tokenizer import train_tokenizer
 
@@ -693,11 +703,16 @@ def run(
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
     cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
+    problem = plan.check(run_plan(cfg, start_from, preset, len(tokenizer)), resolve_device(cfg.device))
+    if problem is not None:  # refused before any weight is loaded
+        raise TrainingError(problem)
     torch.manual_seed(0)
     if start_from:
         from transformers import DiffusionGemmaForBlockDiffusion
 
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(start_from, dtype=torch.float32)
+        # LoRA keeps the frozen base in bf16 (under bf16 autocast): half the memory of fp32 master weights
+        base_dtype = torch.bfloat16 if cfg.lora_rank and cfg.bf16 else torch.float32
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(start_from, dtype=base_dtype)
     else:
         model = preset_model(preset, len(tokenizer))
     model.set_attn_implementation(cfg.attention)
@@ -708,6 +723,9 @@ def run(
         from engine.adapters import add_lora
 
         adapted = add_lora(model, cfg.lora_rank, cfg.lora_experts)
+        for parameter in adapted.parameters():
+            if parameter.requires_grad:  # the adapter trains in fp32 whatever the base's dtype
+                parameter.data = parameter.data.float()
         model = adapted.get_base_model()  # the same model class, its targeted layers now LoRA layers
     summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress)
     if report:

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lora-experts", action="store_true", help="the adapter also adapts the MoE expert weights")
     train.add_argument("--multi-gap-share", type=float, help="share of examples with 2-4 gaps in one canvas")
     train.add_argument("--rewrite-share", type=float, help="share of examples whose gap shows a corrupted middle")
+    train.add_argument("--plan", action="store_true", help="print the memory a run would take (full and LoRA "
+                       "training of the --from model, or the preset's; --from full-width: DiffusionGemma 26B-A4B's "
+                       "geometry) against what the device has free, and exit")  # fmt: skip
 
     bench = commands.add_parser("bench", help="benchmarks (figures, not pass/fail)")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -399,6 +403,8 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.plan:
+        return _train_plan(args)
     from tqdm import tqdm
 
     from engine.loading import DEFAULT_MODEL_DIR
@@ -410,6 +416,19 @@ def _train(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(diff=f"{diffusion:.3f}", ar=f"{ar:.3f}", min=f"{state['elapsed'] / 60:.1f}/{budget / 60:.0f}")
 
+    overrides = _train_overrides(args)
+    try:
+        summary = run(args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None,
+                      progress, args.start_from, overrides, args.corpus, args.held_out, args.replay)  # fmt: skip
+    except TrainingError as exc:
+        raise CliError(str(exc)) from exc
+    finally:
+        bar.close()
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    return 0
+
+
+def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {
         "lr": args.lr,
         "batch_size": args.batch_size,
@@ -422,15 +441,27 @@ def _train(args: argparse.Namespace) -> int:
         "lora_experts": True if args.lora_experts else None,
         "patience": args.patience,
     }
-    try:
-        summary = run(args.preset, args.out, args.minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None,
-                      progress, args.start_from, {k: v for k, v in overrides.items() if v is not None},
-                      args.corpus, args.held_out, args.replay)  # fmt: skip
-    except TrainingError as exc:
-        raise CliError(str(exc)) from exc
-    finally:
-        bar.close()
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    return {k: v for k, v in overrides.items() if v is not None}
+
+
+def _train_plan(args: argparse.Namespace) -> int:
+    """Full and LoRA training of the run's model, side by side, against the device's free memory."""
+    from engine.loading import resolve_device
+    from engine.plan import GIB, available_bytes, format_plan
+    from engine.training import PRESETS, TrainConfig, run_plan
+
+    spec = PRESETS[args.preset]
+    overrides = _train_overrides(args)
+    rank = overrides.pop("lora_rank", None) or 16
+    base = TrainConfig(**{**spec["train"], **overrides})
+    plans = [run_plan(base, args.start_from, args.preset, spec["vocab_size"])]
+    plans.append(run_plan(replace(base, lora_rank=rank), args.start_from, args.preset, spec["vocab_size"]))
+    free, where = available_bytes(resolve_device(base.device))
+    name = args.start_from or f"the {args.preset} preset's model"
+    print(format_plan(plans, where, name))
+    for plan in plans:
+        fits = "fits" if plan["total_bytes"] <= free else "does NOT fit: refused"
+        print(f"{plan['mode']}: {plan['total_bytes'] / GIB:.1f} GiB, {fits}")
     return 0
 
 

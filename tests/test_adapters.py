@@ -119,3 +119,23 @@ def test_train_lora_on_a_repository_exports_an_adapter_the_engine_takes(tiny_mod
                  "--adapter", str(out / "adapter"), "--json")  # fmt: skip
     assert answer.returncode == 0, answer.stderr
     assert json.loads(answer.stdout)["model"].endswith(str(out / "adapter"))
+
+
+def test_the_training_plan_counts_the_model_and_refuses_what_cannot_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import plan
+
+    config = small_config(512)
+    full = plan.training_plan(config, batch_size=4, prefix_tokens=64, canvas_tokens=48)
+    lora = plan.training_plan(config, batch_size=4, prefix_tokens=64, canvas_tokens=48, lora_rank=4)
+    real = DiffusionGemmaForBlockDiffusion(config)
+    assert full["parameters"] == lora["parameters"] == sum(p.numel() for p in real.parameters())
+    assert lora["trainable"] == trainable_parameters(add_lora(real, 4)) < full["trainable"] == full["parameters"]
+    assert full["bytes"]["weights"] == 4 * full["parameters"]  # fp32 master weights
+    assert full["bytes"]["optimizer"] == 2 * full["bytes"]["gradients"] == 8 * full["trainable"]
+    frozen = lora["parameters"] - lora["trainable"]
+    assert lora["bytes"]["weights"] == 2 * frozen + 4 * lora["trainable"]  # bf16 base, fp32 adapter
+    assert lora["bytes"]["activations"] == full["bytes"]["activations"] > 0
+    monkeypatch.setattr(plan, "available_bytes", lambda device: (full["total_bytes"] - 1, "a small card"))
+    refused = plan.check(full, torch.device("cpu"))
+    assert refused is not None and "a small card" in refused and "--lora" in refused
+    assert plan.check(lora, torch.device("cpu")) is None
