@@ -7,12 +7,16 @@ stream, so logs go to stderr (or a file) and, for what the user should see, to `
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
-from typing import Any
+import sys
+import threading
+from typing import Any, BinaryIO
 
 from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
+from pygls.io_ import StdinAsyncReader, StdoutWriter
 from pygls.lsp.server import LanguageServer
 
 from engine.regions import Region
@@ -54,6 +58,63 @@ class CanvasServer(LanguageServer):
         self.pending_messages: list[str] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shown_errors: set[str] = set()  # model-call errors already shown to the user (each is shown once)
+
+    def start_io(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None:
+        """Serve on stdio: pygls's reader and writer, read by `read_frames` (not pygls's loop: see there)."""
+        self._stop_event = threading.Event()
+        reader = StdinAsyncReader(stdin or sys.stdin.buffer, self.thread_pool)
+        self.protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))
+        try:
+            asyncio.run(self.read_frames(reader, self._stop_event))
+        except BrokenPipeError:
+            log.error("the client went away; shutting down")
+        except (KeyboardInterrupt, SystemExit):
+            pass
+        finally:
+            self.shutdown()
+
+    async def read_frames(self, reader: StdinAsyncReader, stop: threading.Event) -> None:
+        """Frames (`Content-Length: N`, a blank line, N bytes of JSON) to pygls's protocol. pygls's own loop takes a
+        header only at the very start of a line and answers nothing for a request it cannot read, so one malformed
+        frame (a bad length, a short body) desynchronises every later message, and a request with params of the
+        wrong shape waits forever. Here a header is found wherever it starts in a line (the malformed message is
+        lost, the session is not), a body that is not JSON is answered with a parse error (id null), and a request
+        whose params do not fit its method with an invalid-params error under its id."""
+        length: int | None = None
+        while not stop.is_set():
+            line = await reader.readline()
+            if not line:
+                return  # the client closed stdin
+            at = line.find(b"Content-Length:")
+            if at >= 0:
+                value = line[at + len(b"Content-Length:") :].strip()
+                length = int(value) if value.isdigit() else None  # a bad length drops this frame
+                continue
+            if line.strip() or length is None:
+                continue  # another header (Content-Type), or a blank line without a length
+            body, length = await reader.readexactly(length), None
+            if body:
+                self.receive(body)
+
+    def receive(self, body: bytes) -> None:
+        try:
+            message = json.loads(body, object_hook=self.protocol.structure_message)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self.reply_error(None, types.ErrorCodes.ParseError, f"Parse error: {exc}")
+            return
+        except Exception as exc:  # JSON, but not a message pygls can type: answer the request that sent it
+            raw = json.loads(body)
+            if isinstance(raw, dict) and "method" in raw and raw.get("id") is not None:
+                self.reply_error(raw["id"], types.ErrorCodes.InvalidParams, f"Invalid params for {raw['method']}: "
+                                 f"{exc}")  # fmt: skip
+            else:
+                log.warning("dropped a message that fits no LSP type: %s", exc)
+            return
+        self.protocol.handle_message(message)
+
+    def reply_error(self, msg_id: Any, code: int, message: str) -> None:
+        """A JSON-RPC error response (id null when the request's id could not be read)."""
+        self.protocol._send_data({"jsonrpc": "2.0", "id": msg_id, "error": {"code": int(code), "message": message}})
 
     def log_to_client(self, message: str, kind: types.MessageType = types.MessageType.Info) -> None:
         log.info(message)
