@@ -165,7 +165,10 @@ class Completer:
         key = self._key(document, context, overrides)
         ahead = self.speculations.get(document.uri)
         if ahead is not None and ahead.key == key and not ahead.done and ahead.task is not None:
+            version = document.version
             await asyncio.shield(ahead.task)  # the answer is being computed ahead: join it
+            if document.version != version:
+                return nothing("stale")  # the document moved on while it ran
         if key in self.cache:
             self.cache.move_to_end(key)
             self.stats.cache_hits += 1

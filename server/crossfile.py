@@ -83,7 +83,8 @@ class Block:
 class CrossFile:
     """Chooses and keeps the block per document; counts how often a block was reused as it stood."""
 
-    chunks: OrderedDict[tuple[str, int], list[Snippet]] = field(default_factory=OrderedDict)  # (uri, version) LRU
+    # (source uri, its version, the folder its header path is relative to) -> its snippets, LRU
+    chunks: OrderedDict[tuple[str, int, str], list[Snippet]] = field(default_factory=OrderedDict)
     blocks: dict[str, Block] = field(default_factory=dict)
     built: int = 0
     reused: int = 0
@@ -112,7 +113,7 @@ class CrossFile:
         self.blocks.pop(uri, None)
 
     def _snippets(self, source: Document, current: Document) -> list[Snippet]:
-        key = (source.uri, source.version)
+        key = (source.uri, source.version, os.path.dirname(current.uri))
         found = self.chunks.get(key)
         if found is None:
             found = snippets(source, display_path(source.uri, current.uri))
