@@ -327,6 +327,51 @@ async def test_kill_9_mid_request_answers_empty_then_recovers(tiny_model_dir: Pa
         os.kill(engine_health(path)["pid"], signal.SIGKILL)
 
 
+async def test_kill_9_under_8_editors_answers_each_its_own_document(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """8 editors (8 servers) on one engine, a request pending in each when the engine is killed: every one answers
+    empty with the reason, the engine comes back once, and each editor's next answer is for its own document (their
+    prefixes differ in length: the answers' prefix sizes keep that order)."""
+    path = tmp_path / "run" / "engine.sock"
+    slow = resident(tiny_model_dir, path, max_steps=3000, gap_tokens_single_line=32)
+    clients = [await lsp_session(slow, f"file:///w/editor{i}.py") for i in range(8)]
+    documents = [f"file:///w/own{i}.py" for i in range(8)]
+    try:
+        for client in clients:
+            await wait_ready(client)
+        for i, (client, uri) in enumerate(zip(clients, documents, strict=True)):
+            text = f"# editor {i}\n" * (4 * i + 1) + COMMENT_DOC  # the cursor line moves down with the header
+            client.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", 1,
+                                                                                                 text)))  # fmt: skip
+        lines = [4 * i + 1 + 4 for i in range(8)]
+        victim = engine_health(path)["pid"]
+        pending = [asyncio.ensure_future(fill_at(c, uri, line)) for c, uri, line in zip(clients, documents, lines,
+                                                                                           strict=True)]  # fmt: skip
+        await asyncio.sleep(1.5)
+        os.kill(victim, signal.SIGKILL)
+        answers = await asyncio.wait_for(asyncio.gather(*pending), 120)
+        assert all(a.edit is None and a.source.startswith("error:") for a in answers), [a.source for a in answers]
+        for client in clients:
+            await wait_ready(client)
+            client.workspace_did_change_configuration(
+                types.DidChangeConfigurationParams(settings={"canvas-ls": resident(tiny_model_dir, path)})
+            )
+        assert engine_health(path)["pid"] != victim
+        after = await asyncio.gather(*(fill_at(c, uri, line) for c, uri, line in zip(clients, documents, lines,
+                                                                                        strict=True)))  # fmt: skip
+        sizes = [a.result.prefix_tokens for a in after]
+        assert sizes == sorted(sizes) and len(set(sizes)) == 8, sizes
+    finally:
+        for client in clients:
+            await close(client)
+            await asyncio.wait_for(client._server.wait(), 30)
+        os.kill(engine_health(path)["pid"], signal.SIGKILL)
+
+
+async def fill_at(client: LanguageClient, uri: str, line: int, character: int = 12) -> Any:
+    params = {"textDocument": {"uri": uri}, "position": {"line": line, "character": character}}
+    return await client.protocol.send_request_async("canvas/fill", params)
+
+
 # -- the "openai" backend: any OpenAI-compatible server, tested against our own engine's /v1/completions ----------
 
 
