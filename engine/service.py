@@ -34,6 +34,7 @@ import stat
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -338,7 +339,8 @@ class Batcher:
         self.on_step = on_step
         self.on_preempt = on_preempt
         self.waiting: queue.Queue[tuple[InfillRequest, Future]] = queue.Queue()
-        self.held: list[tuple[InfillRequest, Future]] = []  # background requests waiting for an idle batch
+        self.ready: deque[tuple[InfillRequest, Future]] = deque()  # read from `waiting`, not yet in the batch
+        self.held: deque[tuple[InfillRequest, Future]] = deque()  # background requests waiting for an idle batch
         threading.Thread(target=self._loop, name="canvas-batcher", daemon=True).start()
 
     def submit(self, request: InfillRequest) -> Future:
@@ -372,29 +374,36 @@ class Batcher:
 
     def _admit(self, batch: EngineBatch, futures: dict[int, Future], running: dict[int, InfillRequest]) -> None:
         """Take waiting requests into the batch (blocking only when nothing runs or waits); the ones that arrived
-        together are encoded together. Background requests join only a batch of background requests, when no other
-        request arrived; a request that arrives stops the background ones in the batch before the next step."""
-        arrived: list[tuple[InfillRequest, Future]] = []
-        while len(batch) + len(arrived) < self.max_batch:
+        together are encoded together. Every waiting request is read at once, so that a real request is seen even
+        when the batch is full: it stops the background requests in the batch before the next step, and background
+        requests join only a batch without other requests, when none waits."""
+        block = not batch and not self.ready and not self.held
+        while True:
             try:
-                request, future = self.waiting.get(block=not batch and not arrived and not self.held)
+                request, future = self.waiting.get(block=block)
             except queue.Empty:
                 break
+            block = False
             if request.cancel is not None and request.cancel.is_set():
                 future.set_result(InfillCancelled(0))  # gone before it started
-            elif request.background:
-                self.held.append((request, future))
             else:
-                arrived.append((request, future))
-        if arrived:
+                (self.held if request.background else self.ready).append((request, future))
+        if self.ready:
             for request in running.values():
                 if request.background and request.cancel is not None and not request.cancel.is_set():
                     request.cancel.set()  # dropped at the next step, before its forward
                     if self.on_preempt is not None:
                         self.on_preempt()
-        elif not any(not request.background for request in running.values()):
+        arrived: list[tuple[InfillRequest, Future]] = []
+        while self.ready and len(batch) + len(arrived) < self.max_batch:
+            request, future = self.ready.popleft()
+            if request.cancel is not None and request.cancel.is_set():
+                future.set_result(InfillCancelled(0))  # cancelled while it waited
+            else:
+                arrived.append((request, future))
+        if not arrived and not self.ready and all(request.background for request in running.values()):
             while self.held and len(batch) + len(arrived) < self.max_batch:
-                request, future = self.held.pop(0)
+                request, future = self.held.popleft()
                 if request.cancel is not None and request.cancel.is_set():
                     future.set_result(InfillCancelled(0))
                 else:

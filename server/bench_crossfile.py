@@ -49,7 +49,9 @@ def _document(repo: Path, path: str, text: str | None = None) -> Document:
     return Document.open((repo / path).resolve().as_uri(), source, 1, "python")
 
 
-def tasks(repos: list[Path], limit: int, open_count: int, seed: int = 0) -> list[CrossTask]:
+def tasks(repos: list[Path], limit: int, open_count: int, seed: int = 0,
+          only: set[str] | None = None) -> list[CrossTask]:  # fmt: skip
+    """`only`: the task files allowed (paths relative to their repository), e.g. a training run's held-out ones."""
     found: list[CrossTask] = []
     for repo in repos:
         files = sorted(str(p.relative_to(repo)) for p in repo.rglob("*.py") if p.stat().st_size < 300_000)
@@ -61,6 +63,8 @@ def tasks(repos: list[Path], limit: int, open_count: int, seed: int = 0) -> list
                     defined.setdefault(name, set()).add(path)
         rng = random.Random(seed)
         for path, document in documents.items():
+            if only is not None and path not in only:
+                continue
             own = {name for name, paths in defined.items() if path in paths}
             start = 0
             for number, line in enumerate(document.text.split("\n")):
@@ -104,10 +108,12 @@ def recall(task: CrossTask, repo: Path, budget: int, at_line_start: bool = False
 
 
 def run_crossfile(repos: list[Path], limit: int, budgets: tuple[int, ...], open_count: int, engine: Any | None,
-                  exact_limit: int, typing_tasks: int, budget: int) -> dict[str, Any]:  # fmt: skip
+                  exact_limit: int, typing_tasks: int, budget: int,
+                  only: set[str] | None = None) -> dict[str, Any]:  # fmt: skip
     by_name = {repo.name: repo for repo in repos}
-    found = tasks(repos, limit, open_count)
+    found = tasks(repos, limit, open_count, only=only)
     report: dict[str, Any] = {"repos": [str(r) for r in repos], "tasks": len(found), "open_files": open_count,
+                              "task_files": "all" if only is None else sorted(only),
                               "machine": machine(), "recall": {}, "recall_line_start": {}}  # fmt: skip
     for size in budgets:
         report["recall"][str(size)] = statistics.fmean(recall(t, by_name[t.repo], size) for t in found)

@@ -168,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     cross.add_argument("--exact-limit", type=int, default=100, help="tasks completed by the model (0: recall only)")
     cross.add_argument("--typing-tasks", type=int, default=5, help="answers typed out to measure prefix reuse")
     cross.add_argument("--budget", type=int, default=512, help="the block's budget for the model's runs")
+    cross.add_argument("--held-out", type=Path, metavar="REPORT", help="tasks only in the held-out files of a "
+                       "training run's repository_report.json (a workspace-tuned model never saw them)")  # fmt: skip
     _model_arguments(cross)
     cross.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
 
@@ -604,8 +606,9 @@ def _bench_crossfile(args: argparse.Namespace) -> int:
         from engine import Engine
 
         engine = Engine.load(args.model, args.device, dtype=args.dtype, adapter=args.adapter)
+    only = set(json.loads(args.held_out.read_text())["held_out_files"]) if args.held_out else None
     report = run_crossfile(args.repo, args.limit, budgets, args.open, engine, args.exact_limit, args.typing_tasks,
-                           args.budget)  # fmt: skip
+                           args.budget, only)  # fmt: skip
     if not report["tasks"]:
         raise CliError("no tasks: no line in these repositories uses a name defined in another of their files")
     return _report("crossfile", report, format_crossfile, args.out, plot_crossfile)

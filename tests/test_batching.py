@@ -158,3 +158,21 @@ def test_a_request_joins_a_running_batch_between_steps(tiny_engine: Engine) -> N
     for request, single in zip((first, second), alone, strict=True):
         result = outcomes[id(request)]
         assert result.tokens == single.tokens and result.steps == single.steps
+
+
+def test_a_real_request_preempts_a_full_batch_of_background_work(tiny_engine: Engine) -> None:
+    """The resident engine's scheduler with room for one row, taken by background work: a real request that
+    arrives is still seen, the background row is stopped before the next step, and the real one runs."""
+    from engine.service import Batcher
+
+    preempted: list[int] = []
+    batcher = Batcher(tiny_engine, max_batch=1, on_preempt=lambda: preempted.append(1))
+    endless = {"max_new_tokens": 16, "gap_tokens": 16, "max_steps": 500, "stability_threshold": 1000,
+               "confidence_threshold": 1e-9}  # fmt: skip
+    started = threading.Event()
+    background = batcher.submit(InfillRequest("def f(x):\n    return ", "\n", endless, threading.Event(),
+                                              on_step=lambda view: started.set(), background=True))  # fmt: skip
+    assert started.wait(60)  # it is denoising, alone in the batch
+    real = batcher.submit(InfillRequest("def g(y):\n    return ", "\n", {"max_steps": 2}, threading.Event()))
+    assert not isinstance(real.result(timeout=60), InfillCancelled)
+    assert isinstance(background.result(timeout=60), InfillCancelled) and preempted == [1]
