@@ -193,6 +193,8 @@ def format_crossfile(report: dict[str, Any]) -> str:
             f"{100 * report['edit_similarity_without']:.1f} vs {100 * report['edit_similarity_with']:.1f}%",
         ]
         for mode, row in report["typing"].items():
+            if not row["keystrokes"]:
+                continue
             lines.append(f"typing {mode} the block: {row['keystrokes']} keystrokes, prefix reused "
                          f"{100 * row['reuse_ratio']:.1f}% (blocks built {row['blocks_built']}, reused "
                          f"{row['blocks_reused']}), {row['seconds']:.1f} s")  # fmt: skip
