@@ -287,6 +287,27 @@ def prefix_latency(engine: Engine, filler: str, prefix_tokens: int, runs: int = 
     return {"prefix_tokens": prefix_tokens, "runs": runs, "median_ms": statistics.median(times), "all_ms": times}
 
 
+@contextlib.contextmanager
+def figure(path: Path, size: tuple[float, float], columns: int = 1) -> Any:
+    """A benchmark's PNG: yields (figure, axes) from matplotlib (one axis, or a list of `columns`); on leaving,
+    every axis gets a light grid and its legend, and the figure is laid out and written to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn, axes = plt.subplots(1, columns, figsize=size)
+    try:
+        yield drawn, axes
+        for axis in axes if columns > 1 else [axes]:
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8)
+        drawn.tight_layout()
+        drawn.savefig(path, dpi=120)
+    finally:
+        plt.close(drawn)
+
+
 def machine() -> str:
     import platform
 

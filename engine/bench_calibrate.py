@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.bench import edit_similarity, load_tasks, machine, normalise, passes
+from engine.bench import edit_similarity, figure, load_tasks, machine, normalise, passes
 from engine.confidence import SCORES, confident_head, sequence_score, shown_tokens
 from engine.engine import Engine
 from engine.settings import MODEL_SETTINGS_FILE
@@ -235,12 +235,12 @@ def format_calibrate(report: dict[str, Any]) -> str:
 
 def plot_calibrate(report: dict[str, Any], path: Path) -> Path:
     """Precision against coverage, each score on the calibration set and the chosen one on the evaluation set."""
-    import matplotlib
+    with figure(path, (6.4, 4.2)) as (_, axis):
+        _draw_calibration(report, axis)
+    return path
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+def _draw_calibration(report: dict[str, Any], axis: Any) -> None:
     for kind in SCORES:
         points = report["calibration"]["curves"][kind]
         axis.plot([p["coverage"] for p in points], [p["precision"] for p in points], label=f"calibration, {kind}")
@@ -255,10 +255,4 @@ def plot_calibrate(report: dict[str, Any], path: Path) -> Path:
     axis.set_xlabel("coverage (share of requests that show an answer)")
     axis.set_ylabel("precision (share of shown answers that are good)")
     axis.set_ylim(0, 1.02)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
     axis.set_title(f"confidence calibration ({report['model']})", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path

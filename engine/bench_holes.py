@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.bench import Task, edit_similarity, load_tasks, machine, normalise, passes, spread
+from engine.bench import Task, edit_similarity, figure, load_tasks, machine, normalise, passes, spread
 from engine.engine import Engine
 from engine.regions import Hole
 
@@ -245,27 +245,18 @@ def format_holes(report: dict[str, Any]) -> str:
 
 def plot_holes(report: dict[str, Any], path: Path) -> Path:
     """Forward passes and wall time per task by number of holes, joint vs sequential."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     counts = [int(c) for c in report["holes"]]
-    figure, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for axis, key, label in ((axes[0], "forward_passes", "decoder forward passes per task"),
-                             (axes[1], "seconds", "wall time per task (s)")):  # fmt: skip
-        for mode, marker in zip(MODES, ("o", "s"), strict=True):
-            values = [report["holes"][str(c)][mode][key] / max(report["holes"][str(c)]["tasks"], 1) for c in counts]
-            axis.plot(counts, values, marker=marker, label=mode)
-        axis.set_xlabel("holes per program")
-        axis.set_xticks(counts)
-        axis.set_title(label)
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.suptitle(f"several holes in one canvas vs one at a time ({report['model']})", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with figure(path, (9, 3.6), columns=2) as (drawn, axes):
+        for axis, key, label in ((axes[0], "forward_passes", "decoder forward passes per task"),
+                                 (axes[1], "seconds", "wall time per task (s)")):  # fmt: skip
+            for mode, marker in zip(MODES, ("o", "s"), strict=True):
+                values = [report["holes"][str(c)][mode][key] / max(report["holes"][str(c)]["tasks"], 1)
+                          for c in counts]  # fmt: skip
+                axis.plot(counts, values, marker=marker, label=mode)
+            axis.set_xlabel("holes per program")
+            axis.set_xticks(counts)
+            axis.set_title(label)
+        drawn.suptitle(f"several holes in one canvas vs one at a time ({report['model']})", fontsize=10)
     return path
 
 

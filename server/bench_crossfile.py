@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.bench import edit_similarity, machine, normalise
+from engine.bench import edit_similarity, figure, machine, normalise
 from server.config import CompletionOptions
 from server.context import Skip, build_context
 from server.crossfile import CrossFile, display_path, snippets, words
@@ -202,13 +202,13 @@ def format_crossfile(report: dict[str, Any]) -> str:
 
 
 def plot_crossfile(report: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = [int(s) for s in report["recall"]]
-    figure, axis = plt.subplots(figsize=(5.6, 3.6))
+    with figure(path, (5.6, 3.6)) as (_, axis):
+        _draw_recall(report, sizes, axis)
+    return path
+
+
+def _draw_recall(report: dict[str, Any], sizes: list[int], axis: Any) -> None:
     axis.plot(sizes, [100 * report["recall"][str(s)] for s in sizes], "o-", label="the name typed")
     axis.plot(sizes, [100 * report["recall_line_start"][str(s)] for s in sizes], "s--", label="at the line start")
     axis.axhline(80, color="grey", linewidth=0.8, linestyle=":")
@@ -216,10 +216,4 @@ def plot_crossfile(report: dict[str, Any], path: Path) -> Path:
     axis.set_ylabel("defining snippet in the block (%)")
     axis.set_ylim(0, 100)
     axis.set_xticks(sizes)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
     axis.set_title(f"cross-file retrieval recall, {report['tasks']} tasks", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
