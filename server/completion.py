@@ -38,7 +38,7 @@ from server.positions import PositionError
 
 log = logging.getLogger(__name__)
 # What the cache keeps of an engine result: enough to decide again what to show.
-_ANSWER_KEYS = ("text", "token_texts", "confidence", "score", "score_kind", "min_confidence", "healed")
+_ANSWER_KEYS = ("text", "token_texts", "confidence", "score_kind", "min_confidence", "healed")
 
 
 @dataclass
@@ -71,7 +71,7 @@ class _Speculation:
     edit: Edit  # the suggestion
     after: str  # the text once it is accepted
     cancel: CancelFlag = field(default_factory=CancelFlag)
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # the one computing it (joined by a request that wants it)
     done: bool = False  # its answer is in the cache
 
     def still_useful(self, text: str) -> bool:
@@ -93,7 +93,6 @@ class Stats:
     errors: int = 0  # model calls that failed (the engine refused the request, went away, or broke)
     last_error: str | None = None
     by_source: dict[str, int] = field(default_factory=dict)
-    hidden: int = 0  # answers below the confidence threshold, not shown
     speculated: int = 0  # next suggestions computed ahead (started)
     speculation_used: int = 0  # ...that answered a request
     speculation_wasted: int = 0  # ...dropped unused (cancelled by a real request or a change, or never asked for)
@@ -238,7 +237,6 @@ class Completer:
                 why = f"confidence {score:.2f} below {threshold:.2f} ({answer['score_kind']} token probability)"
                 cut = checked_edit(document, context, head, options.max_lines) if options.show_head else None
                 if cut is None or not cut.text.strip():
-                    self.stats.hidden += 1
                     self._remember(document, offset, None)
                     return Outcome(None, "hidden", request_id, 0.0, detail=f"hidden: {why}")
                 self.stats.heads += 1
@@ -280,12 +278,17 @@ class Completer:
     # -- the next suggestion, computed ahead ---------------------------------------------------------------------
 
     def _speculate(self, document: Document, edit: Edit | None) -> None:
-        """Start computing the completion that follows `edit` once it is accepted, in the background."""
-        if edit is None or not self.config.completion.speculate:
-            return
+        """Compute the completion that follows `edit` once it is accepted, in the background."""
+        if edit is not None and self.config.completion.speculate:
+            asyncio.get_running_loop().create_task(self._compute_ahead(document, document.version, edit))
+
+    async def _compute_ahead(self, document: Document, version: int, edit: Edit) -> None:
+        await asyncio.sleep(0)  # let the answer that shows `edit` go out first: what follows is not on its path
+        if document.version != version:
+            return  # the document moved on before the speculation started
         accepted = document.edited(edit.start, edit.end, edit.text)
         context = self._context(accepted, edit.start + len(edit.text))
-        key = None
+        key = overrides = None
         if not isinstance(context, Skip):
             overrides = self._overrides(context, invoked=False)
             key = self._key(accepted, context, overrides)
@@ -295,19 +298,14 @@ class Completer:
         self._drop(document.uri)
         if key is None or key in self.cache:
             return
-        ahead = _Speculation(key, document.text, edit, accepted.text)
-        ahead.task = asyncio.get_running_loop().create_task(self._compute_ahead(ahead, context, overrides,
-                                                                                document.uri))  # fmt: skip
+        ahead = _Speculation(key, document.text, edit, accepted.text, task=asyncio.current_task())
         self.speculations[document.uri] = ahead
         self.stats.speculated += 1
-
-    async def _compute_ahead(self, ahead: _Speculation, context: CompletionContext, overrides: dict[str, Any],
-                             uri: str) -> None:  # fmt: skip
         try:
-            result = await self.backend.infill(context.prefix, context.suffix, overrides, ahead.cancel, uri,
+            result = await self.backend.infill(context.prefix, context.suffix, overrides, ahead.cancel, document.uri,
                                                background=True)  # fmt: skip
         except (BackendNotReady, BackendError) as exc:  # real requests report the engine's errors
-            log.info("speculation for %s: %s", uri, exc)
+            log.info("speculation for %s: %s", document.uri, exc)
             return
         if result is not None and not ahead.cancel.is_set():
             self._store(ahead.key, {k: result[k] for k in _ANSWER_KEYS if k in result})

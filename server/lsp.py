@@ -297,7 +297,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "cacheHits": counters.cache_hits,
         "typingHits": counters.typing_hits,
         "contextBlocks": {"built": ls.completer.cross_file.built, "reused": ls.completer.cross_file.reused},
-        "hidden": counters.hidden,
+        "hidden": counters.by_source.get("hidden", 0),
         "heads": counters.heads,
         "speculation": {
             "started": counters.speculated,
