@@ -14,6 +14,7 @@ one and others of the repository (seeded), never the task's own. Measured:
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import statistics
@@ -88,9 +89,15 @@ def tasks(repos: list[Path], limit: int, open_count: int, seed: int = 0,
     return found[:limit]
 
 
+@functools.lru_cache(maxsize=512)
+def _source(repo: Path, path: str) -> Document:
+    """An open file as it is on disk, parsed once for every task and budget (the block only reads it)."""
+    return _document(repo, path)
+
+
 def _block(task: CrossTask, repo: Path, text: str, offset: int, budget: int, cross: CrossFile | None = None) -> Any:
     current = _document(repo, task.path, text)
-    sources = [_document(repo, path) for path in task.open_files]
+    sources = [_source(repo, path) for path in task.open_files]
     return (cross or CrossFile()).block(current, offset, sources, budget), current
 
 
