@@ -85,16 +85,54 @@ def small_vision_config() -> Gemma4VisionConfig:
 
 
 def build_tiny_model(
-    out_dir: Path, texts: list[str], seed: int = 0, vocab_size: int = 384, infill: dict[str, Any] | None = None
+    out_dir: Path,
+    texts: list[str],
+    seed: int = 0,
+    vocab_size: int = 384,
+    infill: dict[str, Any] | None = None,
+    writes: tuple[str, ...] = (),
 ) -> Path:
-    """Write a randomly initialised tiny model (with a tokenizer trained on `texts`) to `out_dir`, for tests."""
+    """Write a randomly initialised tiny model (with a tokenizer trained on `texts`) to `out_dir`, for tests.
+
+    `writes`: texts that are one token each; the model then writes the first into every slot it fills, whatever
+    the context, with confidence > 0.99, and the next where that one is barred (token healing's first slot after a
+    cut space allows only tokens that start with one); see `write_tokens`. End-to-end editor tests know its answers.
+    """
     quiet_libraries()
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(texts, vocab_size, out_dir)
     assert tokenizer.convert_tokens_to_ids(SPARES[0]) == 3
     torch.manual_seed(seed)
-    model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer)))
+    config = small_config(len(tokenizer))
+    if writes:
+        config.tie_word_embeddings = False
+    model = DiffusionGemmaForBlockDiffusion(config)
+    if writes:
+        ids = [tokenizer.encode(text, add_special_tokens=False) for text in writes]
+        if wrong := [text for text, tokens in zip(writes, ids, strict=True) if len(tokens) != 1]:
+            raise ValueError(f"not one token each in the tiny tokenizer: {wrong}")
+        write_tokens(model, [tokens[0] for tokens in ids])
     model.save_pretrained(str(out_dir))
     if infill is not None:
         (out_dir / MODEL_SETTINGS_FILE).write_text(json.dumps({"infill": infill}, indent=2) + "\n")
     return out_dir
+
+
+@torch.no_grad()
+def write_tokens(model: DiffusionGemmaForBlockDiffusion, tokens: list[int]) -> None:
+    """Make `model` predict `tokens[0]` at every position, `tokens[1]` where that is barred, and so on: every layer's
+    and the self-conditioning's output projections are zeroed, so the last hidden state is the (normalised) input
+    embedding; every embedding gets the same large first component, so that state points the same way for every
+    input; and the untied LM head reads only that component, for `tokens` alone, in decreasing weights (their logits
+    ~20, ~15 after the softcap: each one's probability where it wins is > 0.99; every other logit is 0)."""
+    assert not model.config.tie_word_embeddings
+    for name, parameter in model.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            parameter.zero_()
+    for name, parameter in model.named_parameters():
+        if name.endswith("embed_tokens.weight"):  # the encoder's and the decoder's
+            parameter[:, 0] = 1.0
+    head = model.get_output_embeddings().weight
+    head.zero_()
+    for rank, token in enumerate(tokens):
+        head[token, 0] = 3.0 - rank  # the state's first component is ~sqrt(hidden_size) = 8: logits 24, 16...

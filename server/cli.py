@@ -227,6 +227,11 @@ def _parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny model (for trying the pipeline)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--layout", choices=("canvas", "prompt"), default="canvas")
+    tiny.add_argument("--writes", nargs="+", default=[], metavar="TEXT",
+                      help="texts of one token each: the model writes the first in every slot, whatever the context, "
+                      "and the next where the first is barred (for end-to-end editor tests: answers known in "
+                      "advance; e.g. --writes code ' None')")  # fmt: skip
+    tiny.add_argument("--max-new-tokens", type=int, help="the model's answer length cap (its canvas_ls.json)")
     return parser
 
 
@@ -339,7 +344,14 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
     # A tokenizer needs text to learn from: the Python standard library's json package is always there.
     sources = sorted(Path(json.__file__).parent.glob("*.py"))
-    build_tiny_model(args.out, [p.read_text(encoding="utf-8") for p in sources], infill={"layout": args.layout})
+    infill: dict[str, Any] = {"layout": args.layout}
+    if args.max_new_tokens is not None:
+        infill["max_new_tokens"] = args.max_new_tokens
+    texts = [p.read_text(encoding="utf-8") for p in sources]
+    try:
+        build_tiny_model(args.out, texts, infill=infill, writes=tuple(args.writes))
+    except ValueError as exc:
+        raise SystemExit(f"canvas-ls make-tiny-model: {exc}") from None
     print(args.out)
     return 0
 

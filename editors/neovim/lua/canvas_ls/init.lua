@@ -1,10 +1,13 @@
 -- A small plugin around the canvas-ls server: enable it, turn on inline completion (Neovim 0.12) for the
--- buffers it attaches to, and map a key that accepts the suggestion (falling back to the key itself).
+-- buffers it attaches to, and map a key that accepts the suggestion (falling back to the key itself). On Neovim 0.11
+-- the suggestion comes as an item of the LSP completion menu (vim.lsp.completion).
 local M = {}
 
 ---@class canvas_ls.Opts
 ---@field accept_key? string  insert-mode key that accepts the inline suggestion (default '<Tab>')
 ---@field config? vim.lsp.Config  merged into lsp/canvas_ls.lua (cmd, init_options, filetypes...)
+---@field menu_autotrigger? boolean  Neovim 0.11 (no inline completion): open the completion menu with the
+---  suggestion as you type (default true); false: only on <C-x><C-o> or vim.lsp.completion.get()
 
 ---@param opts? canvas_ls.Opts
 function M.setup(opts)
@@ -20,20 +23,24 @@ function M.setup(opts)
     M.rewrite(command.line1, command.line2)
   end, { range = true, desc = 'canvas-ls: rewrite the selected lines (or the last visual selection) in place' })
 
-  if not vim.lsp.inline_completion then
-    vim.notify('canvas-ls: inline completion needs Neovim 0.12; suggestions still come as completion items',
-      vim.log.levels.WARN)
-    return
-  end
+  local inline = vim.lsp.inline_completion ~= nil -- Neovim 0.12+
   vim.api.nvim_create_autocmd('LspAttach', {
     group = vim.api.nvim_create_augroup('canvas_ls', { clear = true }),
     callback = function(args)
       local client = vim.lsp.get_client_by_id(args.data.client_id)
-      if client and client.name == 'canvas_ls' then
+      if not client or client.name ~= 'canvas_ls' then
+        return
+      end
+      if inline then
         vim.lsp.inline_completion.enable(true, { bufnr = args.buf })
+      else -- 0.11: the suggestion is one item of the completion menu (<C-y> inserts it)
+        vim.lsp.completion.enable(true, client.id, args.buf, { autotrigger = opts.menu_autotrigger ~= false })
       end
     end,
   })
+  if not inline then
+    return
+  end
   local key = opts.accept_key or '<Tab>'
   vim.keymap.set('i', key, function()
     if not vim.lsp.inline_completion.get() then

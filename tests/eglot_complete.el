@@ -1,0 +1,36 @@
+;;; eglot_complete.el --- drive canvas-ls through eglot in Emacs batch mode (tests/test_emacs.py)  -*- lexical-binding: t; -*-
+;; Loads editors/emacs/canvas-ls.el as a user would, opens $CANVAS_LS_FILE, starts eglot, waits for the model,
+;; puts point after the first "return " and runs `completion-at-point'; prints one JSON line: the line before and
+;; after, and what canvas/fill says the server offers there.
+
+(dolist (dir (file-expand-wildcards "/usr/share/emacs/site-lisp/elpa/*"))  ; Debian's elpa-eglot on Emacs 28
+  (add-to-list 'load-path dir))
+(require 'eglot)
+(require 'json)
+(add-to-list 'load-path (getenv "CANVAS_LS_EMACS"))
+(require 'canvas-ls)
+(setq canvas-ls-command (list (getenv "CANVAS_LS_PYTHON") "-m" "server.cli" "serve"))
+(setq canvas-ls-initialization-options
+      `(:engine (:model ,(getenv "CANVAS_LS_MODEL") :device "cpu")
+        :completion (:speculate :json-false :max_new_tokens_single_line 4)))
+
+(find-file (getenv "CANVAS_LS_FILE"))
+(apply #'eglot (eglot--guess-contact))  ; what M-x eglot does, without its prompts
+(let ((server (eglot-current-server))
+      (deadline (+ (float-time) 120)))
+  (while (not (equal "ready" (plist-get (plist-get (jsonrpc-request server :canvas/stats nil) :engine) :state)))
+    (when (> (float-time) deadline)
+      (error "The model did not load: %S" (jsonrpc-request server :canvas/stats nil)))
+    (sleep-for 0.2))
+  (goto-char (point-min))
+  (search-forward "return ")
+  (let* ((line (lambda () (buffer-substring-no-properties (line-beginning-position) (line-end-position))))
+         (before (funcall line))
+         (offered (jsonrpc-request server :canvas/fill (eglot--TextDocumentPositionParams))))
+    (completion-at-point)
+    (princ (concat (json-encode `((before . ,before) (after . ,(funcall line))
+                                  (offered . ,(plist-get (plist-get offered :edit) :text))
+                                  (source . ,(plist-get offered :source))))
+                   "\n"))
+    (jsonrpc-shutdown server)))
+;;; eglot_complete.el ends here
