@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import logging
 import time
 from collections import OrderedDict, deque
@@ -131,6 +132,9 @@ class Completer:
             self.last = (document.uri, outcome)
         log.info("request %d %s: %s in %.1f ms", request_id, document.uri if document else "?", outcome.source,
                  outcome.elapsed_ms)  # fmt: skip
+        if outcome.edit is not None:  # --log-level DEBUG: what the editor was offered (end-to-end editor tests)
+            log.debug("request %d offered %s at offsets %d-%d", request_id, json.dumps(outcome.edit.text),
+                      outcome.edit.start, outcome.edit.end)  # fmt: skip
         return outcome
 
     async def _complete(self, document: Document | None, line: int, character: int, request_id: int,

@@ -9,6 +9,7 @@ export interface CanvasSettings {
   backend: string;
   enabledLanguages: string[];
   gapTokens: { singleLine?: number; multiLine?: number };
+  maxNewTokens: { singleLine?: number; multiLine?: number };
   rewriteStrength: number;
   minConfidence: number | null; // null: the model's calibrated threshold; 0: show every answer
 }
@@ -23,6 +24,7 @@ export const DEFAULT_SETTINGS: CanvasSettings = {
     "python", "javascript", "javascriptreact", "typescript", "typescriptreact", "go", "rust", "c", "cpp", "java", "lua",
   ],
   gapTokens: { singleLine: 16, multiLine: 32 },
+  maxNewTokens: { singleLine: 48, multiLine: 128 },
   rewriteStrength: 0.5,
   minConfidence: null,
 };
@@ -45,6 +47,8 @@ export function initializationOptions(settings: CanvasSettings): Record<string, 
   const completion: Record<string, number | null> = {};
   if (settings.gapTokens.singleLine) completion.gap_tokens_single_line = settings.gapTokens.singleLine;
   if (settings.gapTokens.multiLine) completion.gap_tokens_multi_line = settings.gapTokens.multiLine;
+  if (settings.maxNewTokens.singleLine) completion.max_new_tokens_single_line = settings.maxNewTokens.singleLine;
+  if (settings.maxNewTokens.multiLine) completion.max_new_tokens_multi_line = settings.maxNewTokens.multiLine;
   if (typeof settings.minConfidence === "number") completion.min_confidence = settings.minConfidence;
   return {
     engine: { model: settings.model || null, device: settings.device || "auto", backend: settings.backend || "resident" },

@@ -36,6 +36,7 @@ function readSettings(): CanvasSettings {
     backend: c.get("backend", DEFAULT_SETTINGS.backend),
     enabledLanguages: c.get("enabledLanguages", DEFAULT_SETTINGS.enabledLanguages),
     gapTokens: c.get("gapTokens", DEFAULT_SETTINGS.gapTokens),
+    maxNewTokens: c.get("maxNewTokens", DEFAULT_SETTINGS.maxNewTokens),
     rewriteStrength: c.get("rewriteStrength", DEFAULT_SETTINGS.rewriteStrength),
     minConfidence: c.get("minConfidence", DEFAULT_SETTINGS.minConfidence),
   };

@@ -64,10 +64,12 @@ test("the default command is canvas-ls serve; a pythonPath runs the module", () 
 });
 
 test("settings become the server's option tree", () => {
-  const options = initializationOptions({ ...DEFAULT_SETTINGS, model: "/m", device: "cpu", gapTokens: { singleLine: 8 } });
+  const options = initializationOptions({
+    ...DEFAULT_SETTINGS, model: "/m", device: "cpu", gapTokens: { singleLine: 8 }, maxNewTokens: { singleLine: 4 },
+  });
   assert.deepEqual(options, {
     engine: { model: "/m", device: "cpu", backend: "resident" },
-    completion: { gap_tokens_single_line: 8 },
+    completion: { gap_tokens_single_line: 8, max_new_tokens_single_line: 4 },
   });
   assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, { model: null, device: "auto", backend: "resident" });
   const local = initializationOptions({ ...DEFAULT_SETTINGS, backend: "local" }).engine as { backend: string };

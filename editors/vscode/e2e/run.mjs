@@ -1,0 +1,249 @@
+// canvas-ls's VS Code extension in a real VS Code: code-server (VS Code in the browser) on loopback, driven by
+// Debian's headless Chromium through puppeteer-core. Run by ./run.sh, which installs all of it (see there).
+//
+// 1. With the tiny model whose answers are known in advance (` None` then `code` in every slot): open a Python file,
+//    type a space after `return`, wait for the ghost text, check it equals the server's answer (its log, at DEBUG)
+//    and the known text, take a screenshot, accept with Tab, save,
+//    and check the file on disk.
+// 2. The status bar item (latency after a completion), and a click on it toggles inline completion off and on.
+// 3. A model that fails to load: an error notification that says so, the status bar's error icon, no crash.
+// 4. The shipped default model: only that a request makes the round trip (its answers are not known in advance).
+//
+// Environment: CANVAS_LS_PYTHON (a Python with canvas-ls installed), CANVAS_LS_FIXED_MODEL (`canvas-ls
+// make-tiny-model DIR --writes code ' None'`), CANVAS_LS_VSIX, CODE_SERVER, CHROMIUM, OUT (screenshots, report).
+import { spawn, spawnSync } from "node:child_process";
+import { mkdirSync, mkdtempSync, readFileSync, readdirSync, statSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import puppeteer from "puppeteer-core";
+
+const env = (name) => {
+  const value = process.env[name];
+  if (!value) throw new Error(`${name} is not set (run ./run.sh)`);
+  return value;
+};
+const [python, fixedModel, vsix, codeServer, chromium, out] = ["CANVAS_LS_PYTHON", "CANVAS_LS_FIXED_MODEL",
+  "CANVAS_LS_VSIX", "CODE_SERVER", "CHROMIUM", "OUT"].map(env);
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const report = { steps: [] };
+const step = (name, details = {}) => {
+  report.steps.push({ name, ...details, at_s: Math.round((Date.now() - started) / 100) / 10 });
+  console.log(`ok  ${name}`, Object.keys(details).length ? JSON.stringify(details) : "");
+};
+const started = Date.now();
+
+async function until(what, probe, timeoutMs = 120000) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await probe();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await sleep(200);
+  }
+}
+
+// --- a VS Code profile with the extension installed, and a workspace -----------------------------------------------
+const root = mkdtempSync(join(tmpdir(), "canvas-ls-vscode-"));
+const [userData, extensions, workspace] = ["user-data", "extensions", "workspace"].map((name) => join(root, name));
+for (const folder of [join(userData, "User"), extensions, workspace]) mkdirSync(folder, { recursive: true });
+const file = join(workspace, "area.py");
+writeFileSync(file, "def area(width, height):\n    return\n\n\nprint(area(2, 3))\n");
+const settingsFile = join(userData, "User", "settings.json");
+const settings = (model) => writeFileSync(settingsFile, JSON.stringify({
+  "security.workspace.trust.enabled": false,
+  "workbench.startupEditor": "none",
+  "telemetry.telemetryLevel": "off",
+  "extensions.autoCheckUpdates": false,
+  "editor.quickSuggestions": { other: false, comments: false, strings: false },
+  "editor.suggestOnTriggerCharacters": false,  // the suggest widget would hide the ghost text
+  "editor.inlineSuggest.enabled": true,
+  "chat.disableAIFeatures": true,  // VS Code's own chat panel would take a third of the screen
+  "workbench.secondarySideBar.defaultVisibility": "hidden",
+  // At DEBUG the server logs what it offered each request (the extension's log, canvas-ls.log): the server's answer.
+  "canvasLs.command": [python, "-m", "server.cli", "serve", "--log-level", "DEBUG"],
+  "canvasLs.model": model,
+  "canvasLs.device": "cpu",
+  "canvasLs.maxNewTokens": { singleLine: 4 },  // the fixed model writes to the cap: "None" and 3 x "code"
+}, null, 2));
+settings(fixedModel);
+const installed = spawnSync(codeServer, ["--user-data-dir", userData, "--extensions-dir", extensions,
+  "--install-extension", vsix], { encoding: "utf8" });
+if (installed.status !== 0) throw new Error(`installing the .vsix failed: ${installed.stderr}`);
+step("vsix installed", { output: installed.stdout.trim().split("\n").pop() });
+
+// --- code-server and the browser -------------------------------------------------------------------------------------
+const port = 20000 + Math.floor(Math.random() * 20000);
+const server = spawn(codeServer, ["--bind-addr", `127.0.0.1:${port}`, "--auth", "none", "--user-data-dir", userData,
+  "--extensions-dir", extensions, "--disable-telemetry", "--disable-update-check", "--disable-workspace-trust",
+  workspace], { stdio: ["ignore", "pipe", "pipe"], env: { ...process.env, XDG_RUNTIME_DIR: join(root, "run") } });
+let serverLog = "";
+server.stdout.on("data", (chunk) => (serverLog += chunk));
+server.stderr.on("data", (chunk) => (serverLog += chunk));
+mkdirSync(join(root, "run"), { recursive: true, mode: 0o700 });
+await until("code-server to listen", () => serverLog.includes("HTTP server listening"), 60000);
+
+const browser = await puppeteer.launch({
+  executablePath: chromium,
+  headless: true,
+  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--window-size=1280,800"],
+  defaultViewport: { width: 1280, height: 800 },
+});
+const page = await browser.newPage();
+const failures = [];
+page.on("pageerror", (error) => failures.push(String(error)));
+const areaOpen = () => page.evaluate(() =>
+  [...document.querySelectorAll(".tabs-container .tab")].some((tab) => tab.textContent.includes("area.py")));
+
+// Open area.py with Quick Open (a window reload restores it by itself).
+async function openArea() {
+  await sleep(2000);
+  if (await areaOpen()) return;
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyP"); await page.keyboard.up("Control");
+  await until("Quick Open", () => page.$(".quick-input-widget:not([style*='display: none']) input"));
+  await page.keyboard.type("area.py");
+  await until("the file in Quick Open", () => page.evaluate(() =>
+    [...document.querySelectorAll(".quick-input-list .monaco-list-row")].some((row) => row.textContent.includes("area.py"))));
+  await until("the file's editor", async () => {
+    const open = await areaOpen();
+    if (!open) await page.keyboard.press("Enter");
+    return open;
+  }, 20000);
+  await sleep(500);
+}
+
+// New user settings, then a window reload (code-server does not notice a settings file changed behind its back).
+async function reloadWith(model) {
+  settings(model);
+  await page.reload({ waitUntil: "domcontentloaded" });
+  await until("the workbench", () => page.$(".monaco-workbench .statusbar"), 90000);
+  await openArea();
+}
+
+try {
+  await page.goto(`http://127.0.0.1:${port}/?folder=${encodeURIComponent(workspace)}`, { waitUntil: "domcontentloaded" });
+  await until("the workbench", () => page.$(".monaco-workbench"), 90000);
+  step("VS Code loaded", { version: (serverLog.match(/code-server ([\d.]+)/) || [])[1] });
+
+  // Open area.py (Quick Open), wait for the server to load the model (the status bar's check icon).
+  const statusItem = () => page.evaluate(() => {
+    const item = [...document.querySelectorAll(".statusbar-item")].find((el) => el.textContent.includes("canvas-ls"));
+    if (!item) return null;
+    const icon = item.querySelector(".codicon");
+    return { text: item.textContent.trim(), icon: icon ? [...icon.classList].find((c) => c.startsWith("codicon-") && c !== "codicon") : null };
+  });
+  await openArea();
+  const ready = await until("the model to load (status bar)", async () => {
+    const item = await statusItem();
+    return item && item.icon === "codicon-check" ? item : null;
+  }, 180000);
+  step("extension active, model loaded", { status: ready.text });
+
+  // Line 2 ("    return"), at its end, type a space: VS Code asks for an inline completion.
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyG"); await page.keyboard.up("Control");
+  await page.keyboard.type("2");
+  await page.keyboard.press("Enter");
+  await page.keyboard.press("End");
+  await page.keyboard.type(" ");
+  const ghost = await until("the ghost text", () => page.evaluate(() => {
+    const parts = [...document.querySelectorAll(".ghost-text-decoration, .ghost-text-decoration-preview")];
+    return parts.length ? parts.map((el) => el.textContent).join("") : null;
+  }), 60000);
+  const editorBox = await (await page.$(".editor-group-container")).boundingBox();
+  await page.screenshot({ path: join(out, "ghost-text.png"),
+    clip: { x: editorBox.x, y: editorBox.y, width: Math.min(editorBox.width, 720), height: 170 } });
+  const answered = await until("the server's log of its answer", () => {
+    const logs = [];
+    const walk = (folder) => {
+      for (const name of readdirSync(folder)) {
+        const path = join(folder, name);
+        if (statSync(path).isDirectory()) walk(path);
+        else if (name.endsWith(".log") && name.includes("canvas-ls")) logs.push(path);
+      }
+    };
+    walk(join(userData, "logs"));
+    for (const log of logs) {
+      const match = readFileSync(log, "utf8").match(/request \d+ offered ("(?:[^"\\]|\\.)*") at offsets/);
+      if (match) return { text: JSON.parse(match[1]) };
+    }
+    return null;
+  }, 20000);
+  const offered = answered.text;
+  const known = "Nonecodecodecode";
+  if (ghost !== offered || !ghost.startsWith("Nonecode") || ghost !== known)
+    throw new Error(`ghost text ${JSON.stringify(ghost)}, server answered ${JSON.stringify(offered)}`);
+  step("ghost text equals the server's answer", { ghost });
+
+  await page.keyboard.press("Tab");
+  await sleep(500);
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyS"); await page.keyboard.up("Control");
+  const line = await until("the accepted text on disk", () => {
+    const second = readFileSync(file, "utf8").split("\n")[1];
+    return second !== "    return" && second !== "    return " ? second : null;
+  }, 10000);
+  if (line !== `    return ${ghost}`) throw new Error(`after Tab the line is ${JSON.stringify(line)}`);
+  step("Tab accepted it; saved file", { line });
+
+  // The status bar: latency after the completion; a click toggles inline completion off and back on.
+  const withLatency = await until("latency in the status bar", async () => {
+    const item = await statusItem();
+    return item && / \d+ ms/.test(item.text) ? item : null;
+  });
+  const clickStatus = () => page.evaluate(() =>
+    [...document.querySelectorAll(".statusbar-item")].find((el) => el.textContent.includes("canvas-ls"))
+      .querySelector("a, .statusbar-item-label").click());
+  await clickStatus();
+  const off = await until("the toggle off", async () => {
+    const item = await statusItem();
+    return item && item.icon === "codicon-circle-slash" ? item : null;
+  }, 10000);
+  await clickStatus();
+  const on = await until("the toggle back on", async () => {
+    const item = await statusItem();
+    return item && item.icon === "codicon-check" ? item : null;
+  }, 10000);
+  step("status bar: latency, toggled off and on", { ready: withLatency.text, off: off.text, on: on.text });
+
+  // A model that fails to load: the server says why, in a notification and the status bar.
+  await reloadWith(join(root, "no-such-model"));
+  const notice = await until("the error notification", () => page.evaluate(() => {
+    const messages = [...document.querySelectorAll(".notification-list-item-message")].map((el) => el.textContent);
+    return messages.find((text) => text.includes("failed to load")) || null;
+  }), 120000);
+  const failed = await until("the status bar's error icon", async () => {
+    const item = await statusItem();
+    return item && item.icon === "codicon-error" ? item : null;
+  }, 30000);
+  await page.screenshot({ path: join(out, "model-failed.png") });
+  step("a model that fails to load is reported", { notification: notice, status: failed.text });
+
+  // The shipped default model: the round trip happens (what it writes is not known in advance).
+  await reloadWith("");
+  await until("the default model to load", async () => {
+    const item = await statusItem();
+    return item && item.icon === "codicon-check" ? item : null;
+  }, 180000);
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyG"); await page.keyboard.up("Control");
+  await page.keyboard.type("5");
+  await page.keyboard.press("Enter");
+  await page.keyboard.press("End");
+  await page.keyboard.type("\nwidth = ");
+  const roundTrip = await until("a request answered by the default model", async () => {
+    const item = await statusItem();
+    return item && / \d+ ms/.test(item.text) ? item : null;
+  }, 60000);
+  step("default model: a request made the round trip", { status: roundTrip.text });
+  if (failures.length) throw new Error(`page errors: ${failures.join("; ")}`);
+  report.ok = true;
+} catch (error) {
+  report.ok = false;
+  report.error = String(error.stack || error);
+  await page.screenshot({ path: join(out, "failure.png") }).catch(() => {});
+  console.error(error);
+  console.error(serverLog.slice(-3000));
+} finally {
+  writeFileSync(join(out, "report.json"), JSON.stringify(report, null, 2));
+  await browser.close();
+  server.kill();
+}
+process.exit(report.ok ? 0 : 1);
