@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from engine.adapters import add_lora, trainable_parameters
-from engine.bench_step import full_width_config, random_model
-from engine.corpus import CorpusFile
-from engine.plan import training_plan
-from engine.training import ExampleSampler, TrainConfig, collate, train_step
+from canvas_ls.engine.adapters import add_lora, trainable_parameters
+from canvas_ls.engine.bench_step import full_width_config, random_model
+from canvas_ls.engine.corpus import CorpusFile
+from canvas_ls.engine.plan import training_plan
+from canvas_ls.engine.training import ExampleSampler, TrainConfig, collate, train_step
 
 
 def main(out: Path, layers: int = 30) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
-from engine import corpus
-from engine.training import BatchStream, TrainConfig, TrainingError, train_step
+from canvas_ls.engine import corpus
+from canvas_ls.engine.training import BatchStream, TrainConfig, TrainingError, train_step
 
 VARIANTS = [  # (attention, experts, bf16, cuDNN attention): `train` turns cuDNN's off (its masked backward is NaN)
     ("sdpa", None, True, False),

@@ -13,15 +13,15 @@ from importlib import import_module
 from typing import Any
 
 _PUBLIC = {
-    "DEFAULT_MODEL_DIR": "engine.loading",
-    "Engine": "engine.engine",
-    "FillError": "engine.regions",
-    "Hole": "engine.regions",
-    "InfillCancelled": "engine.canvas",
-    "InfillResult": "engine.engine",
-    "InfillSettings": "engine.settings",
-    "ModelLoadError": "engine.errors",
-    "SettingsError": "engine.settings",
+    "DEFAULT_MODEL_DIR": "canvas_ls.engine.loading",
+    "Engine": "canvas_ls.engine.engine",
+    "FillError": "canvas_ls.engine.regions",
+    "Hole": "canvas_ls.engine.regions",
+    "InfillCancelled": "canvas_ls.engine.canvas",
+    "InfillResult": "canvas_ls.engine.engine",
+    "InfillSettings": "canvas_ls.engine.settings",
+    "ModelLoadError": "canvas_ls.engine.errors",
+    "SettingsError": "canvas_ls.engine.settings",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import ModelLoadError
+from canvas_ls.engine.errors import ModelLoadError
 
 TEXT_LAYERS = r".*(language_model|decoder)\.layers\.\d+\."
 LINEAR_TARGETS = TEXT_LAYERS + r"(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"

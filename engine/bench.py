@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from engine.corpus import HELD_OUT_FILES
-from engine.engine import Engine
+from canvas_ls.engine.corpus import HELD_OUT_FILES
+from canvas_ls.engine.engine import Engine
 
 MODES = {"parallel": "diffusion", "left_to_right": "left_to_right"}
 TEST_TIMEOUT_S = 10
@@ -371,7 +371,7 @@ def _torch_step(logits: torch.Tensor, temperature: float, generator: torch.Gener
 
 
 def _fused_step(logits: torch.Tensor, temperature: float, generator: torch.Generator, sampler, stopping) -> None:
-    from engine.sampling import step_stats_fused
+    from canvas_ls.engine.sampling import step_stats_fused
 
     stats = step_stats_fused(logits.view(-1, logits.shape[-1]), temperature, generator)
     shape = logits.shape[:-1]
@@ -403,8 +403,8 @@ def run_sampler(device: str | None = None, canvases: tuple[int, ...] = (64, 256)
     """Median milliseconds per step, torch vs fused (fused only where the kernel runs: CUDA with triton)."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    from engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
-    from engine.sampling import fused_available
+    from canvas_ls.engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
+    from canvas_ls.engine.sampling import fused_available
 
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     fused_ok = fused_available(target) and target.type == "cuda"
@@ -443,6 +443,12 @@ def format_sampler(report: dict[str, Any]) -> str:
 # -- `canvas-ls bench engine`: the resident engine over its socket: prefix reuse and concurrency ------------------
 
 
+def filler_code() -> str:
+    """Real Python code to make long prefixes of: this package's own canvas module (it ships in every install, where
+    the repository's fixtures do not)."""
+    return Path(__file__).with_name("canvas.py").read_text(encoding="utf-8")
+
+
 def run_engine_bench(
     model: str | None,
     prefixes: tuple[int, ...] = (256, 1024, 4096),
@@ -458,10 +464,10 @@ def run_engine_bench(
 
     import httpx
 
-    filler = (Path(__file__).resolve().parent.parent / "fixtures" / "python" / "stats.py").read_text()
+    filler = filler_code()
     folder = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-"))
     socket = folder / "engine.sock"
-    command = [sys.executable, "-m", "server.cli", "engine", "--socket", str(socket), "--idle-exit", "0",
+    command = [sys.executable, "-m", "canvas_ls.server.cli", "engine", "--socket", str(socket), "--idle-exit", "0",
                "--dtype", dtype]  # fmt: skip
     command += (["--model", model] if model else []) + (engine_args or [])
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
@@ -620,9 +626,9 @@ def run_train_bench(preset: str = "cpu", steps: int = 5, runs: int = 3) -> dict[
     The two alternate on the same batches, `runs` times `steps` steps each, after one warm-up step each."""
     from transformers import AutoTokenizer
 
-    from engine import DEFAULT_MODEL_DIR, corpus
-    from engine.loading import quiet_libraries, resolve_device
-    from engine.training import PRESETS, ExampleSampler, TrainConfig, collate, preset_model, train_step
+    from canvas_ls.engine import DEFAULT_MODEL_DIR, corpus
+    from canvas_ls.engine.loading import quiet_libraries, resolve_device
+    from canvas_ls.engine.training import PRESETS, ExampleSampler, TrainConfig, collate, preset_model, train_step
 
     quiet_libraries()
     cfg = TrainConfig(**PRESETS[preset]["train"])

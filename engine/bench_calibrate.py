@@ -23,10 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.bench import edit_similarity, figure, load_tasks, machine, normalise, passes
-from engine.confidence import SCORES, confident_head, sequence_score, shown_tokens
-from engine.engine import Engine
-from engine.settings import MODEL_SETTINGS_FILE
+from canvas_ls.engine.bench import edit_similarity, figure, load_tasks, machine, normalise, passes
+from canvas_ls.engine.confidence import SCORES, confident_head, sequence_score, shown_tokens
+from canvas_ls.engine.engine import Engine
+from canvas_ls.engine.settings import MODEL_SETTINGS_FILE
 
 GOOD_SIMILARITY = 0.7
 # What the server asks for while typing a line (server.config.CompletionOptions' single-line defaults).

@@ -23,10 +23,10 @@ import torch
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
 from transformers.cache_utils import DynamicCache
 
-from engine.architecture import small_vision_config
-from engine.bench import synchronize, timed
-from engine.canvas import BatchedKV, encode
-from engine.sampling import step_stats_rows
+from canvas_ls.engine.architecture import small_vision_config
+from canvas_ls.engine.bench import synchronize, timed
+from canvas_ls.engine.canvas import BatchedKV, encode
+from canvas_ls.engine.sampling import step_stats_rows
 
 # DiffusionGemma 26B-A4B's text geometry as its published config.json gives it (google/diffusiongemma-26B-A4B-it):
 # 30 layers (5 sliding : 1 full), hidden 2816, 128 experts of 704 (top 8) beside a dense MLP of 2112, 262k vocabulary.
@@ -284,7 +284,7 @@ def run(model_name: str | None, layers: int, device: str | None, dtype: str | No
         checkpoint: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
     """`bench step` for a model folder or hub id (None: the shipped one) or, with model_name "full-width", for
     DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30)."""
-    from engine.loading import load_model, resolve_device, resolve_dtype
+    from canvas_ls.engine.loading import load_model, resolve_device, resolve_dtype
 
     if model_name == "full-width":
         target = resolve_device(device)

@@ -49,9 +49,9 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
-from engine.compiled import CompiledDecoder
-from engine.prefix_cache import PrefixCache
-from engine.sampling import StepStats, step_stats_rows
+from canvas_ls.engine.compiled import CompiledDecoder
+from canvas_ls.engine.prefix_cache import PrefixCache
+from canvas_ls.engine.sampling import StepStats, step_stats_rows
 
 
 class CancelToken(Protocol):

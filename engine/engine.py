@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.canvas import (
+from canvas_ls.engine.canvas import (
     CancelToken,
     CanvasJob,
     CanvasOutput,
@@ -29,13 +29,13 @@ from engine.canvas import (
     StepView,
     encode_prefixes,
 )
-from engine.compiled import CompiledDecoder
-from engine.confidence import model_display, sequence_score
-from engine.loading import LoadedModel, load_model
-from engine.prefix_cache import PrefixCache
-from engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
-from engine.settings import InfillSettings, model_settings
-from engine.tokenizer import TokenHealing
+from canvas_ls.engine.compiled import CompiledDecoder
+from canvas_ls.engine.confidence import model_display, sequence_score
+from canvas_ls.engine.loading import LoadedModel, load_model
+from canvas_ls.engine.prefix_cache import PrefixCache
+from canvas_ls.engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
+from canvas_ls.engine.settings import InfillSettings, model_settings
+from canvas_ls.engine.tokenizer import TokenHealing
 
 __all__ = [
     "Engine",

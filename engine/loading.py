@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import ModelLoadError
+from canvas_ls.engine.errors import ModelLoadError
 
 # The model a user gets when they name none: trained by `canvas-ls train`, shipped inside the package.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
@@ -130,7 +130,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         model.to(target)
     model.eval()
     if adapter:
-        from engine.adapters import apply_adapter
+        from canvas_ls.engine.adapters import apply_adapter
 
         model = apply_adapter(model, adapter, merge_adapter)
     return LoadedModel(

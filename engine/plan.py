@@ -33,11 +33,11 @@ def model_config(start_from: str | None, preset: str, vocab_size: int) -> Any:
     (DiffusionGemma 26B-A4B's published geometry), or the preset's."""
     from transformers import AutoConfig
 
-    from engine.architecture import small_config
-    from engine.training import PRESETS
+    from canvas_ls.engine.architecture import small_config
+    from canvas_ls.engine.training import PRESETS
 
     if start_from == "full-width":
-        from engine.bench_step import full_width_config
+        from canvas_ls.engine.bench_step import full_width_config
 
         return full_width_config()
     if start_from:
@@ -50,7 +50,7 @@ def training_plan(config: Any, batch_size: int, prefix_tokens: int, canvas_token
     """Parameters and bytes of one run (see the module's docstring for what each line counts)."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from engine.adapters import add_lora, trainable_parameters
+    from canvas_ls.engine.adapters import add_lora, trainable_parameters
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft asks transformers about gradient checkpointing

@@ -55,11 +55,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.canvas import InfillCancelled, StepView
-from engine.engine import Engine, EngineBatch, InfillRequest
-from engine.paths import default_socket
-from engine.regions import FillError, Hole, parts_from_json, split_parts
-from engine.settings import SettingsError
+from canvas_ls.engine.canvas import InfillCancelled, StepView
+from canvas_ls.engine.engine import Engine, EngineBatch, InfillRequest
+from canvas_ls.engine.paths import default_socket
+from canvas_ls.engine.regions import FillError, Hole, parts_from_json, split_parts
+from canvas_ls.engine.settings import SettingsError
 
 __all__ = ["EngineService", "ServeError", "check_address", "check_socket", "default_socket", "serve"]
 

@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from engine.corpus import CorpusFile
-from engine.loss import softcapped_cross_entropy
-from engine.tokenizer import TokenHealing
+from canvas_ls.engine.corpus import CorpusFile
+from canvas_ls.engine.loss import softcapped_cross_entropy
+from canvas_ls.engine.tokenizer import TokenHealing
 
 EOS_FILL_WEIGHT = 0.05
 
@@ -460,7 +460,7 @@ def train(
     progress: Any = None,
 ) -> dict[str, Any]:
     """Train `model` in place for cfg.minutes; checkpoints and a JSON-lines log go to `out_dir`. Resumable."""
-    from engine.loading import resolve_device
+    from canvas_ls.engine.loading import resolve_device
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -604,7 +604,7 @@ TRAINED_INFILL = {"layout": "canvas", "gap_tokens": 16, "suffix_head_tokens": 16
 
 def run_plan(cfg: TrainConfig, start_from: str | None, preset: str, vocab_size: int) -> dict[str, Any]:
     """`engine.plan.training_plan` for this run's model and settings."""
-    from engine.plan import model_config, training_plan
+    from canvas_ls.engine.plan import model_config, training_plan
 
     gap = max(cfg.gap_choices)
     canvas = gap + cfg.head_tokens + (gap if cfg.multi_gap_share > 0 else 0)  # several gaps: up to twice the slots
@@ -616,7 +616,7 @@ def preset_model(preset: str, vocab_size: int) -> Any:
     """A freshly initialised model of the preset's size."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from engine.architecture import small_config
+    from canvas_ls.engine.architecture import small_config
 
     return DiffusionGemmaForBlockDiffusion(small_config(vocab_size, sliding_window=512, **PRESETS[preset]["model"]))
 
@@ -640,10 +640,10 @@ def run(
     files is evaluated before and after, and general-corpus files make up `replay` of the training bytes."""
     from transformers import AutoTokenizer
 
-    from engine import corpus, plan
-    from engine.loading import quiet_libraries, resolve_device
-    from engine.settings import MODEL_SETTINGS_FILE
-    from engine.tokenizer import train_tokenizer
+    from canvas_ls.engine import corpus, plan
+    from canvas_ls.engine.loading import quiet_libraries, resolve_device
+    from canvas_ls.engine.settings import MODEL_SETTINGS_FILE
+    from canvas_ls.engine.tokenizer import train_tokenizer
 
     quiet_libraries()
     spec = PRESETS[preset]
@@ -720,7 +720,7 @@ def run(
         model.set_experts_implementation(cfg.experts)
     adapted = None
     if cfg.lora_rank:
-        from engine.adapters import add_lora
+        from canvas_ls.engine.adapters import add_lora
 
         adapted = add_lora(model, cfg.lora_rank, cfg.lora_experts)
         for parameter in adapted.parameters():
@@ -733,7 +733,7 @@ def run(
 
     export = out_dir / "model"
     if adapted is not None:  # the adapter alone (for `--adapter`), and the model with it merged
-        from engine.adapters import merged, save_adapter
+        from canvas_ls.engine.adapters import merged, save_adapter
 
         save_adapter(adapted, out_dir / "adapter")
         model = merged(adapted)

@@ -114,7 +114,7 @@ class LocalBackend:
         def work() -> None:
             started = time.perf_counter()
             try:
-                from engine import Engine
+                from canvas_ls.engine import Engine
 
                 self._engine = Engine.load(model, None if device == "auto" else device, adapter=self.adapter)
                 self.model_name = self._engine.name
@@ -139,7 +139,7 @@ class LocalBackend:
                    document: str | None = None) -> dict | None:  # fmt: skip
         """Several holes in one canvas (`/v1/fill` segments): the engine's result, None when cancelled. Raises
         BackendError for a fill the engine cannot lay out."""
-        from engine.regions import parts_from_json, split_parts
+        from canvas_ls.engine.regions import parts_from_json, split_parts
 
         def compute(engine: Any) -> Any:
             prefix, middle, suffix = split_parts(parts_from_json(segments))
@@ -150,7 +150,7 @@ class LocalBackend:
     async def _call(self, cancel: CancelFlag, compute: Callable[[Any], Any]) -> dict | None:
         """`compute(engine)` on the worker thread: its result as a dict, None when cancelled."""
         _check_ready(self.state, self.error)
-        from engine import FillError, InfillCancelled
+        from canvas_ls.engine import FillError, InfillCancelled
 
         engine = self._engine
 
@@ -183,7 +183,7 @@ class ResidentBackend:
 
     def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0, model: str | None = None,
                  device: str = "auto", adapter: str | None = None):  # fmt: skip
-        from engine.paths import default_socket
+        from canvas_ls.engine.paths import default_socket
 
         self.adapter = adapter
         self.socket = Path(socket) if socket else default_socket(model, device, adapter)
@@ -242,7 +242,7 @@ class ResidentBackend:
             health = self._health()
             if health is not None:
                 return health
-            command = [sys.executable, "-m", "server.cli", "engine", "--socket", str(self.socket),
+            command = [sys.executable, "-m", "canvas_ls.server.cli", "engine", "--socket", str(self.socket),
                        "--idle-exit", str(self.idle_exit_s)]  # fmt: skip
             if self._model:
                 command += ["--model", self._model]

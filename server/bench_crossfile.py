@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.bench import edit_similarity, figure, machine, normalise
-from server.config import CompletionOptions
-from server.context import Skip, build_context
-from server.crossfile import CrossFile, display_path, snippets, words
-from server.documents import Document
+from canvas_ls.engine.bench import edit_similarity, figure, machine, normalise
+from canvas_ls.server.config import CompletionOptions
+from canvas_ls.server.context import Skip, build_context
+from canvas_ls.server.crossfile import CrossFile, display_path, snippets, words
+from canvas_ls.server.documents import Document
 
 TYPING = {"single_line": True, "gap_tokens": 16, "max_new_tokens": 48}
 

@@ -22,7 +22,7 @@ from typing import Any
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from engine.bench import machine, percentile
+from canvas_ls.engine.bench import machine, percentile
 
 LANGUAGES = {".py": "python", ".js": "javascript", ".go": "go", ".ts": "typescript", ".rs": "rust"}
 
@@ -170,7 +170,7 @@ def _summary(values: list[float]) -> dict[str, Any]:
 def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str, backend: str = "resident",
                   think_ms: float = 300, speculate: bool = True,
                   context_tokens: int = 512) -> dict[str, Any]:  # fmt: skip
-    command = [sys.executable, "-m", "server.cli", "serve", "--log-level", "WARNING"]
+    command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING"]
     init = {"engine": {"model": model, "device": device, "backend": backend},
             "completion": {"min_confidence": 0, "speculate": speculate, "context_tokens": context_tokens}}  # fmt: skip
     report = asyncio.run(_drive(command, files, requests, init, think_ms))

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from server.positions import PositionError, offset_at
+from canvas_ls.server.positions import PositionError, offset_at
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,6 +187,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="where the model runs: the shared engine (the default) or inside the server")  # fmt: skip
     lsp.add_argument("--out", type=Path, help="JSON report path")
 
+    soak = benches.add_parser("soak", help="many LSP requests (edits, completions, cancels, opens, closes) against "
+                              "the server and its resident engine: memory growth, errors, queue, counters")  # fmt: skip
+    soak.add_argument("--requests", type=int, default=10000)
+    _model_arguments(soak)
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--out", type=Path, help="JSON report path")
+
     sampler = benches.add_parser("sampler", help="per-step sampler time, torch vs the fused Triton kernel")
     sampler.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
     sampler.add_argument("--steps", type=int, default=20)
@@ -263,7 +270,7 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
 
 
 def _complete(args: argparse.Namespace) -> int:
-    from engine import Engine
+    from canvas_ls.engine import Engine
 
     text = _read(args.file)
     try:
@@ -297,8 +304,8 @@ def _span(value: str) -> tuple[int, int, int, int]:
 
 
 def _fill(args: argparse.Namespace) -> int:
-    from engine import Engine, FillError
-    from engine.regions import Region, regions_to_parts, split_parts
+    from canvas_ls.engine import Engine, FillError
+    from canvas_ls.engine.regions import Region, regions_to_parts, split_parts
 
     text = _read(args.file)
     spans = [(span, 1.0) for span in args.hole] + [(span, args.strength) for span in args.rewrite]
@@ -340,7 +347,7 @@ def _read(path: Path) -> str:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.architecture import build_tiny_model
+    from canvas_ls.engine.architecture import build_tiny_model
 
     # A tokenizer needs text to learn from: the Python standard library's json package is always there.
     sources = sorted(Path(json.__file__).parent.glob("*.py"))
@@ -363,7 +370,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, handlers=[handler], format="%(asctime)s %(name)s %(message)s")
     if args.log_level != "DEBUG":
         logging.getLogger("pygls").setLevel(logging.WARNING)  # it logs every message it sends at INFO
-    from server.lsp import server
+    from canvas_ls.server.lsp import server
 
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
@@ -376,8 +383,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from engine import Engine
-    from engine.service import EngineService, ServeError, check_address, check_socket, default_socket, serve
+    from canvas_ls.engine import Engine
+    from canvas_ls.engine.service import EngineService, ServeError, check_address, check_socket, default_socket, serve
 
     token = _token(args)
     host = port = None
@@ -421,8 +428,8 @@ def _train(args: argparse.Namespace) -> int:
         return _train_plan(args)
     from tqdm import tqdm
 
-    from engine.loading import DEFAULT_MODEL_DIR
-    from engine.training import TrainingError, run
+    from canvas_ls.engine.loading import DEFAULT_MODEL_DIR
+    from canvas_ls.engine.training import TrainingError, run
 
     bar = tqdm(total=None, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=5.0)
 
@@ -460,9 +467,9 @@ def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _train_plan(args: argparse.Namespace) -> int:
     """Full and LoRA training of the run's model, side by side, against the device's free memory."""
-    from engine.loading import resolve_device
-    from engine.plan import GIB, available_bytes, format_plan
-    from engine.training import PRESETS, TrainConfig, run_plan
+    from canvas_ls.engine.loading import resolve_device
+    from canvas_ls.engine.plan import GIB, available_bytes, format_plan
+    from canvas_ls.engine.training import PRESETS, TrainConfig, run_plan
 
     spec = PRESETS[args.preset]
     overrides = _train_overrides(args)
@@ -482,12 +489,20 @@ def _train_plan(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
                 "train": _bench_train, "holes": _bench_holes, "step": _bench_step,
-                "calibrate": _bench_calibrate, "crossfile": _bench_crossfile}  # fmt: skip
+                "calibrate": _bench_calibrate, "crossfile": _bench_crossfile, "soak": _bench_soak}  # fmt: skip
     return handlers[args.bench](args)
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from canvas_ls.server.bench_soak import format_soak, plot_soak, run_soak
+
+    report = run_soak(args.requests, args.model, args.device or "auto", args.seed)
+    _report("soak", report, format_soak, args.out, plot_soak)
+    return 0 if all(report["checks"].values()) else 1  # a stress command: a failed check is its exit status
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
-    from engine.bench import format_engine, run_engine_bench
+    from canvas_ls.engine.bench import format_engine, run_engine_bench
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     clients = tuple(int(x) for x in args.clients.split(","))
@@ -499,7 +514,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_step(args: argparse.Namespace) -> int:
-    from engine import bench_step
+    from canvas_ls.engine import bench_step
 
     out = args.out or _cache_dir() / f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -518,21 +533,23 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _bench_sampler(args: argparse.Namespace) -> int:
-    from engine.bench import format_sampler, run_sampler
+    from canvas_ls.engine.bench import format_sampler, run_sampler
 
     return _report("sampler", run_sampler(args.device, steps=args.steps), format_sampler, args.out)
 
 
 def _bench_train(args: argparse.Namespace) -> int:
-    from engine.bench import format_train, run_train_bench
+    from canvas_ls.engine.bench import format_train, run_train_bench
 
     return _report("train", run_train_bench(args.preset, args.steps, args.runs), format_train, args.out)
 
 
 def _bench_lsp(args: argparse.Namespace) -> int:
-    from server.bench_lsp import LANGUAGES, format_report, run_lsp_bench
+    from canvas_ls.server.bench_lsp import LANGUAGES, format_report, run_lsp_bench
 
-    fixtures = Path(__file__).resolve().parent.parent / "fixtures"
+    fixtures = Path(__file__).resolve().parent.parent / "fixtures"  # in a checkout (an editable install) only
+    if not args.files and not fixtures.is_dir():
+        raise CliError("bench lsp: give --files (the repository's fixtures, its default, are not part of an install)")
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
     speculate = not args.no_speculate
     report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms, speculate,
@@ -541,8 +558,8 @@ def _bench_lsp(args: argparse.Namespace) -> int:
 
 
 def _bench_infill(args: argparse.Namespace) -> int:
-    from engine import Engine
-    from engine.bench import format_table, prefix_latency, run_infill
+    from canvas_ls.engine import Engine
+    from canvas_ls.engine.bench import filler_code, format_table, prefix_latency, run_infill
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
@@ -555,14 +572,13 @@ def _bench_infill(args: argparse.Namespace) -> int:
     report = run_infill(engine, args.dataset, args.limit, not args.no_tests, progress, args.cursor)
     print(file=sys.stderr)
     if args.prefix_latency:
-        filler = (Path(__file__).resolve().parent.parent / "fixtures" / "python" / "stats.py").read_text()
-        report["prefix_latency"] = prefix_latency(engine, filler, args.prefix_latency)
+        report["prefix_latency"] = prefix_latency(engine, filler_code(), args.prefix_latency)
     return _report("infill", report, format_table, args.out)
 
 
 def _bench_holes(args: argparse.Namespace) -> int:
-    from engine import Engine
-    from engine.bench_holes import format_holes, plot_holes, run_holes
+    from canvas_ls.engine import Engine
+    from canvas_ls.engine.bench_holes import format_holes, plot_holes, run_holes
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
@@ -579,8 +595,8 @@ def _bench_holes(args: argparse.Namespace) -> int:
 
 
 def _bench_calibrate(args: argparse.Namespace) -> int:
-    from engine import Engine
-    from engine.bench_calibrate import format_calibrate, plot_calibrate, run_calibrate, write_threshold
+    from canvas_ls.engine import Engine
+    from canvas_ls.engine.bench_calibrate import format_calibrate, plot_calibrate, run_calibrate, write_threshold
 
     for path in (args.calibration, args.dataset):
         if path is not None and not path.is_file():
@@ -607,7 +623,7 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
 
 
 def _bench_crossfile(args: argparse.Namespace) -> int:
-    from server.bench_crossfile import format_crossfile, plot_crossfile, run_crossfile
+    from canvas_ls.server.bench_crossfile import format_crossfile, plot_crossfile, run_crossfile
 
     for repo in args.repo:
         if not repo.is_dir():
@@ -615,7 +631,7 @@ def _bench_crossfile(args: argparse.Namespace) -> int:
     budgets = _ints(args.budgets)
     engine = None
     if args.exact_limit > 0:
-        from engine import Engine
+        from canvas_ls.engine import Engine
 
         engine = Engine.load(args.model, args.device, dtype=args.dtype, adapter=args.adapter)
     only = set(json.loads(args.held_out.read_text())["held_out_files"]) if args.held_out else None
@@ -653,7 +669,7 @@ class CliError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine import ModelLoadError, SettingsError
+    from canvas_ls.engine import ModelLoadError, SettingsError
 
     args = _parser().parse_args(argv)
     handlers = {

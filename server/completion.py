@@ -28,14 +28,14 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.confidence import judge
-from server.backend import Backend, BackendError, BackendNotReady, CancelFlag
-from server.config import ServerConfig
-from server.context import CompletionContext, Skip, build_context
-from server.crossfile import CrossFile
-from server.documents import Document, DocumentStore
-from server.edits import Edit, checked_edit
-from server.positions import PositionError
+from canvas_ls.engine.confidence import judge
+from canvas_ls.server.backend import Backend, BackendError, BackendNotReady, CancelFlag
+from canvas_ls.server.config import ServerConfig
+from canvas_ls.server.context import CompletionContext, Skip, build_context
+from canvas_ls.server.crossfile import CrossFile
+from canvas_ls.server.documents import Document, DocumentStore
+from canvas_ls.server.edits import Edit, checked_edit
+from canvas_ls.server.positions import PositionError
 
 log = logging.getLogger(__name__)
 # What the cache keeps of an engine result: enough to decide again what to show.

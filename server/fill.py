@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.regions import FillError, Region, parts_to_json, regions_to_parts
-from server.backend import Backend, BackendError, BackendNotReady, CancelFlag
-from server.config import FillOptions
-from server.documents import Document
-from server.edits import Edit, adds_syntax_errors
-from server.holes import inside_string_or_comment
+from canvas_ls.engine.regions import FillError, Region, parts_to_json, regions_to_parts
+from canvas_ls.server.backend import Backend, BackendError, BackendNotReady, CancelFlag
+from canvas_ls.server.config import FillOptions
+from canvas_ls.server.documents import Document
+from canvas_ls.server.edits import Edit, adds_syntax_errors
+from canvas_ls.server.holes import inside_string_or_comment
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ from pygls.exceptions import JsonRpcInvalidParams
 from pygls.io_ import StdinAsyncReader, StdoutWriter
 from pygls.lsp.server import LanguageServer
 
-from engine.regions import Region
-from server.backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
-from server.completion import Completer, Outcome
-from server.config import ServerConfig, layered, parse_config
-from server.documents import Document, DocumentStore
-from server.fill import FillOutcome, fill_regions
-from server.holes import find_holes
-from server.positions import PositionError
+from canvas_ls.engine.regions import Region
+from canvas_ls.server.backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
+from canvas_ls.server.completion import Completer, Outcome
+from canvas_ls.server.config import ServerConfig, layered, parse_config
+from canvas_ls.server.documents import Document, DocumentStore
+from canvas_ls.server.fill import FillOutcome, fill_regions
+from canvas_ls.server.holes import find_holes
+from canvas_ls.server.positions import PositionError
 
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"

@@ -15,8 +15,8 @@ from pathlib import Path
 import hypothesis  # noqa: F401
 import pytest
 
-from engine import Engine
-from engine.architecture import build_tiny_model
+from canvas_ls.engine import Engine
+from canvas_ls.engine.architecture import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "fixtures"

@@ -9,7 +9,7 @@
 (require 'json)
 (add-to-list 'load-path (getenv "CANVAS_LS_EMACS"))
 (require 'canvas-ls)
-(setq canvas-ls-command (list (getenv "CANVAS_LS_PYTHON") "-m" "server.cli" "serve"))
+(setq canvas-ls-command (list (getenv "CANVAS_LS_PYTHON") "-m" "canvas_ls.server.cli" "serve"))
 (setq canvas-ls-initialization-options
       `(:engine (:model ,(getenv "CANVAS_LS_MODEL") :device "cpu")
         :completion (:speculate :json-false :max_new_tokens_single_line 4)))

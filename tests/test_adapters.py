@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import DiffusionGemmaForBlockDiffusion
 
-from engine import Engine
-from engine.adapters import adapter_size, add_lora, save_adapter, trainable_parameters
-from engine.architecture import small_config
-from engine.bench_step import full_width_config
-from engine.tokenizer import train_tokenizer
+from canvas_ls.engine import Engine
+from canvas_ls.engine.adapters import adapter_size, add_lora, save_adapter, trainable_parameters
+from canvas_ls.engine.architecture import small_config
+from canvas_ls.engine.bench_step import full_width_config
+from canvas_ls.engine.tokenizer import train_tokenizer
 from tests.conftest import tokenizer_texts
 from tests.test_cli import cli
 from tests.test_training import short_run
@@ -56,8 +56,8 @@ def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 def test_merged_and_unmerged_adapters_answer_alike(tiny_model_dir: Path, adapter_dir: Path,
                                                     tiny_engine_fp32: Engine) -> None:  # fmt: skip
-    from engine.engine import InfillRequest
-    from engine.loading import load_model
+    from canvas_ls.engine.engine import InfillRequest
+    from canvas_ls.engine.loading import load_model
 
     merged = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", adapter=str(adapter_dir))
     apart = Engine(load_model(str(tiny_model_dir), "cpu", "float32", str(adapter_dir), merge_adapter=False))
@@ -73,8 +73,8 @@ def test_merged_and_unmerged_adapters_answer_alike(tiny_model_dir: Path, adapter
 
 
 def test_an_adapter_that_is_not_one_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from engine import ModelLoadError
-    from engine.loading import load_model
+    from canvas_ls.engine import ModelLoadError
+    from canvas_ls.engine.loading import load_model
 
     (tmp_path / "notes").mkdir()
     with pytest.raises(ModelLoadError) as raised:  # the CLI prints it as one line, exit 2 (tests/test_cli.py)
@@ -122,7 +122,7 @@ def test_train_lora_on_a_repository_exports_an_adapter_the_engine_takes(tiny_mod
 
 
 def test_the_training_plan_counts_the_model_and_refuses_what_cannot_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import plan
+    from canvas_ls.engine import plan
 
     config = small_config(512)
     full = plan.training_plan(config, batch_size=4, prefix_tokens=64, canvas_tokens=48)

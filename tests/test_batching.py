@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine import Engine, InfillCancelled
-from engine.canvas import StepView, encode, encode_rows
-from engine.engine import InfillRequest
+from canvas_ls.engine import Engine, InfillCancelled
+from canvas_ls.engine.canvas import StepView, encode, encode_rows
+from canvas_ls.engine.engine import InfillRequest
 from tests.test_canvas import EOS, confident
 
 PREFIXES = ["def add(a, b):\n    return ", "x = 1\n" * 30 + "y = ", "import os\n\n\ndef main():\n    path = os."]
@@ -163,7 +163,7 @@ def test_a_request_joins_a_running_batch_between_steps(tiny_engine: Engine) -> N
 def test_a_real_request_preempts_a_full_batch_of_background_work(tiny_engine: Engine) -> None:
     """The resident engine's scheduler with room for one row, taken by background work: a real request that
     arrives is still seen, the background row is stopped before the next step, and the real one runs."""
-    from engine.service import Batcher
+    from canvas_ls.engine.service import Batcher
 
     preempted: list[int] = []
     batcher = Batcher(tiny_engine, max_batch=1, on_preempt=lambda: preempted.append(1))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import Task, load_tasks, passes
+from canvas_ls.engine.bench import Task, load_tasks, passes
 from tests.conftest import FIXTURES
 from tests.test_cli import canvas_ls, cli
 
@@ -112,7 +112,7 @@ HOLES = FIXTURES / "bench" / "tiny-holes.jsonl"
 
 
 def test_hole_tasks_remove_separate_lines_and_keep_the_program_testable() -> None:
-    from engine.bench_holes import _document, hole_tasks
+    from canvas_ls.engine.bench_holes import _document, hole_tasks
 
     (two,) = hole_tasks(HOLES, 2)
     (three,) = hole_tasks(HOLES, 3)
@@ -129,7 +129,7 @@ def test_hole_tasks_remove_separate_lines_and_keep_the_program_testable() -> Non
 
 
 def test_corrupt_changes_one_token() -> None:
-    from engine.bench_holes import corrupt
+    from canvas_ls.engine.bench_holes import corrupt
 
     assert corrupt("if a < b:") == "if a > b:"
     assert corrupt("x == y") == "x != y"
@@ -177,7 +177,7 @@ def test_the_sandbox_kills_what_the_program_started_and_has_no_network(add_task:
 
 
 def test_repository_tasks_are_the_held_out_files_lines(tmp_path: Path) -> None:
-    from engine.bench import load_tasks
+    from canvas_ls.engine.bench import load_tasks
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "a.py").write_text("def f(x):\n    return x + 1\n\n\nok=2\n")

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from engine import Engine, InfillCancelled
-from engine.canvas import StepView
+from canvas_ls.engine import Engine, InfillCancelled
+from canvas_ls.engine.canvas import StepView
 
 PREFIX = "def mean(values):\n    total = sum(values)\n"  # ends at a token boundary: nothing to heal
 SUFFIX = "\n\n\ndef mode(values):\n    counts = Counter(values)\n    return counts.most_common(1)[0][0]\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import main
+from canvas_ls.server.cli import main
 from tests.conftest import FIXTURES
 
 STATS = FIXTURES / "python" / "stats.py"
@@ -46,7 +46,7 @@ RESULT_FIELDS = {
 
 def canvas_ls(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "canvas_ls.server.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -129,7 +129,7 @@ def test_missing_model_folder_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_folder_without_a_model_is_one_clear_line(tmp_path: Path) -> None:
-    done = canvas_ls("complete", str(STATS), "--line", "0", "--character", "0", "--model", str(tmp_path))
+    done = cli("complete", str(STATS), "--line", "0", "--character", "0", "--model", str(tmp_path))
     assert "holds no model" in one_line_error(done)
 
 
@@ -157,7 +157,7 @@ def test_dtype_follows_the_cpu(tmp_path: Path) -> None:
     import pytest
     import torch
 
-    from engine.loading import ModelLoadError, cpu_has_native_bf16, resolve_dtype
+    from canvas_ls.engine.loading import ModelLoadError, cpu_has_native_bf16, resolve_dtype
 
     with_bf16, without = tmp_path / "bf16", tmp_path / "plain"
     with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n")

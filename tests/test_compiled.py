@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from engine import Engine
-from engine.compiled import CompiledDecoder
-from engine.engine import InfillRequest
+from canvas_ls.engine import Engine
+from canvas_ls.engine.compiled import CompiledDecoder
+from canvas_ls.engine.engine import InfillRequest
 from tests.test_batching import PREFIXES, SUFFIXES
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench_calibrate import auroc, choose, curve
-from engine.confidence import Display, confident_head, judge, sequence_score, shown_tokens
+from canvas_ls.engine.bench_calibrate import auroc, choose, curve
+from canvas_ls.engine.confidence import Display, confident_head, judge, sequence_score, shown_tokens
 from tests.conftest import FIXTURES
 from tests.test_cli import cli
 
@@ -96,7 +96,7 @@ def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model
     assert display["score"] == report["score"] and display["min_confidence"] == report["threshold"]
     assert json.loads((model / "canvas_ls.json").read_text())["infill"]["layout"] == "canvas"  # the rest kept
 
-    from engine import Engine
+    from canvas_ls.engine import Engine
 
     result = Engine.load(str(model), "cpu", {"max_steps": 4}).infill("def f(x):\n    return ", "\n")
     assert (result.score_kind, result.min_confidence) == (report["score"], report["threshold"])

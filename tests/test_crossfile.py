@@ -8,10 +8,10 @@ from pathlib import Path
 
 from lsprotocol import types
 
-from server.completion import Completer
-from server.config import ServerConfig
-from server.crossfile import CrossFile, choose, snippets, words
-from server.documents import Document, DocumentStore
+from canvas_ls.server.completion import Completer
+from canvas_ls.server.config import ServerConfig
+from canvas_ls.server.crossfile import CrossFile, choose, snippets, words
+from canvas_ls.server.documents import Document, DocumentStore
 from tests.test_cli import cli
 
 UTIL = '''import os

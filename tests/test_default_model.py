@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from engine import DEFAULT_MODEL_DIR, Engine
-from engine.bench import load_tasks, normalise
+from canvas_ls.engine import DEFAULT_MODEL_DIR, Engine
+from canvas_ls.engine.bench import load_tasks, normalise
 from tests.conftest import FIXTURES
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "config.json").is_file(), reason="no default model shipped")
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "config.json").is_file(
 
 def test_complete_uses_the_shipped_model_offline() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "server.cli", "complete", str(FIXTURES / "python" / "stats.py"), "--line", "19",
-         "--character", "11", "--json"],
+        [sys.executable, "-m", "canvas_ls.server.cli", "complete", str(FIXTURES / "python" / "stats.py"),
+         "--line", "19", "--character", "11", "--json"],
         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )  # fmt: skip

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lsprotocol import types
 
-from server.documents import Document
-from server.positions import utf8
+from canvas_ls.server.documents import Document
+from canvas_ls.server.positions import utf8
 
 ALPHABET = st.sampled_from(
     ["a", "b", " ", "\n", "\r\n", "\t", "(", ")", ":", "é", "€", "😀", "𝔘", "x = 1\n", "def f():\n"]

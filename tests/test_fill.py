@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from engine import Engine, FillError, Hole, InfillCancelled
-from engine.canvas import CanvasJob, GapSpec, StepView
-from engine.engine import InfillRequest
+from canvas_ls.engine import Engine, FillError, Hole, InfillCancelled
+from canvas_ls.engine.canvas import CanvasJob, GapSpec, StepView
+from canvas_ls.engine.engine import InfillRequest
 from tests.test_canvas import EOS, PREFIX, SUFFIX, confident, prefix_len
 
 MIDDLE = "    return total / len(values)\n\n\ndef spread(values):\n"

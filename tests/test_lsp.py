@@ -21,7 +21,7 @@ from pytest_lsp import ClientServerConfig, LanguageClient
 
 from tests.conftest import FIXTURES
 
-SERVE = [sys.executable, "-m", "server.cli", "serve"]
+SERVE = [sys.executable, "-m", "canvas_ls.server.cli", "serve"]
 COMMENT_DOC = "import os\n\n\ndef main():\n    # TODO: \n    return os.getcwd()\n"
 COMMENT_POS = types.Position(line=4, character=12)  # right after "# TODO: "
 
@@ -206,7 +206,7 @@ async def test_answers_the_model_does_not_stand_behind_are_hidden_or_cut_while_t
 ) -> None:
     """min_confidence: a typing request's answer under it is hidden (or cut to its confident head); a request the
     user invoked is shown whole; canvas/fill and canvas/stats say why. One model call: the cache re-decides."""
-    from engine.confidence import judge
+    from canvas_ls.engine.confidence import judge
 
     def configure(**completion: Any) -> None:
         settings = {"canvas-ls": options(writing_model_dir, max_steps=4, **completion)}
@@ -336,7 +336,7 @@ async def cancellations(client: LanguageClient, writing_model_dir: Path) -> tupl
     if client.backend == "local":
         steps = (await request(client, "canvas/stats", {}))["cancelledAfterSteps"]
         return len(steps), sum(steps)
-    from engine.paths import default_socket
+    from canvas_ls.engine.paths import default_socket
 
     transport = httpx.HTTPTransport(uds=str(default_socket(str(writing_model_dir), "cpu")))
     with httpx.Client(transport=transport, base_url="http://engine") as engine:
@@ -572,5 +572,5 @@ def test_the_server_answers_initialize_without_importing_torch(tmp_path: Path) -
                           timeout=60, cwd=tmp_path, env=env)  # fmt: skip
     assert b'"inlineCompletionProvider"' in done.stdout
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.decode().splitlines() if "|" in line]
-    assert "server.lsp" in imported and "lsprotocol.types" in imported
+    assert "canvas_ls.server.lsp" in imported and "lsprotocol.types" in imported
     assert not [name for name in imported if name == "torch" or name.startswith("torch.")]

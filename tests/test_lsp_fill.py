@@ -73,15 +73,8 @@ async def session(lsp_client: LanguageClient, model: Path, backend: str) -> None
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
 async def client(lsp_client: LanguageClient, writing_model_dir: Path):
-    """The model in the server."""
-    await session(lsp_client, writing_model_dir, "local")
-    yield
-    await lsp_client.shutdown_session()
-
-
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
-async def resident_client(lsp_client: LanguageClient, writing_model_dir: Path):
-    """The model in the shared engine: fills go through its `/v1/fill`."""
+    """The model in the shared engine (the default; the model in the server is the cancellation test's other case:
+    a server of its own loads torch and the model, ~6 s a session here)."""
     await session(lsp_client, writing_model_dir, "resident")
     yield
     await lsp_client.shutdown_session()
@@ -139,11 +132,10 @@ async def test_fill_holes_and_rewrite_commands(client: LanguageClient) -> None:
     assert len(client.applied) - applied == (1 if result["regions"][0]["status"] == "filled" else 0)
 
 
-async def test_fill_regions_in_plain_text_applies_one_edit(resident_client: LanguageClient) -> None:
+async def test_fill_regions_in_plain_text_applies_one_edit(client: LanguageClient) -> None:
     """Plain text has no syntax check: every answer that ended within its budget is applied, all in one edit of the
     version the fill read; the random model's runaway answers are left out, and said so. (Pairs of lines are tried
     until the tiny model ends an answer in one of them.)"""
-    client = resident_client
     for first, second in ((1, 3), (0, 2), (0, 3), (1, 2)):
         regions = [{"range": span(first, 0, first, 6)}, {"range": span(second, 0, second, 6), "strength": 0.5}]
         result = await fill_regions(client, "notes.txt", regions, apply=True)

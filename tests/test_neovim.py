@@ -30,7 +30,7 @@ local root, python, model = ...
 vim.opt.rtp:prepend(root .. '/editors/neovim')
 require('canvas_ls').setup({
   config = {
-    cmd = { python, '-m', 'server.cli', 'serve' },
+    cmd = { python, '-m', 'canvas_ls.server.cli', 'serve' },
     init_options = { engine = { model = model, device = 'cpu' }, completion = { max_steps = 4, speculate = false } },
   },
 })
@@ -75,7 +75,7 @@ local root, python, model, speculate = ...
 vim.opt.rtp:prepend(root .. '/editors/neovim')
 require('canvas_ls').setup({
   config = {
-    cmd = { python, '-m', 'server.cli', 'serve' },
+    cmd = { python, '-m', 'canvas_ls.server.cli', 'serve' },
     init_options = { engine = { model = model, device = 'cpu' },
                      completion = { speculate = speculate, max_new_tokens_single_line = 4 } },
   },
@@ -170,9 +170,9 @@ local root, python, model = ...
 vim.opt.rtp:prepend(root .. '/editors/neovim')
 require('canvas_ls').setup({
   config = {
-    cmd = { python, '-m', 'server.cli', 'serve' },
+    cmd = { python, '-m', 'canvas_ls.server.cli', 'serve' },
     filetypes = { 'python', 'text' },
-    init_options = { engine = { model = model, device = 'cpu', backend = 'local' }, fill = { max_steps = 4 } },
+    init_options = { engine = { model = model, device = 'cpu' }, fill = { max_steps = 4 } },
   },
 })
 """

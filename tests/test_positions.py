@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.positions import PositionError, offset_at
+from canvas_ls.server.positions import PositionError, offset_at
 
 TEXT = "ab\n😀x\r\nlast"
 

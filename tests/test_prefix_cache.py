@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine
-from engine.prefix_cache import GRID, TAIL, PrefixCache
+from canvas_ls.engine import Engine
+from canvas_ls.engine.prefix_cache import GRID, TAIL, PrefixCache
 
 
 class ListCache(list):

@@ -21,9 +21,9 @@ import pytest
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from engine import Engine
+from canvas_ls.engine import Engine
 
-ENGINE = [sys.executable, "-m", "server.cli", "engine"]
+ENGINE = [sys.executable, "-m", "canvas_ls.server.cli", "engine"]
 BODY = {"prefix": "def add(a, b):\n    return ", "suffix": "\n", "settings": {"max_new_tokens": 8, "max_steps": 3}}
 
 
@@ -204,7 +204,7 @@ async def lsp_session(init: dict[str, Any], uri: str = "file:///w/a.py") -> Lang
     for method in (types.WINDOW_LOG_MESSAGE, types.WINDOW_SHOW_MESSAGE, types.PROGRESS):
         client.feature(method)(lambda *args: None)
     client.feature(types.WINDOW_WORK_DONE_PROGRESS_CREATE)(lambda *args: None)
-    await client.start_io(sys.executable, "-m", "server.cli", "serve", "--log-level", "WARNING")
+    await client.start_io(sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING")
     await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(),
                                                          initialization_options=init))  # fmt: skip
     client.initialized(types.InitializedParams())
@@ -246,7 +246,7 @@ def resident(tiny_model_dir: Path, path: Path, **completion: Any) -> dict[str, A
 
 
 def test_one_engine_socket_per_model_and_device(tmp_path: Path) -> None:
-    from engine.paths import default_socket
+    from canvas_ls.engine.paths import default_socket
 
     assert default_socket().name == default_socket(None, "auto").name == "engine.sock"  # the shipped model
     assert default_socket(str(tmp_path), "cpu") == default_socket(str(tmp_path / "." / ""), "cpu")
@@ -258,7 +258,7 @@ def test_one_engine_socket_per_model_and_device(tmp_path: Path) -> None:
 
 async def test_the_default_backend_is_the_engine_for_its_model(tiny_model_dir: Path) -> None:
     """An editor that names no backend gets the shared engine of its model (started on demand)."""
-    from engine.paths import default_socket
+    from canvas_ls.engine.paths import default_socket
 
     client = await lsp_session({"engine": {"model": str(tiny_model_dir), "device": "cpu"}})
     try:
@@ -376,7 +376,7 @@ async def fill_at(client: LanguageClient, uri: str, line: int, character: int = 
 
 
 def test_completion_request_places_the_suffix_as_the_server_takes_it() -> None:
-    from server.backend import completion_request
+    from canvas_ls.server.backend import completion_request
 
     template = "<PRE>{prefix}<SUF>{suffix}<MID>"
     as_field = completion_request("a = ", "\nb", {"max_new_tokens": 9}, "m", "field", template)
@@ -501,7 +501,7 @@ def test_the_engine_exits_when_idle(tiny_model_dir: Path, tmp_path: Path) -> Non
 
 
 async def test_a_cancel_flag_wakes_its_waiters_from_any_thread() -> None:
-    from server.backend import CancelFlag
+    from canvas_ls.server.backend import CancelFlag
 
     for setter in ("loop", "thread"):
         flag = CancelFlag()

@@ -13,8 +13,8 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
-from engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
-from engine.sampling import step_stats_fused, step_stats_torch
+from canvas_ls.engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
+from canvas_ls.engine.sampling import step_stats_fused, step_stats_torch
 
 
 def generator(seed: int = 0) -> torch.Generator:
@@ -92,7 +92,7 @@ def test_entropy_stopping_matches_transformers_criterion() -> None:
 
 
 def test_bench_sampler_reports_torch_and_leaves_fused_to_cuda() -> None:
-    from engine.bench import format_sampler, run_sampler
+    from canvas_ls.engine.bench import format_sampler, run_sampler
 
     report = run_sampler("cpu", canvases=(4,), vocabs=(100,), steps=2)
     [row] = report["rows"]
@@ -112,7 +112,7 @@ def test_torch_samples_follow_the_softmax() -> None:
 
 def test_rows_batched_match_rows_alone() -> None:
     """step_stats_rows on a padded batch gives each row what it gets alone, from the same generator state."""
-    from engine.sampling import step_stats_rows
+    from canvas_ls.engine.sampling import step_stats_rows
 
     torch.manual_seed(5)
     logits = torch.randn(3, 6, 40)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import InfillSettings, SettingsError
+from canvas_ls.engine import InfillSettings, SettingsError
 
 
 def test_overrides_apply_and_none_is_ignored() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 class RawClient:
     def __init__(self) -> None:
-        command = [sys.executable, "-m", "server.cli", "serve", "--log-level", "ERROR"]
+        command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "ERROR"]
         pipe = subprocess.PIPE
         self.process = subprocess.Popen(command, stdin=pipe, stdout=pipe, stderr=subprocess.DEVNULL)
         self.buffer = b""

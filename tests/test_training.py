@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DiffusionGemmaForBlockDiffusion
 
-from engine.architecture import small_config
-from engine.corpus import CorpusFile, decontamination_report, is_permissive
-from engine.loss import CHUNK_ROWS, softcapped_cross_entropy
-from engine.tokenizer import TokenHealing, train_tokenizer
-from engine.training import BatchStream, ExampleSampler, TrainConfig, collate, evaluate, train
+from canvas_ls.engine.architecture import small_config
+from canvas_ls.engine.corpus import CorpusFile, decontamination_report, is_permissive
+from canvas_ls.engine.loss import CHUNK_ROWS, softcapped_cross_entropy
+from canvas_ls.engine.tokenizer import TokenHealing, train_tokenizer
+from canvas_ls.engine.training import BatchStream, ExampleSampler, TrainConfig, collate, evaluate, train
 from tests.conftest import tokenizer_texts
 
 
@@ -201,7 +201,7 @@ def test_rewrite_examples_show_a_corrupted_middle(tmp_path: Path) -> None:
 def test_a_repository_corpus_takes_its_own_source_and_says_what_it_left(tmp_path: Path, git: bool) -> None:
     import subprocess
 
-    from engine.corpus import collect_repository
+    from canvas_ls.engine.corpus import collect_repository
 
     body = "".join(f"def f{i}(x):\n    return x + {i}\n\n\n" for i in range(4))
     files = {

@@ -60,7 +60,7 @@ const settings = (model) => writeFileSync(settingsFile, JSON.stringify({
   "chat.disableAIFeatures": true,  // VS Code's own chat panel would take a third of the screen
   "workbench.secondarySideBar.defaultVisibility": "hidden",
   // At DEBUG the server logs what it offered each request (the extension's log, canvas-ls.log): the server's answer.
-  "canvasLs.command": [python, "-m", "server.cli", "serve", "--log-level", "DEBUG"],
+  "canvasLs.command": [python, "-m", "canvas_ls.server.cli", "serve", "--log-level", "DEBUG"],
   "canvasLs.model": model,
   "canvasLs.device": "cpu",
   "canvasLs.maxNewTokens": { singleLine: 4 },  // the fixed model writes to the cap: "None" and 3 x "code"
@@ -245,5 +245,7 @@ try {
   writeFileSync(join(out, "report.json"), JSON.stringify(report, null, 2));
   await browser.close();
   server.kill();
+  // The resident engines the language servers started (one per model) would idle for 30 minutes: stop them.
+  spawnSync("pkill", ["-f", join(root, "run", "canvas-ls")]);
 }
 process.exit(report.ok ? 0 : 1);

