@@ -52,6 +52,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 from canvas_ls.engine.compiled import CompiledDecoder
 from canvas_ls.engine.prefix_cache import PrefixCache
 from canvas_ls.engine.sampling import StepStats, step_stats_rows
+from canvas_ls.engine.settings import InfillSettings
 
 
 class CancelToken(Protocol):
@@ -70,23 +71,12 @@ class InfillCancelled(Exception):
 
 @dataclass(frozen=True)
 class DenoiseParams:
-    gap_tokens: int
+    """One request's denoising loop: its settings (the model's, with the request's overrides: steps, entropy bound,
+    temperatures, stopping, seed, order, self-conditioning...) and what the engine derived from its text."""
+
+    settings: InfillSettings
+    # Bound on the answer (one gap), or on all the gaps of a fill together.
     max_new_tokens: int
-    max_steps: int
-    entropy_bound: float
-    t_min: float
-    t_max: float
-    stability_threshold: int
-    confidence_threshold: float
-    seed: int | None
-    # "diffusion": entropy-bound parallel acceptance. "left_to_right": the autoregressive-equivalent baseline on the
-    # same model and canvas: each step commits the leftmost open slot's argmax, one token per forward.
-    order: str = "diffusion"
-    # EOS/pad are barred from the first canvas's first this-many gap slots: the answer is at least that long.
-    min_new_tokens: int = 0
-    # What adaptive stopping waits for: "gap" (every slot stable and confident, transformers' rule) or "answer"
-    # (the slots up to and including the first EOS).
-    stop_scope: str = "answer"
     # Token ids that hold a line break. When set, the answer ends at the canvas that writes one (the caller
     # keeps only the first line), instead of continuing canvas after canvas.
     line_end_ids: frozenset[int] = frozenset()
@@ -94,8 +84,11 @@ class DenoiseParams:
     # tokens allowed in the first canvas's first gap slot ([V] bool: those starting with it, and the stop ids).
     healed: str = ""
     first_slot_allowed: torch.Tensor | None = None
-    # Self-conditioning reads the step's "processed" (temperature-scaled) logits, its "raw" ones, or nothing ("off").
-    self_condition: str = "processed"
+
+    @property
+    def min_new_tokens(self) -> int:
+        """EOS/pad are barred from the first canvas's first this-many gap slots: the answer is at least that long."""
+        return min(self.settings.min_new_tokens, self.settings.max_new_tokens)
 
 
 @dataclass
@@ -392,8 +385,8 @@ class CanvasJob:
     `DenoisingBatch` drives jobs through shared decoder forwards (a request alone is a batch of one): each step is
     `inputs()` -> forward -> `advance(logits)`, so a request takes the same steps alone or with others.
 
-    The canvas after the prefix is `segments` (default: one gap of `params.gap_tokens`, then the suffix head). One
-    gap first: the answer continues canvas after canvas (the gap is encoded into the cache). Otherwise each gap that
+    The canvas after the prefix is `segments` (default: one gap of `gap_tokens`, then the suffix head). One gap
+    first: the answer continues canvas after canvas (the gap is encoded into the cache). Otherwise each gap that
     fills without an EOS is grown and the canvas re-run, within its budget.
     """
 
@@ -414,14 +407,14 @@ class CanvasJob:
         self.serial = next(_SERIALS)  # identifies the job in a batch (an id() can be reused once a job is freed)
         self.device = device = model.device
         self.vocab_size = model.config.text_config.vocab_size
-        self.generator = make_generator(params.seed, device)
+        self.generator = make_generator(params.settings.seed, device)
         self.stop_tensor = torch.tensor(sorted(set(stop_ids)), device=device)
         self.fill_id = next(iter(stop_ids))  # what a gap holds after its answer (EOS)
         self.embed_dtype = model.model.decoder.embed_tokens.weight.dtype
-        self.left_to_right = params.order == "left_to_right"
+        self.left_to_right = params.settings.order == "left_to_right"
         if segments is None:
-            segments = [GapSpec(params.gap_tokens, allowed_first=params.first_slot_allowed, healed=params.healed),
-                        Clamp(tuple(suffix_head_ids))]  # fmt: skip
+            first = GapSpec(params.settings.gap_tokens, allowed_first=params.first_slot_allowed, healed=params.healed)
+            segments = [first, Clamp(tuple(suffix_head_ids))]
         self.segments = list(segments)
         gaps = [s for s in self.segments if isinstance(s, GapSpec)]
         if not gaps:
@@ -492,13 +485,13 @@ class CanvasJob:
 
     def _open_canvas(self, gap_canvas: torch.Tensor) -> None:
         """2. A fresh canvas: the gap slots (noise, or a rewrite's or a re-run's start) among the clamped segments."""
-        params = self.params
-        self.steps_cap = self.gap if self.left_to_right else params.max_steps
+        settings = self.params.settings
+        self.steps_cap = self.gap if self.left_to_right else settings.max_steps
         sampler_class = LeftToRightSampler if self.left_to_right else SeededEntropyBoundSampler
-        config = EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound)
+        config = EntropyBoundSamplerConfig(entropy_bound=settings.entropy_bound)
         self.sampler = sampler_class(config, self.gap, self.vocab_size, self.steps_cap, self.generator)
-        self.temperature = LinearTemperatureScheduleLogitsProcessor(params.t_min, params.t_max, self.steps_cap)
-        self.stopping = EntropyStableAndConfident(params.stability_threshold, params.confidence_threshold)
+        self.temperature = LinearTemperatureScheduleLogitsProcessor(settings.t_min, settings.t_max, self.steps_cap)
+        self.stopping = EntropyStableAndConfident(settings.stability_threshold, settings.confidence_threshold)
         self.positions = torch.arange(self.cursor, self.cursor + self.length, device=self.device)[None]  # [1, L]
         self.gap_canvas = gap_canvas  # [1, G]
         self.argmax = self.gap_canvas
@@ -544,7 +537,7 @@ class CanvasJob:
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
         self.gap_canvas = self.sampler.renoise_canvas(accepted, remaining)
-        mode = self.params.self_condition
+        mode = self.params.settings.self_condition
         if mode == "processed":
             logits = self.temperature(None, logits, cur_step=remaining)
         if mode != "off":
@@ -553,7 +546,7 @@ class CanvasJob:
             self.argmax = accepted  # the committed tokens are the answer
             converged = self.sampler.finished(accepted, self.stop_tensor)
         else:
-            scoped = self.stop_tensor if self.params.stop_scope == "answer" else None
+            scoped = self.stop_tensor if self.params.settings.stop_scope == "answer" else None
             converged = bool(self.stopping(self.argmax, token_entropy=stats.entropy, stop_ids=scoped,
                                            gap_starts=self.gap_starts)[0])  # fmt: skip
         if self.on_step is not None:

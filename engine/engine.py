@@ -133,7 +133,7 @@ class Engine:
         self.settings = InfillSettings().merged(model_settings(loaded.folder, generation_config)).merged(overrides)
         self.display = model_display(loaded.folder)
         self._stop_ids = _stop_ids(loaded.model, self.tokenizer)
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # one decoder forward at a time (EngineBatch and the single-request path)
         self._newline_ids: frozenset[int] | None = None
         self.healing = TokenHealing(self.tokenizer, loaded.model.config.get_text_config().vocab_size)
         self._healing_masks: dict[str, torch.Tensor] = {}  # cut text -> allowed first tokens
@@ -227,7 +227,8 @@ class Engine:
 
         self.decoder.warm_up(examples, background)
 
-    def _prepare(self, request: InfillRequest) -> Prepared:
+    def prepare(self, request: InfillRequest) -> Prepared:
+        """A request tokenized and laid out (the model's settings with its overrides): what a CanvasJob starts from."""
         settings = self.settings.merged(request.overrides)
         if request.middle is not None:
             return self._prepare_fill(request, settings)
@@ -242,8 +243,8 @@ class Engine:
             encoder_ids = self._prompt_ids(request.prefix, request.suffix, settings)
             head_ids = []
         line_ends = self._line_end_ids() if settings.single_line else frozenset()
-        return Prepared(settings, encoder_ids, head_ids, _params(settings, settings.max_new_tokens, line_ends, healed,
-                                                                 allowed))  # fmt: skip
+        params = DenoiseParams(settings, settings.max_new_tokens, line_ends, healed, allowed)
+        return Prepared(settings, encoder_ids, head_ids, params)
 
     def _prepare_fill(self, request: InfillRequest, settings: InfillSettings) -> Prepared:
         """Lay out [prefix] -> encoder, then [gap | clamped | gap | ... | suffix head] in the canvas. Each gap is
@@ -291,10 +292,11 @@ class Engine:
                             f"max_canvas_tokens={settings.max_canvas_tokens}: select a smaller region")  # fmt: skip
         # One hole continues canvas after canvas up to its answer's bound; several share the fill's budget.
         budget = max(settings.max_new_tokens, gap_slots) if len(holes) == 1 else max(settings.fill_tokens, gap_slots)
-        params = _params(settings, budget, frozenset(), "", None)
+        params = DenoiseParams(settings, budget)
         return Prepared(settings, encoder_ids, [], params, tuple(segments))
 
-    def _prefix_cache(self, settings: InfillSettings) -> PrefixCache | None:
+    def cache_for(self, settings: InfillSettings) -> PrefixCache | None:
+        """The prefix KV cache a request may use (none when its settings turn reuse off)."""
         return self.prefix_cache if settings.reuse_prefix else None
 
     def _line_end_ids(self) -> frozenset[int]:
@@ -315,7 +317,8 @@ class Engine:
                 self._healing_masks[cut] = allowed
         return allowed
 
-    def _result(self, prepared: Prepared, out: CanvasOutput) -> InfillResult:
+    def result(self, prepared: Prepared, out: CanvasOutput) -> InfillResult:
+        """The answer of a finished CanvasJob: decoded text, per-gap answers, confidence score, timings."""
         specs = [s for s in prepared.segments or () if isinstance(s, GapSpec)]
         cuts = [spec.healed for spec in specs] if specs else [prepared.params.healed]
         gaps = [{
@@ -412,7 +415,7 @@ class EngineBatch:
         by_cache: dict[bool, list[tuple[InfillRequest, Prepared]]] = {}
         for request in requests:
             try:
-                prepared = engine._prepare(request)
+                prepared = engine.prepare(request)
             except Exception as exc:  # this request's problem, not its neighbours'
                 failed.append((request, exc))
                 continue
@@ -420,10 +423,10 @@ class EngineBatch:
             by_cache.setdefault(prepared.settings.reuse_prefix, []).append((request, prepared))
         for group in by_cache.values():
             try:
-                with engine._lock:
-                    cache = engine._prefix_cache(group[0][1].settings)
+                with engine.lock:
+                    cache = engine.cache_for(group[0][1].settings)
                     encoded = encode_prefixes(engine.loaded.model, [p.encoder_ids for _, p in group], cache)
-                    jobs = [CanvasJob(engine.loaded.model, p.encoder_ids, p.head_ids, p.params, engine._stop_ids,
+                    jobs = [CanvasJob(engine.loaded.model, p.encoder_ids, p.head_ids, p.params, engine.stop_ids,
                                       request.cancel, request.on_step, encoded=done, segments=p.segments)
                             for (request, p), done in zip(group, encoded, strict=True)]  # fmt: skip
             except Exception as exc:
@@ -436,41 +439,18 @@ class EngineBatch:
 
     def decoder_inputs(self) -> dict[str, Any]:
         """The inputs of this batch's next decoder forward (what the compiler warms up on)."""
-        with self.engine._lock:
+        with self.engine.lock:
             return self._batch.decoder_inputs([(job, *job.inputs()) for job in self._batch.jobs])
 
     def step(self) -> list[tuple[InfillRequest, InfillResult | InfillCancelled]]:
-        with self.engine._lock:
+        with self.engine.lock:
             ended = self._batch.step()
         outcomes: list[tuple[InfillRequest, InfillResult | InfillCancelled]] = []
         for job in ended:
             request, prepared = self._requests.pop(job.serial)
-            outcome = job.error if job.error is not None else self.engine._result(prepared, job.out)
+            outcome = job.error if job.error is not None else self.engine.result(prepared, job.out)
             outcomes.append((request, outcome))
         return outcomes
-
-
-def _params(settings: InfillSettings, max_new_tokens: int, line_end_ids: frozenset[int], healed: str,
-            allowed: torch.Tensor | None) -> DenoiseParams:  # fmt: skip
-    """The denoising loop's parameters from the settings (`max_new_tokens`: the answer's bound, or a fill's total)."""
-    return DenoiseParams(
-        gap_tokens=settings.gap_tokens,
-        max_new_tokens=max_new_tokens,
-        max_steps=settings.max_steps,
-        entropy_bound=settings.entropy_bound,
-        t_min=settings.t_min,
-        t_max=settings.t_max,
-        stability_threshold=settings.stability_threshold,
-        confidence_threshold=settings.confidence_threshold,
-        seed=settings.seed,
-        order=settings.order,
-        min_new_tokens=min(settings.min_new_tokens, settings.max_new_tokens),
-        stop_scope=settings.stop_scope,
-        line_end_ids=line_end_ids,
-        healed=healed,
-        first_slot_allowed=allowed,
-        self_condition=settings.self_condition,
-    )
 
 
 def _stop_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -317,6 +317,18 @@ class EngineService:
         self.m_batch.observe(rows)
         self.m_step.labels(str(rows)).observe(seconds)
 
+    async def memory_watch(self, every_s: float = 2.0) -> None:
+        """Hand freed memory back to the system once the engine is idle after work. Requests of ever-new prefix
+        lengths leave the C allocator's arenas (one per torch thread) holding freed blocks that it does not return
+        by itself; `bench soak` measured the resident engine at +0.4 MB per request without this."""
+        trim = _malloc_trim()
+        trimmed_at = self.last_activity
+        while trim is not None:
+            await asyncio.sleep(every_s)
+            if self.queue == 0 and self.last_activity != trimmed_at:
+                trimmed_at = self.last_activity
+                trim()
+
     async def idle_watch(self, server: Any) -> None:
         """Ask uvicorn to exit after `idle_exit_s` without requests."""
         while self.idle_exit_s:
@@ -324,6 +336,20 @@ class EngineService:
             if self.queue == 0 and time.monotonic() - self.last_activity > self.idle_exit_s:
                 server.should_exit = True
                 return
+
+
+def _malloc_trim() -> Callable[[], None] | None:
+    """glibc's `malloc_trim(0)` (return free memory at the top of each arena and whole free pages inside them to the
+    system), or None where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return lambda: trim(0) and None
 
 
 class Batcher:
@@ -520,8 +546,9 @@ def serve(service: EngineService, socket: Path | None = None, host: str | None =
             os.umask(previous)
 
     async def main() -> None:
-        watch = asyncio.ensure_future(service.idle_watch(server))
+        watches = [asyncio.ensure_future(service.idle_watch(server)), asyncio.ensure_future(service.memory_watch())]
         await server.serve(sockets=[bound] if bound is not None else None)
-        watch.cancel()
+        for watch in watches:
+            watch.cancel()
 
     asyncio.run(main())

@@ -5,7 +5,8 @@ engine it starts is this run's alone) and sends a seeded random mix: incremental
 characters, CRLF, at line ends and across lines), inline completions (awaited), completions cancelled with
 `$/cancelRequest` a few milliseconds after they were sent, opens and closes (at most 8 documents open). One
 "request" is one message sent. The resident set size (RSS) of both processes is sampled along the way; growth is
-measured from the end of a warm-up (the first 10% of the requests: caches fill, the allocator settles) to the end.
+measured from the end of a warm-up (the first 10% of the requests: caches fill, the allocator settles) to the end,
+each sample after a pause of 2.5 s (an editor's user pauses too: the idle engine then hands freed memory back).
 At the end: every non-cancelled completion answered without an error, the engine's queue is back to 0, and the
 counters agree (the engine's requests by outcome, the server's model calls and speculations).
 """
@@ -190,7 +191,7 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
     for number in range(requests):
         await soak.step(number)
         if number + 1 == warm_up or (number + 1) % max(1, requests // 20) == 0:
-            await asyncio.sleep(0.2)  # let background work (speculation) finish before reading memory
+            await asyncio.sleep(2.5)  # background work (speculation) ends, and the idle engine trims its heap
             samples.append({"requests": number + 1, "server_mb": rss_mb(server_pid), "engine_mb": rss_mb(engine_pid),
                             "seconds": time.perf_counter() - started})  # fmt: skip
     seconds = time.perf_counter() - started

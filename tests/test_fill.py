@@ -109,7 +109,7 @@ def test_rewrite_starts_from_the_span_with_a_share_renoised(tiny_engine: Engine)
     span = tiny_engine.tokenizer.encode("return total * 2", add_special_tokens=False)
     model = tiny_engine.loaded.model
     for strength in (0.25, 0.5, 0.75):
-        params = tiny_engine._prepare(InfillRequest(PREFIX, SUFFIX, PLAIN)).params
+        params = tiny_engine.prepare(InfillRequest(PREFIX, SUFFIX, PLAIN)).params
         spec = GapSpec(len(span) + 4, tuple(span), strength)
         job = CanvasJob(model, [2, 40, 41], [], params, tiny_engine.stop_ids, segments=[spec])
         start = job.gap_canvas[0].tolist()
