@@ -8,6 +8,7 @@ the virtualenv, outside the checkout, and find nothing of the checkout's. The vi
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,7 +22,12 @@ from tests.conftest import REPO
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("packaging")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", str(REPO),
+    source = folder / "source"  # the tracked files only: setuptools builds in the tree (build/, *.egg-info)
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", str(source),
                     "--wheel-dir", str(folder / "dist")], check=True, cwd=folder, capture_output=True)  # fmt: skip
     (wheel,) = (folder / "dist").glob("canvas_ls-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
