@@ -129,8 +129,7 @@ def write_tokens(model: DiffusionGemmaForBlockDiffusion, tokens: list[int]) -> N
     for name, parameter in model.named_parameters():
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             parameter.zero_()
-    for name, parameter in model.named_parameters():
-        if name.endswith("embed_tokens.weight"):  # the encoder's and the decoder's
+        elif name.endswith("embed_tokens.weight"):  # the encoder's and the decoder's
             parameter[:, 0] = 1.0
     head = model.get_output_embeddings().weight
     head.zero_()

@@ -40,14 +40,20 @@ def _positions(text: str) -> list[tuple[int, int]]:
     return spots
 
 
-async def _drive(command: list[str], files: list[Path], requests: int, init: dict[str, Any],
-                 think_ms: float) -> dict[str, Any]:  # fmt: skip
-    client = LanguageClient("canvas-ls-bench", "1")
-    for method in (types.WINDOW_LOG_MESSAGE, types.WINDOW_SHOW_MESSAGE, types.PROGRESS):
+async def start_session(name: str, command: list[str], init: dict[str, Any], env: dict[str, str] | None = None,
+                        shown: list[str] | None = None,
+                        stderr: list[bytes] | None = None) -> tuple[LanguageClient, asyncio.Future]:  # fmt: skip
+    """A pygls client that started `command` (UTF-16 positions), initialized it with `init` and waited for its
+    model; with the task reading the server's stderr (kept in `stderr` when given) and the `window/showMessage`
+    texts collected in `shown` when given."""
+    client = LanguageClient(name, "1")
+    for method in (types.WINDOW_LOG_MESSAGE, types.PROGRESS, types.WINDOW_WORK_DONE_PROGRESS_CREATE):
         client.feature(method)(lambda *args: None)
-    client.feature(types.WINDOW_WORK_DONE_PROGRESS_CREATE)(lambda *args: None)
-    await client.start_io(*command)
-    drain = asyncio.ensure_future(_drain(client))
+    client.feature(types.WINDOW_SHOW_MESSAGE)(
+        lambda params: shown.append(params.message) if shown is not None else None
+    )
+    await client.start_io(*command, env=env)
+    drain = asyncio.ensure_future(_drain(client, stderr))
     capabilities = types.ClientCapabilities(
         general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])
     )
@@ -55,6 +61,12 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
     client.initialized(types.InitializedParams())
     while (await client.protocol.send_request_async("canvas/stats", {})).engine.state == "loading":
         await asyncio.sleep(0.2)
+    return client, drain
+
+
+async def _drive(command: list[str], files: list[Path], requests: int, init: dict[str, Any],
+                 think_ms: float) -> dict[str, Any]:  # fmt: skip
+    client, drain = await start_session("canvas-ls-bench", command, init)
 
     texts = {path: path.read_text() for path in files}
     spots = [(path, spot) for path in files for spot in _positions(texts[path])]
@@ -141,13 +153,14 @@ def _insert(client: LanguageClient, uri: str, version: int, at: types.Position, 
     return types.Position(at.line + len(lines) - 1, (at.character if len(lines) == 1 else 0) + width)
 
 
-async def _drain(client: LanguageClient) -> None:
-    """Read the server's stderr so that a full pipe never blocks it."""
+async def _drain(client: LanguageClient, lines: list[bytes] | None = None) -> None:
+    """Read the server's stderr so that a full pipe never blocks it (keeping what it said in `lines`, when given)."""
     server = client._server
     if server is None or server.stderr is None:
         return
-    while await server.stderr.readline():
-        pass
+    while line := await server.stderr.readline():
+        if lines is not None:
+            lines.append(line)
 
 
 async def _inline(client: LanguageClient, uri: str, line: int, character: int) -> list[types.InlineCompletionItem]:

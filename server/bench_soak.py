@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pygls.lsp.client import LanguageClient
 
 from canvas_ls.engine.bench import machine
+from canvas_ls.server.bench_lsp import start_session
 
 MAX_OPEN = 8
 WEIGHTS = {"edit": 45, "complete": 30, "cancel": 10, "open": 7.5, "close": 7.5}
@@ -161,25 +162,14 @@ def _metrics(engine: httpx.Client) -> dict[str, float]:
 
 
 async def _drive(requests: int, model: str | None, device: str, seed: int, runtime: Path) -> dict[str, Any]:
-    client = LanguageClient("canvas-ls-soak", "1")
     messages: list[str] = []
-    for method in (types.WINDOW_LOG_MESSAGE, types.PROGRESS, types.WINDOW_WORK_DONE_PROGRESS_CREATE):
-        client.feature(method)(lambda *args: None)
-    client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: messages.append(params.message))
-    command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING"]
-    await client.start_io(*command, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
-    server_pid = client._server.pid  # the subprocess pygls started
     stderr: list[bytes] = []
-    drain = asyncio.ensure_future(_collect(client, stderr))
-    capabilities = types.ClientCapabilities(
-        general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])
-    )
+    command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING"]
     init = {"engine": {"model": model, "device": device, "backend": "resident", "idle_exit_s": 60},
             "completion": {"min_confidence": 0}}  # fmt: skip
-    await client.initialize_async(types.InitializeParams(capabilities=capabilities, initialization_options=init))
-    client.initialized(types.InitializedParams())
-    while (await client.protocol.send_request_async("canvas/stats", {})).engine.state == "loading":
-        await asyncio.sleep(0.2)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    client, drain = await start_session("canvas-ls-soak", command, init, env, messages, stderr)
+    server_pid = client._server.pid  # the subprocess pygls started
     engine, health = _engine(runtime)
     engine_pid = health["pid"]
 
@@ -248,15 +238,6 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
         "engine": metrics,
         "checks": checks,
     }
-
-
-async def _collect(client: LanguageClient, lines: list[bytes]) -> None:
-    """Read the server's stderr (a full pipe would block it), keeping what it said."""
-    server = client._server
-    if server is None or server.stderr is None:
-        return
-    while line := await server.stderr.readline():
-        lines.append(line)
 
 
 def run_soak(requests: int, model: str | None, device: str, seed: int = 0) -> dict[str, Any]:

@@ -132,7 +132,7 @@ class Completer:
             self.last = (document.uri, outcome)
         log.info("request %d %s: %s in %.1f ms", request_id, document.uri if document else "?", outcome.source,
                  outcome.elapsed_ms)  # fmt: skip
-        if outcome.edit is not None:  # --log-level DEBUG: what the editor was offered (end-to-end editor tests)
+        if outcome.edit is not None and log.isEnabledFor(logging.DEBUG):  # what was offered (editor e2e tests)
             log.debug("request %d offered %s at offsets %d-%d", request_id, json.dumps(outcome.edit.text),
                       outcome.edit.start, outcome.edit.end)  # fmt: skip
         return outcome

@@ -22,6 +22,7 @@ from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
 from canvas_ls.engine import Engine
+from canvas_ls.server.bench_soak import rss_mb
 
 ENGINE = [sys.executable, "-m", "canvas_ls.server.cli", "engine"]
 BODY = {"prefix": "def add(a, b):\n    return ", "suffix": "\n", "settings": {"max_new_tokens": 8, "max_steps": 3}}
@@ -174,8 +175,7 @@ def test_an_endless_chunked_body_is_refused_without_being_held(unix_engine: http
     pid = unix_engine.get("/health").json()["pid"]
 
     def rss() -> int:
-        return int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                        if line.startswith("VmRSS")).split()[1]) * 1024  # fmt: skip
+        return int(rss_mb(pid) * 2**20)
 
     before = rss()
 
