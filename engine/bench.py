@@ -104,6 +104,32 @@ def line_tasks(files: list[tuple[str, str]], limit: int | None = None) -> list[T
     return spread(tasks, limit)
 
 
+def block_tasks(files: list[tuple[str, str]], limit: int | None = None, seed: int = 0) -> list[Task]:
+    """Multi-line tasks from whole files: a run of 2-4 consecutive non-blank lines (seeded length), the cursor after
+    the first one's indentation, the answer through the end of the last one (its newline stays in the suffix)."""
+    import random
+
+    rng = random.Random(seed)
+    tasks = []
+    for name, text in files:
+        lines = text.splitlines(keepends=True)
+        starts = [0]
+        for line in lines:
+            starts.append(starts[-1] + len(line))
+        number = 0
+        while number < len(lines):
+            count = rng.randint(2, 4)
+            run = lines[number : number + count]
+            if len(run) == count and all(line.strip() for line in run) and len(run[0].strip()) >= 6:
+                cut = starts[number] + len(run[0]) - len(run[0].lstrip(" \t"))
+                end = starts[number + count] - len(run[-1]) + len(run[-1].rstrip("\r\n"))
+                tasks.append(Task(f"{name}:{number + 1}+{count}", text[:cut], text[end:], text[cut:end], None, None))
+                number += count
+            else:
+                number += 1
+    return spread(tasks, limit)
+
+
 def spread(items: list, limit: int | None) -> list:
     """At most `limit` items, evenly spread over the whole list (not the first few problems); None keeps all."""
     if limit is None or limit >= len(items):

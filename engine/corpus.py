@@ -148,6 +148,21 @@ def collect(max_bytes: int = 120_000_000, seed: int = 0, exclude: Iterable[Path]
     return chosen
 
 
+REPLAY_BYTES = 20_000_000
+
+
+def replay_files() -> list[CorpusFile]:
+    """General code to mix into a repository's tuning (`train --replay`): a smaller `collect`, built once per user
+    and kept in the cache (its first HELD_OUT_FILES files are, as in a general run, never trained on)."""
+    from canvas_ls.engine.paths import cache_dir
+
+    path = cache_dir() / "replay-corpus.jsonl.gz"
+    if not path.is_file():
+        save(collect(REPLAY_BYTES), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return load(path)
+
+
 # -- a user's repository ----------------------------------------------------------------------------------------
 
 VENDORED = {"vendor", "vendored", "third_party", "third-party", "thirdparty", "external", "node_modules",
@@ -226,6 +241,16 @@ def collect_repository(root: Path) -> tuple[list[CorpusFile], dict[str, object]]
     report = {"root": str(root), "listed_by": listed_by, "listed": len(paths), **summary(files),
               "skipped": dict(sorted(skipped.items()))}  # fmt: skip
     return files, report
+
+
+def split_repository(
+    files: list[CorpusFile], held_out: float = 0.2, seed: int = 0
+) -> tuple[list[CorpusFile], list[CorpusFile]]:
+    """(held-out, training) whole files of a repository corpus: a seeded shuffle, at least one file on each side."""
+    files = list(files)
+    random.Random(seed).shuffle(files)
+    held = min(len(files) - 1, max(1, round(held_out * len(files))))
+    return files[:held], files[held:]
 
 
 def save(files: list[CorpusFile], out: Path) -> None:

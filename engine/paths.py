@@ -1,10 +1,16 @@
-"""Where the resident engine lives on this machine: a private runtime folder with its socket, lock and log."""
+"""Where canvas-ls keeps things on this machine: the user's cache (runs, reports, workspace models) and a private
+runtime folder with the resident engine's socket, lock and log."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """The user's cache folder for canvas-ls: training runs, benchmark reports, workspace models."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "canvas-ls"
 
 
 def runtime_dir() -> Path:

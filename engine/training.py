@@ -34,7 +34,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -391,6 +391,9 @@ class TrainConfig:
     data_workers: int = 0  # processes cutting batches ahead of the steps (0: in the training loop)
     seed: int = 0
     checkpoint_minutes: float = 10.0
+    # Training minutes at which the model (a LoRA run: its adapter) is also exported to snapshots/<minutes>, with a
+    # held-out evaluation in the log; the time they take is not counted in the budget (`bench repo`'s curves)
+    snapshot_minutes: tuple[float, ...] = ()
     eval_every: int = 100
     log_every: int = 10
 
@@ -458,8 +461,10 @@ def train(
     cfg: TrainConfig,
     out_dir: Path,
     progress: Any = None,
+    snapshot: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
-    """Train `model` in place for cfg.minutes; checkpoints and a JSON-lines log go to `out_dir`. Resumable."""
+    """Train `model` in place for cfg.minutes; checkpoints and a JSON-lines log go to `out_dir`. Resumable.
+    `snapshot(folder)` exports the model at each of `cfg.snapshot_minutes` (outside the budget's clock)."""
     from canvas_ls.engine.loading import resolve_device
 
     if cfg.threads:
@@ -510,6 +515,7 @@ def train(
     record: dict[str, Any] = {}
     data_seconds = 0.0
     stopped = "budget"
+    snapshots = sorted(m for m in cfg.snapshot_minutes if m * 60 > state["elapsed"] and m < cfg.minutes)
     try:
         while (elapsed := time.perf_counter() - started) < budget:
             step = state["step"]
@@ -549,6 +555,15 @@ def train(
                 if best is not None and worse >= cfg.patience:
                     stopped = "early"
                     break
+            if snapshot is not None and snapshots and state["elapsed"] >= snapshots[0] * 60:
+                paused = time.perf_counter()
+                minutes = snapshots.pop(0)
+                held_out = evaluate(model, eval_batches, cfg.bf16)
+                snapshot(out_dir / "snapshots" / f"{minutes:g}")
+                log.write(json.dumps({"snapshot": minutes, "step": state["step"],
+                                      **{f"eval_{k}": round(v, 4) for k, v in held_out.items()}}) + "\n")  # fmt: skip
+                log.flush()
+                started += time.perf_counter() - paused  # the snapshot's time is not training time
             if time.perf_counter() - last_checkpoint > cfg.checkpoint_minutes * 60:
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state},
                            checkpoint)  # fmt: skip
@@ -633,11 +648,14 @@ def run(
     repository: Path | None = None,
     held_out: float = 0.2,
     replay: float = 0.0,
+    export_merged: bool = True,
 ) -> dict[str, Any]:
     """Build (or reuse) the corpus and tokenizer under out_dir, train (resuming), export to out_dir/model. With
     `start_from`, continue an existing model folder: its tokenizer and weights (in fp32) instead of new ones. With
     `repository`, train on that folder's own source (`corpus.collect_repository`): a `held_out` share of its whole
-    files is evaluated before and after, and general-corpus files make up `replay` of the training bytes."""
+    files is evaluated before and after, and general-corpus files make up `replay` of the training bytes. A LoRA run
+    exports out_dir/adapter, and out_dir/model with the adapter merged unless `export_merged` is False (a big base:
+    the adapter is megabytes, the merged copy the whole model)."""
     from transformers import AutoTokenizer
 
     from canvas_ls.engine import corpus, plan
@@ -672,13 +690,11 @@ def run(
         if len(files) < 2:
             raise TrainingError(f"'{repository}' holds {len(files)} usable source files; training needs at least 2 "
                                 f"(left out: {report['skipped']})")  # fmt: skip
-        random.Random(0).shuffle(files)
-        held = min(len(files) - 1, max(1, round(held_out * len(files))))
-        eval_files, train_files = files[:held], files[held:]
+        eval_files, train_files = corpus.split_repository(files, held_out)
         replayed: list[corpus.CorpusFile] = []
         if replay > 0:
             want, taken = sum(len(f.text) for f in train_files) * replay / (1 - replay), 0
-            for file in general_corpus()[corpus.HELD_OUT_FILES :]:
+            for file in corpus.replay_files()[corpus.HELD_OUT_FILES :]:
                 if taken >= want:
                     break
                 replayed.append(file)
@@ -686,7 +702,6 @@ def run(
         train_files = train_files + replayed
         report.update(held_out_files=[f.path for f in eval_files], replayed_files=len(replayed),
                       replayed_bytes=sum(len(f.text) for f in replayed))  # fmt: skip
-        (out_dir / "repository_report.json").write_text(json.dumps(report, indent=2))
 
     tokenizer_dir = out_dir / "tokenizer"
     if start_from:  # the model's own tokenizer: its ids are what the model learned
@@ -701,6 +716,10 @@ def run(
                 size += len(file.text)
             train_tokenizer(sample, spec["vocab_size"], tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if repository is not None:  # what the model learns the repository from, in its own tokens
+        own = [f.text for f in train_files[: len(train_files) - report["replayed_files"]]]
+        report["train_tokens"] = sum(len(ids) for ids in tokenizer(own, add_special_tokens=False)["input_ids"])
+        (out_dir / "repository_report.json").write_text(json.dumps(report, indent=2))
 
     cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
     problem = plan.check(run_plan(cfg, start_from, preset, len(tokenizer)), resolve_device(cfg.device))
@@ -727,7 +746,28 @@ def run(
             if parameter.requires_grad:  # the adapter trains in fp32 whatever the base's dtype
                 parameter.data = parameter.data.float()
         model = adapted.get_base_model()  # the same model class, its targeted layers now LoRA layers
-    summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress)
+
+    def save_model(folder: Path, trained: dict[str, Any], copy: bool = False) -> None:
+        if copy:  # mid-run: a bf16 copy of the weights; the model keeps training in fp32
+            weights = {k: v.detach().to("cpu", torch.bfloat16) for k, v in model.state_dict().items()}
+            model.save_pretrained(str(folder), state_dict=weights)
+        else:
+            model.to("cpu", torch.bfloat16).save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
+        record: dict[str, Any] = {"infill": TRAINED_INFILL, "trained": trained}
+        if start_from and (Path(start_from) / MODEL_SETTINGS_FILE).is_file():  # what it had seen before this run
+            record["trained_before"] = json.loads((Path(start_from) / MODEL_SETTINGS_FILE).read_text()).get("trained")
+        (folder / MODEL_SETTINGS_FILE).write_text(json.dumps(record, indent=2))
+
+    def snapshot(folder: Path) -> None:  # mid-run: the adapter alone (merging would end the LoRA), or the model
+        if adapted is not None:
+            from canvas_ls.engine.adapters import save_adapter
+
+            save_adapter(adapted, folder / "adapter")
+        else:
+            save_model(folder / "model", {"snapshot_of": str(out_dir)}, copy=True)
+
+    summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress, snapshot)
     if report:
         summary["repository"] = {k: v for k, v in report.items() if k not in ("held_out_files", "top_sources")}
 
@@ -736,13 +776,11 @@ def run(
         from canvas_ls.engine.adapters import merged, save_adapter
 
         save_adapter(adapted, out_dir / "adapter")
+        (out_dir / "adapter" / "trained.json").write_text(json.dumps(summary, indent=2))
+        if not export_merged:
+            return summary
         model = merged(adapted)
-    model.to("cpu", torch.bfloat16).save_pretrained(str(export))
-    tokenizer.save_pretrained(str(export))
-    record: dict[str, Any] = {"infill": TRAINED_INFILL, "trained": summary}
-    if start_from and (Path(start_from) / MODEL_SETTINGS_FILE).is_file():  # what the model had seen before this run
-        record["trained_before"] = json.loads((Path(start_from) / MODEL_SETTINGS_FILE).read_text()).get("trained")
-    (export / MODEL_SETTINGS_FILE).write_text(json.dumps(record, indent=2))
+    save_model(export, summary)
     if install is not None:
         import shutil
 

@@ -1,0 +1,201 @@
+"""Models tuned on one workspace: where they live, what they learned, and which one a file of that workspace uses.
+
+`canvas-ls train --workspace DIR` tunes a base model on the repository that holds DIR and installs the result under
+the user's cache, one folder per repository (its root's name and a digest of its path):
+
+    <cache>/workspaces/<name>-<digest>/
+        workspace.json   what `canvas-ls models` lists: the repository, the base model, when, on how many tokens,
+                         the recipe and the held-out figures before and after
+        model-<time>/    a fully tuned model, or
+        adapter-<time>/  a LoRA adapter (peft) over `base`: megabytes, where the merged copy would be the whole model
+                         (a new name per install: an engine still serving the old weights is never mistaken for one
+                         serving the new)
+        run/             the training run (its corpus report, log and checkpoint: a run stopped midway resumes)
+
+The language server asks `WorkspaceIndex.for_path` which model a document uses: the entry of the innermost
+repository that holds it, when that entry was tuned from the model the editor configured. No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from canvas_ls.engine.paths import cache_dir
+
+ENTRY_FILE = "workspace.json"
+
+# Ways to tune a model on one repository, compared by `canvas-ls bench repo` (its table says which wins where). Each
+# is TrainConfig overrides plus `replay`: the share of training bytes drawn from the general corpus.
+RECIPES: dict[str, dict[str, Any]] = {
+    "full": {"lr": 5e-4, "replay": 0.0},
+    "full-replay": {"lr": 2e-4, "replay": 0.5, "patience": 2},
+    "lora": {"lora_rank": 16, "lr": 2e-3, "replay": 0.25},
+}
+WORKSPACE_RECIPE = "full-replay"  # what `train --workspace` and the editors' "Learn this workspace" use
+WORKSPACE_MINUTES = 10.0
+
+
+def workspaces_dir() -> Path:
+    return cache_dir() / "workspaces"
+
+
+def repository_root(folder: Path) -> Path:
+    """The root of the git repository that holds `folder`, or the folder itself outside git."""
+    folder = folder.expanduser().resolve()
+    try:
+        done = subprocess.run(["git", "-C", str(folder), "rev-parse", "--show-toplevel"], capture_output=True,
+                              text=True, timeout=10, check=True)  # fmt: skip
+        return Path(done.stdout.strip()).resolve()
+    except (OSError, subprocess.SubprocessError):
+        return folder
+
+
+def entry_dir(root: Path) -> Path:
+    """The cache folder of the repository at `root` (a resolved path)."""
+    digest = hashlib.sha1(str(root).encode()).hexdigest()[:12]
+    return workspaces_dir() / f"{root.name or 'root'}-{digest}"
+
+
+def same_base(a: str | None, b: str | None) -> bool:
+    """Whether two model names (None: the shipped default) are the same model: folders compare resolved."""
+    if a is None or b is None:
+        return a is b
+    resolved = [str(Path(n).expanduser().resolve()) if Path(n).expanduser().exists() else n for n in (a, b)]
+    return resolved[0] == resolved[1]
+
+
+@dataclass(frozen=True)
+class WorkspaceModel:
+    root: Path  # the repository it learned
+    folder: Path  # its cache entry
+    base: str | None  # the model it was tuned from (None: the shipped default)
+    model: str | None  # the tuned model folder, or None when `adapter` applies to `base`
+    adapter: str | None
+    record: dict[str, Any]  # the whole workspace.json
+
+    @property
+    def runs_as(self) -> tuple[str | None, str | None]:
+        """(model, adapter) to load: the tuned folder, or the base with the adapter."""
+        return (self.model, None) if self.model else (self.base, self.adapter)
+
+
+def read(folder: Path) -> WorkspaceModel | None:
+    """The entry in `folder`, or None when it holds none (or a half-written one)."""
+    try:
+        record = json.loads((folder / ENTRY_FILE).read_text())
+        root = Path(record["workspace"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    weights = folder / str(record.get("path"))
+    model = str(weights) if record.get("kind") == "model" and (weights / "config.json").is_file() else None
+    adapter = str(weights) if record.get("kind") == "adapter" and (weights / "adapter_config.json").is_file() else None
+    if model is None and adapter is None:
+        return None
+    return WorkspaceModel(root, folder, record.get("base"), model, adapter, record)
+
+
+def installed() -> list[WorkspaceModel]:
+    """Every workspace model of this user, newest first."""
+    base = workspaces_dir()
+    entries = [e for f in sorted(base.iterdir()) if f.is_dir() and (e := read(f))] if base.is_dir() else []
+    return sorted(entries, key=lambda e: e.record.get("created", ""), reverse=True)
+
+
+def install(root: Path, run_dir: Path, base: str | None, summary: dict[str, Any], recipe: dict[str, Any]) -> Path:
+    """Move a finished training run's result (run_dir/model, or run_dir/adapter for LoRA) into the repository's
+    entry and write its workspace.json last (an entry without one is not used)."""
+    folder = entry_dir(root)
+    kind = "adapter" if recipe.get("lora_rank") else "model"
+    created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    name = f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    shutil.copytree(run_dir / kind, folder / name)
+    replaced = read(folder)
+    repository = summary.get("repository", {})
+    record = {
+        "workspace": str(root),
+        "base": base,
+        "kind": kind,
+        "path": name,
+        "created": created,
+        "files": repository.get("files"),
+        "tokens": repository.get("train_tokens"),
+        "steps": summary.get("step"),
+        "examples": summary.get("examples"),
+        "minutes": round(summary.get("elapsed", 0.0) / 60, 2),
+        "stopped": summary.get("stopped"),
+        "recipe": recipe,
+        "held_out": {"before": _evals(summary, "eval_before_"), "after": _evals(summary, "eval_")},
+    }
+    temporary = folder / f".{ENTRY_FILE}.tmp"
+    temporary.write_text(json.dumps(record, indent=2))
+    os.replace(temporary, folder / ENTRY_FILE)
+    if replaced is not None:  # an engine still running the old weights has them in memory already
+        shutil.rmtree(replaced.model or replaced.adapter or "", ignore_errors=True)
+    return folder
+
+
+def _evals(summary: dict[str, Any], prefix: str) -> dict[str, float]:
+    """A training summary's held-out figures under `prefix` ("eval_before_": before the run; "eval_": after)."""
+    return {k.removeprefix(prefix): v for k, v in summary.items()
+            if k.startswith(prefix) and not (prefix == "eval_" and k.startswith("eval_before_"))}  # fmt: skip
+
+
+def fresh_run(run_dir: Path) -> None:
+    """Before a workspace run: a run that was interrupted resumes; one that ended starts anew (the repository has
+    changed since, and its budget is spent)."""
+    try:
+        last = json.loads((run_dir / "log.jsonl").read_text().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return
+    if isinstance(last, dict) and last.get("final", {}).get("stopped") != "interrupted":
+        shutil.rmtree(run_dir)
+
+
+def remove(root: Path) -> bool:
+    """Delete the repository's entry; False when it had none."""
+    folder = entry_dir(root)
+    if not folder.is_dir():
+        return False
+    shutil.rmtree(folder)
+    return True
+
+
+class WorkspaceIndex:
+    """Which workspace model a file uses, re-read when an entry is added, replaced or removed (checked at most
+    every `recheck_s` seconds: a training run that ends while the editor is open takes effect without a restart)."""
+
+    def __init__(self, recheck_s: float = 2.0) -> None:
+        self.recheck_s = recheck_s
+        self._checked = float("-inf")
+        self._stamp: tuple[Any, ...] = ()
+        self._entries: list[WorkspaceModel] = []
+
+    def _stamp_now(self) -> tuple[Any, ...]:
+        base = workspaces_dir()
+        try:
+            return tuple((f.name, (f / ENTRY_FILE).stat().st_mtime_ns) for f in sorted(base.iterdir())
+                         if (f / ENTRY_FILE).is_file())  # fmt: skip
+        except OSError:
+            return ()
+
+    def entries(self) -> list[WorkspaceModel]:
+        now = time.monotonic()
+        if now - self._checked >= self.recheck_s:
+            self._checked = now
+            stamp = self._stamp_now()
+            if stamp != self._stamp:
+                self._stamp, self._entries = stamp, installed()
+        return self._entries
+
+    def for_path(self, path: Path, base: str | None) -> WorkspaceModel | None:
+        """The model of the innermost repository holding `path` that was tuned from `base`; None: use `base`."""
+        fitting = [e for e in self.entries() if path.is_relative_to(e.root) and same_base(e.base, base)]
+        return max(fitting, key=lambda e: len(e.root.parts), default=None)

@@ -1,0 +1,208 @@
+"""Workspace models in the server: each document answered by the model tuned on its repository, and the "Learn
+this workspace" command that tunes one in the background.
+
+`RoutedBackend` is the `Backend` the completer and the fills talk to. It holds the configured model's backend
+(whose state is the server's state) and, lazily, one per workspace model (`engine.workspaces`): a request for a
+document under a repository that has a model tuned from the configured one goes to that model once it has loaded;
+until then, or when it fails to load (said once), the configured model answers. Nothing waits on a workspace model.
+
+`Learner` runs `canvas-ls train --workspace DIR` as a child process at the lowest CPU priority (SCHED_IDLE: it
+gets a core only when nothing else wants one, so the engine's steps keep both cores while it trains), reads its
+progress lines, and reports them as work-done progress; the new model is used as soon as it is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from canvas_ls.engine.workspaces import WorkspaceIndex, WorkspaceModel, repository_root
+from canvas_ls.server.backend import Backend, CancelFlag
+
+log = logging.getLogger(__name__)
+
+
+def uri_path(uri: str | None) -> Path | None:
+    """The file a `file:` URI names (resolved), or None for other schemes."""
+    if not uri:
+        return None
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        return None
+    return Path(unquote(parsed.path)).resolve()
+
+
+class RoutedBackend:
+    """The configured model's backend for most documents; a workspace's own model for documents of that workspace.
+    Same methods as every `Backend`; its state, errors and counters are the configured model's."""
+
+    def __init__(self, default: Backend, make: Callable[[str | None, str | None], Backend], base: str | None,
+                 enabled: bool = True, notify: Callable[[str], None] | None = None,
+                 index: WorkspaceIndex | None = None) -> None:  # fmt: skip
+        self.default = default
+        self.make = make  # (model, adapter) -> a new backend of the same kind as the default
+        self.base = base
+        self.enabled = enabled
+        self.notify = notify or log.info
+        self.index = index or WorkspaceIndex()
+        self.workspace_backends: dict[tuple[str | None, str | None], Backend] = {}
+        self._device = "auto"
+        self._paths: dict[str, Path | None] = {}  # uri -> resolved path (resolving costs syscalls)
+
+    # -- the configured model's state is the server's ---------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self.default.state
+
+    @property
+    def error(self) -> str | None:
+        return self.default.error
+
+    @property
+    def model_name(self) -> str | None:
+        return self.default.model_name
+
+    @property
+    def load_seconds(self) -> float | None:
+        return self.default.load_seconds
+
+    @property
+    def cancelled_after_steps(self) -> list[int]:
+        return self.default.cancelled_after_steps
+
+    @property
+    def restarts(self) -> int:
+        return getattr(self.default, "restarts", 0)
+
+    def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None:
+        self._device = device
+        self.default.load(model, device, on_done)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def backend_for(self, document: str | None) -> Backend:
+        """The backend that answers for this document right now."""
+        if not self.enabled or document is None:
+            return self.default
+        if document not in self._paths:
+            if len(self._paths) > 4096:
+                self._paths.clear()
+            self._paths[document] = uri_path(document)
+        path = self._paths[document]
+        entry = self.index.for_path(path, self.base) if path is not None else None
+        if entry is None:
+            return self.default
+        key = entry.runs_as
+        backend = self.workspace_backends.get(key)
+        if backend is None:
+            backend = self.workspace_backends[key] = self.make(*key)
+            self.notify(f"loading the model tuned on {entry.root}")
+            backend.load(key[0], self._device, lambda done: self._loaded(entry, done))
+        return backend if backend.state == "ready" else self.default
+
+    def _loaded(self, entry: WorkspaceModel, backend: Backend) -> None:
+        if backend.state == "ready":
+            self.notify(f"documents under {entry.root} now use the model tuned on it ({backend.model_name})")
+        else:
+            self.notify(f"the model tuned on {entry.root} failed to load ({backend.error}); the configured model "
+                        "answers there")  # fmt: skip
+
+    def workspace_for(self, document: str | None) -> WorkspaceModel | None:
+        path = uri_path(document)
+        return self.index.for_path(path, self.base) if path is not None and self.enabled else None
+
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
+                     document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
+        backend = self.backend_for(document)
+        return await backend.infill(prefix, suffix, overrides, cancel, document, background)
+
+    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
+                   document: str | None = None) -> dict | None:  # fmt: skip
+        return await self.backend_for(document).fill(segments, overrides, cancel, document)
+
+    def shutdown(self) -> None:
+        self.default.shutdown()
+        for backend in self.workspace_backends.values():
+            backend.shutdown()
+
+
+@dataclass
+class LearnJob:
+    root: Path
+    process: asyncio.subprocess.Process
+    lines: list[str] = field(default_factory=list)  # the child's stderr tail, for the error message
+    last: dict[str, Any] = field(default_factory=dict)  # its last progress record
+
+
+class Learner:
+    """`canvas-ls train --workspace` for the editor's "Learn this workspace": one run per repository at a time,
+    at the lowest CPU priority, its progress reported through `report(root, record)`."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[Path, LearnJob] = {}
+
+    def command(self, root: Path, base: str | None, minutes: float | None) -> list[str]:
+        command = [sys.executable, "-m", "canvas_ls.server.cli", "train", "--workspace", str(root),
+                   "--progress", "json", "--low-priority"]  # fmt: skip
+        if base:
+            command += ["--from", base]
+        if minutes is not None:
+            command += ["--minutes", f"{minutes:g}"]
+        return command
+
+    async def learn(self, folder: Path, base: str | None, minutes: float | None,
+                    report: Callable[[LearnJob, dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
+        """Run to the end; returns the run's final record ({"done": {...}} or {"error": "..."})."""
+        root = repository_root(folder)
+        if root in self.jobs:
+            return {"error": f"already learning {root}"}
+        process = await asyncio.create_subprocess_exec(
+            *self.command(root, base, minutes), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        job = self.jobs[root] = LearnJob(root, process)
+        try:
+            stderr = asyncio.ensure_future(self._tail(process.stderr, job.lines))
+            final: dict[str, Any] = {}
+            assert process.stdout is not None
+            async for raw in process.stdout:
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    job.last = record
+                    if "done" in record or "error" in record:
+                        final = record
+                    report(job, record)
+            status = await process.wait()
+            await stderr
+            if not final:
+                tail = " ".join(job.lines[-3:]) or "no output"
+                final = {"error": f"training exited with status {status}: {tail}"}
+            return final
+        finally:
+            del self.jobs[root]
+
+    @staticmethod
+    async def _tail(stream: asyncio.StreamReader | None, lines: list[str]) -> None:
+        if stream is None:
+            return
+        async for raw in stream:
+            line = raw.decode(errors="replace").strip()
+            if line:
+                lines.append(line)
+                del lines[:-20]
+
+    def stop_all(self) -> None:
+        for job in self.jobs.values():
+            if job.process.returncode is None:
+                job.process.terminate()
