@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -115,7 +116,7 @@ def install(root: Path, run_dir: Path, base: str | None, summary: dict[str, Any]
     folder = entry_dir(root)
     kind = "adapter" if recipe.get("lora_rank") else "model"
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    name = f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name = f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     shutil.copytree(run_dir / kind, folder / name)
     replaced = read(folder)
     repository = summary.get("repository", {})

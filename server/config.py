@@ -36,6 +36,11 @@ class EngineOptions:
     # since vLLM and SGLang have not accepted `suffix`.
     suffix_mode: Literal["field", "prompt"] = "prompt"
     fim_template: str = "<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
+    # Documents of a repository that has a model tuned on it from `model` (`canvas-ls train --workspace`, or the
+    # editors' "Learn this workspace") are answered by that model ("local" and "resident" backends).
+    workspace_models: bool = True
+    # "Learn this workspace": training minutes (None: the workspace recipe's).
+    learn_minutes: float | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from lsprotocol import types
@@ -20,6 +21,7 @@ from pygls.io_ import StdinAsyncReader, StdoutWriter
 from pygls.lsp.server import LanguageServer
 
 from canvas_ls.engine.regions import Region
+from canvas_ls.engine.workspaces import WORKSPACE_MINUTES, repository_root
 from canvas_ls.server.backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
 from canvas_ls.server.completion import Completer, Outcome
 from canvas_ls.server.config import ServerConfig, layered, parse_config
@@ -27,6 +29,7 @@ from canvas_ls.server.documents import Document, DocumentStore
 from canvas_ls.server.fill import FillOutcome, fill_regions
 from canvas_ls.server.holes import find_holes
 from canvas_ls.server.positions import PositionError
+from canvas_ls.server.workspaces import Learner, RoutedBackend, uri_path
 
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"
@@ -34,18 +37,28 @@ STATS_METHOD = "canvas/stats"
 FILL_REGIONS_METHOD = "canvas/fillRegions"
 FILL_HOLES_COMMAND = "canvas-ls.fillHoles"
 REWRITE_COMMAND = "canvas-ls.rewriteSelection"
+LEARN_COMMAND = "canvas-ls.learnWorkspace"
 VERSION = "0.1.0"
 
 
-def make_backend(config: ServerConfig) -> Backend:
+def make_backend(config: ServerConfig) -> RoutedBackend:
+    """The configured backend, behind the router that sends a workspace's documents to its own model."""
     options = config.engine
-    if options.backend == "resident":
-        return ResidentBackend(options.socket, options.idle_exit_s, options.model, options.device, options.adapter)
     if options.backend == "openai":
         key = options.api_key or os.environ.get("CANVAS_LS_API_KEY")
-        return OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
-                             options.fim_template)  # fmt: skip
-    return LocalBackend(options.adapter)
+        remote = OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
+                               options.fim_template)  # fmt: skip
+        return RoutedBackend(remote, lambda model, adapter: remote, options.model, enabled=False)
+
+    def make(model: str | None, adapter: str | None, socket: str | None = None) -> Backend:
+        if options.backend == "resident":
+            return ResidentBackend(socket, options.idle_exit_s, model, options.device, adapter)
+        return LocalBackend(adapter)
+
+    default = make(options.model, options.adapter, options.socket)
+    # a workspace model applies to the configured model as it is, not to one with an adapter of the user's own
+    enabled = options.workspace_models and not options.adapter
+    return RoutedBackend(default, make, options.model, enabled=enabled)
 
 
 class CanvasServer(LanguageServer):
@@ -53,7 +66,9 @@ class CanvasServer(LanguageServer):
         super().__init__("canvas-ls", VERSION)
         self.documents = DocumentStore()
         self.config = ServerConfig()
-        self.backend: Backend = make_backend(self.config)
+        self.backend = make_backend(self.config)
+        self.backend.notify = self.log_to_client
+        self.learner = Learner()
         self.completer = Completer(self.backend, self.config, self.documents)
         self.pending_messages: list[str] = []
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
@@ -140,27 +155,33 @@ class CanvasServer(LanguageServer):
         if changed and not (in_place and config.engine.adapter == self.config.engine.adapter):
             self.backend.shutdown()
             self.backend = make_backend(config)
+            self.backend.notify = self.log_to_client
             self.completer.backend = self.backend
+        elif changed:  # the same local backend, another model: its workspace models are another base's
+            self.backend.retarget(config.engine.model, config.engine.workspace_models)
         self.config = config
         self.completer.config = config
         if reload and self.loop is not None:
             self.loop.create_task(self.load_model())
 
+    async def begin_progress(self, token: str, title: str, message: str, cancellable: bool = False) -> bool:
+        """Server-initiated work-done progress, when the client supports it; False when it does not (or refused)."""
+        if not (self.client_capabilities.window and self.client_capabilities.window.work_done_progress):
+            return False
+        try:
+            await self.work_done_progress.create_async(token)
+            begin = types.WorkDoneProgressBegin(title=title, message=message, cancellable=cancellable,
+                                                percentage=0 if cancellable else None)  # fmt: skip
+            self.work_done_progress.begin(token, begin)
+            return True
+        except Exception as exc:  # a client that refuses progress still gets its completions
+            log.warning("no work-done progress: %s", exc)
+            return False
+
     async def load_model(self) -> None:
         """Load (or reload) the model in the worker, shown as work-done progress when the client supports it."""
         token = f"canvas-ls/load/{id(self)}/{self.backend.state}"
-        progress = bool(
-            self.client_capabilities.window and self.client_capabilities.window.work_done_progress
-        )  # fmt: skip
-        if progress:
-            try:
-                await self.work_done_progress.create_async(token)
-                self.work_done_progress.begin(
-                    token, types.WorkDoneProgressBegin(title="canvas-ls", message="loading the model")
-                )
-            except Exception as exc:  # a client that refuses progress still gets its completions
-                log.warning("no work-done progress: %s", exc)
-                progress = False
+        progress = await self.begin_progress(token, "canvas-ls", "loading the model")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         options, backend = self.config.engine, self.backend
@@ -322,7 +343,12 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "lastError": counters.last_error,
         "bySource": [{"source": k, "count": v} for k, v in counters.by_source.items()],
         "cancelledAfterSteps": ls.backend.cancelled_after_steps,
-        "engineRestarts": getattr(ls.backend, "restarts", 0),
+        "engineRestarts": ls.backend.restarts,
+        # the models tuned on a workspace that this server has started (state "ready" once they answer), and the
+        # repositories it is learning now
+        "workspaceModels": [{"model": model, "adapter": adapter, "state": backend.state, "name": backend.model_name}
+                            for (model, adapter), backend in ls.backend.workspace_backends.items()],
+        "learning": [str(root) for root in ls.learner.jobs],
         # the per-call timings (up to 1,000), unless the client asks for the counters alone ({"brief": true})
         "modelCallMs": [] if _get(params, "brief") is True else [
             {"call": call, "engine": engine} for call, engine in counters.call_ms
@@ -512,8 +538,73 @@ def _unstructure(ls: CanvasServer, value: Any) -> Any:
     return ls.protocol._converter.unstructure(value)
 
 
+# -- a model of the user's own code: "Learn this workspace" --------------------------------------------------------
+
+
+@server.command(LEARN_COMMAND)
+async def learn_workspace_command(ls: CanvasServer, *arguments: Any) -> dict[str, Any]:
+    """Tune the configured model on the repository of `folder` (a URI or path; default: the first workspace folder)
+    in the background, at the lowest CPU priority; work-done progress while it runs (cancel: it stops, keeps what it
+    learnt), a message when it ends. Returns at once: {workspace, minutes} or {error}."""
+    folder = _get(_first(arguments), "folder")
+    if folder is None and ls.workspace.folders:
+        folder = next(iter(ls.workspace.folders.values())).uri
+    folder = folder or ls.workspace.root_uri
+    path = uri_path(folder) if isinstance(folder, str) and folder.startswith("file:") else None
+    path = path or (Path(folder).expanduser() if isinstance(folder, str) and folder else None)
+    error = None
+    if ls.config.engine.backend == "openai":
+        error = "learning a workspace needs canvas-ls's own engine (engine.backend local or resident)"
+    elif path is None or not path.is_dir():
+        error = f"no folder to learn: {folder!r} is not a local folder (open a workspace folder, or pass one)"
+    if error is not None:
+        ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=f"canvas-ls: {error}"))
+        return {"error": error}
+    assert path is not None
+    root = repository_root(path)
+    if root in ls.learner.jobs:
+        return {"error": f"already learning {root}"}
+    minutes = ls.config.engine.learn_minutes or WORKSPACE_MINUTES
+    asyncio.get_running_loop().create_task(_learn(ls, root, minutes))
+    return {"workspace": str(root), "minutes": minutes}
+
+
+async def _learn(ls: CanvasServer, root: Path, minutes: float) -> None:
+    token = f"canvas-ls/learn/{root}"
+    progress = await ls.begin_progress(token, f"canvas-ls: learning {root.name}", "reading the repository",
+                                       cancellable=True)  # fmt: skip
+    if progress:  # the user cancelled: the run stops, keeps what it learnt and installs it
+        cancelled = ls.work_done_progress.tokens.get(token)
+        if cancelled is not None:
+            cancelled.add_done_callback(lambda _: ls.learner.interrupt(root))
+
+    def report(job: Any, record: dict[str, Any]) -> None:
+        step = record.get("progress")
+        if progress and isinstance(step, dict):
+            done = min(100, int(100 * step["elapsed_s"] / max(step["budget_s"], 1e-9)))
+            text = f"step {step['step']}, loss {step['loss']:.3f}, {step['elapsed_s'] / 60:.1f} of {minutes:g} min"
+            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=text, percentage=done))
+
+    ls.log_to_client(f"learning {root} for {minutes:g} min at the lowest CPU priority")
+    final = await ls.learner.learn(root, ls.config.engine.model, minutes, report)
+    if "done" in final:
+        done = final["done"]
+        before, after = done.get("eval_before_diffusion"), done.get("eval_diffusion")
+        loss = f"held-out loss {before:.3f} -> {after:.3f}; " if before is not None and after is not None else ""
+        message = (f"learned {root.name}: {done.get('step')} steps in {done.get('elapsed', 0) / 60:.1f} min "
+                   f"({done.get('stopped')}); {loss}its files now use this model")  # fmt: skip
+        kind = types.MessageType.Info
+    else:
+        message, kind = f"learning {root.name} failed: {final.get('error')}", types.MessageType.Error
+    ls.log_to_client(message, kind)
+    ls.window_show_message(types.ShowMessageParams(type=kind, message=f"canvas-ls: {message}"))
+    if progress:
+        ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
+
+
 @server.feature(types.SHUTDOWN)
 def shutdown(ls: CanvasServer, params: None) -> None:
     for uri in list(ls.completer.in_flight):
         ls.completer.forget(uri)
+    ls.learner.interrupt_all()  # a run in progress keeps what it learnt and installs it
     ls.backend.shutdown()

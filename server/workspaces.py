@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from canvas_ls.engine.workspaces import WorkspaceIndex, WorkspaceModel, repository_root
+from canvas_ls.engine.workspaces import WorkspaceIndex, WorkspaceModel
 from canvas_ls.server.backend import Backend, CancelFlag
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,13 @@ class RoutedBackend:
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None:
         self._device = device
         self.default.load(model, device, on_done)
+
+    def retarget(self, base: str | None, enabled: bool) -> None:
+        """The default backend now runs `base` (reloaded in place): the workspace models of the old base go."""
+        self.base, self.enabled = base, enabled
+        for backend in self.workspace_backends.values():
+            backend.shutdown()
+        self.workspace_backends.clear()
 
     # -- requests ----------------------------------------------------------------------------------------------
 
@@ -158,10 +166,10 @@ class Learner:
             command += ["--minutes", f"{minutes:g}"]
         return command
 
-    async def learn(self, folder: Path, base: str | None, minutes: float | None,
+    async def learn(self, root: Path, base: str | None, minutes: float | None,
                     report: Callable[[LearnJob, dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
-        """Run to the end; returns the run's final record ({"done": {...}} or {"error": "..."})."""
-        root = repository_root(folder)
+        """Tune on the repository at `root` (`engine.workspaces.repository_root`) to the end; returns the run's
+        final record ({"done": {...}} or {"error": "..."})."""
         if root in self.jobs:
             return {"error": f"already learning {root}"}
         process = await asyncio.create_subprocess_exec(
@@ -202,7 +210,12 @@ class Learner:
                 lines.append(line)
                 del lines[:-20]
 
-    def stop_all(self) -> None:
-        for job in self.jobs.values():
-            if job.process.returncode is None:
-                job.process.terminate()
+    def interrupt(self, root: Path) -> None:
+        """Stop a run as Ctrl-C does: it evaluates, saves and installs what it learnt so far."""
+        job = self.jobs.get(root)
+        if job is not None and job.process.returncode is None:
+            job.process.send_signal(signal.SIGINT)
+
+    def interrupt_all(self) -> None:
+        for root in list(self.jobs):
+            self.interrupt(root)

@@ -53,6 +53,20 @@ def private_runtime_dir(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XDG_RUNTIME_DIR"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The user's cache (training runs, reports, workspace models) in a folder of the tests' own, for the test
+    process and every server or engine it starts."""
+    folder = tmp_path_factory.mktemp("cache")
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(

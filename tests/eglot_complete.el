@@ -1,7 +1,8 @@
 ;;; eglot_complete.el --- drive canvas-ls through eglot in Emacs batch mode (tests/test_emacs.py)  -*- lexical-binding: t; -*-
 ;; Loads editors/emacs/canvas-ls.el as a user would, opens $CANVAS_LS_FILE, starts eglot, waits for the model,
 ;; puts point after the first "return " and runs `completion-at-point'; prints one JSON line: the line before and
-;; after, and what canvas/fill says the server offers there.
+;; after, and what canvas/fill says the server offers there; then "Learn this workspace" for a folder that does not
+;; exist (the server's error, as the user sees it).
 
 (dolist (dir (file-expand-wildcards "/usr/share/emacs/site-lisp/elpa/*"))  ; Debian's elpa-eglot on Emacs 28
   (add-to-list 'load-path dir))
@@ -28,9 +29,12 @@
          (before (funcall line))
          (offered (jsonrpc-request server :canvas/fill (eglot--TextDocumentPositionParams))))
     (completion-at-point)
-    (princ (concat (json-encode `((before . ,before) (after . ,(funcall line))
-                                  (offered . ,(plist-get (plist-get offered :edit) :text))
-                                  (source . ,(plist-get offered :source))))
-                   "\n"))
+    (let ((learn (condition-case err (canvas-ls-learn-workspace "/nonexistent-canvas-ls/")
+                   (user-error (error-message-string err)))))
+      (princ (concat (json-encode `((before . ,before) (after . ,(funcall line))
+                                    (offered . ,(plist-get (plist-get offered :edit) :text))
+                                    (source . ,(plist-get offered :source))
+                                    (learn . ,learn)))
+                     "\n")))
     (jsonrpc-shutdown server)))
 ;;; eglot_complete.el ends here

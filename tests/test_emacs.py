@@ -33,3 +33,5 @@ def test_completion_at_point_inserts_the_servers_item(fixed_model_dir: Path, tmp
     assert result["offered"] == "Nonecodecodecode" and result["source"] == "model"
     assert result["before"] == "    return "
     assert result["after"] == "    return Nonecodecodecode"
+    # M-x canvas-ls-learn-workspace reaches the server's command; a folder that is not there is its clear error
+    assert result["learn"].startswith("canvas-ls: no folder to learn: "), result["learn"]

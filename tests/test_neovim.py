@@ -211,6 +211,11 @@ def test_code_action_menu_offers_fill_holes(nvim, writing_model_dir: Path, tmp_p
         wait_for(lambda: all(text in "\n".join(nvim.current.buffer[:]) for text in filled), what="the edit")
     else:
         assert nvim.current.buffer[:] == SHAPES.split("\n")[:-1]
+    # :CanvasLsLearnWorkspace reaches the server's command; a folder that is not there is its clear error
+    assert nvim.exec_lua("return vim.fn.exists(':CanvasLsLearnWorkspace')") == 2
+    nvim.exec_lua("require('canvas_ls').learn_workspace('/nonexistent-canvas-ls', 0, function(r) _G.learned = r end)")
+    learned = wait_for(lambda: nvim.exec_lua("return _G.learned"), what="the learn command's answer")
+    assert learned["error"].startswith("no folder to learn: "), learned
 
 
 def test_rewrite_command_edits_the_buffer_in_one_undo_step(nvim, writing_model_dir: Path, tmp_path: Path) -> None:

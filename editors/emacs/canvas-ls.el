@@ -32,6 +32,26 @@ For example \\='(:engine (:model \"/path/to/model\" :device \"cpu\")
 (with-eval-after-load 'eglot
   (add-to-list 'eglot-server-programs (cons canvas-ls-modes #'canvas-ls-eglot-contact)))
 
+(defun canvas-ls-learn-workspace (&optional folder)
+  "Tune canvas-ls's model on the repository of FOLDER (default: the project's root) in the background.
+The server trains at the lowest CPU priority and says when the repository's files use the new model."
+  (interactive (list (read-directory-name "Learn folder: " (canvas-ls--project-root))))
+  (let* ((server (eglot-current-server))
+         (root (expand-file-name (or folder (canvas-ls--project-root)))))
+    (unless server (user-error "canvas-ls: no eglot server in this buffer"))
+    (let ((result (jsonrpc-request server :workspace/executeCommand
+                                   (list :command "canvas-ls.learnWorkspace"
+                                         :arguments (vector (list :folder (concat "file://" root)))))))
+      (if (plist-get result :error)
+          (user-error "canvas-ls: %s" (plist-get result :error))
+        (message "canvas-ls: learning %s for %s min in the background"
+                 (plist-get result :workspace) (plist-get result :minutes)))
+      result)))
+
+(defun canvas-ls--project-root ()
+  (let ((project (project-current)))
+    (if project (project-root project) default-directory)))
+
 ;;; lsp-mode
 (with-eval-after-load 'lsp-mode
   (lsp-register-client

@@ -12,6 +12,8 @@ export interface CanvasSettings {
   maxNewTokens: { singleLine?: number; multiLine?: number };
   rewriteStrength: number;
   minConfidence: number | null; // null: the model's calibrated threshold; 0: show every answer
+  workspaceModels: boolean; // a repository's files answered by the model tuned on it, when there is one
+  learnMinutes: number | null; // "Learn this workspace": training minutes (null: the server's default)
 }
 
 export const DEFAULT_SETTINGS: CanvasSettings = {
@@ -27,6 +29,8 @@ export const DEFAULT_SETTINGS: CanvasSettings = {
   maxNewTokens: { singleLine: 48, multiLine: 128 },
   rewriteStrength: 0.5,
   minConfidence: null,
+  workspaceModels: true,
+  learnMinutes: null,
 };
 
 export interface ServerCommand {
@@ -50,9 +54,36 @@ export function initializationOptions(settings: CanvasSettings): Record<string, 
   if (settings.maxNewTokens.singleLine) completion.max_new_tokens_single_line = settings.maxNewTokens.singleLine;
   if (settings.maxNewTokens.multiLine) completion.max_new_tokens_multi_line = settings.maxNewTokens.multiLine;
   if (typeof settings.minConfidence === "number") completion.min_confidence = settings.minConfidence;
+  const engine: Record<string, unknown> = {
+    model: settings.model || null,
+    device: settings.device || "auto",
+    backend: settings.backend || "resident",
+    workspace_models: settings.workspaceModels,
+  };
+  if (typeof settings.learnMinutes === "number" && settings.learnMinutes > 0) engine.learn_minutes = settings.learnMinutes;
+  return { engine, completion };
+}
+
+// "canvas-ls: Learn this workspace": the server's command, for one workspace folder. It answers at once; the run goes
+// on in the background (the server reports its progress and says when the model is in use).
+export const LEARN_COMMAND = "canvas-ls.learnWorkspace";
+
+export function learnParams(folderUri: string): { command: string; arguments: { folder: string }[] } {
+  return { command: LEARN_COMMAND, arguments: [{ folder: folderUri }] };
+}
+
+export interface LearnResult {
+  workspace?: string;
+  minutes?: number;
+  error?: string;
+}
+
+export function learnMessage(result: LearnResult): { level: "error" | "info"; text: string } {
+  if (result.error) return { level: "error", text: `canvas-ls: ${result.error}` };
   return {
-    engine: { model: settings.model || null, device: settings.device || "auto", backend: settings.backend || "resident" },
-    completion,
+    level: "info",
+    text: `canvas-ls: learning ${result.workspace} for ${result.minutes} min in the background (lowest CPU priority); ` +
+      "its files use the new model once it is ready",
   };
 }
 

@@ -15,6 +15,9 @@ import {
   fillMessage,
   initializationOptions,
   LastOutcome,
+  LearnResult,
+  learnMessage,
+  learnParams,
   outcomeNote,
   rewriteParams,
   serverCommand,
@@ -39,6 +42,8 @@ function readSettings(): CanvasSettings {
     maxNewTokens: c.get("maxNewTokens", DEFAULT_SETTINGS.maxNewTokens),
     rewriteStrength: c.get("rewriteStrength", DEFAULT_SETTINGS.rewriteStrength),
     minConfidence: c.get("minConfidence", DEFAULT_SETTINGS.minConfidence),
+    workspaceModels: c.get("workspaceModels", DEFAULT_SETTINGS.workspaceModels),
+    learnMinutes: c.get("learnMinutes", DEFAULT_SETTINGS.learnMinutes),
   };
 }
 
@@ -137,6 +142,27 @@ async function fill(title: string, params: (editor: vscode.TextEditor) => FillRe
   else void vscode.window.setStatusBarMessage(text, 5000);
 }
 
+// Tune the model on this workspace folder (the one of the active editor, else the only one, else the user picks).
+async function learnWorkspace(): Promise<void> {
+  const running = client;
+  if (!running) {
+    void vscode.window.showErrorMessage("canvas-ls: the language server is not running");
+    return;
+  }
+  const active = vscode.window.activeTextEditor?.document.uri;
+  const folders = vscode.workspace.workspaceFolders ?? [];
+  const folder = (active && vscode.workspace.getWorkspaceFolder(active)) ??
+    (folders.length === 1 ? folders[0] : await vscode.window.showWorkspaceFolderPick({ placeHolder: "Folder to learn" }));
+  if (!folder) {
+    if (!folders.length) void vscode.window.showErrorMessage("canvas-ls: open a folder to learn it");
+    return;
+  }
+  const result = await running.sendRequest<LearnResult>("workspace/executeCommand", learnParams(folder.uri.toString()));
+  const { level, text } = learnMessage(result ?? { error: "no answer from the server" });
+  if (level === "error") void vscode.window.showErrorMessage(text);
+  else void vscode.window.showInformationMessage(text);
+}
+
 async function stop(): Promise<void> {
   const running = client;
   client = undefined;
@@ -170,6 +196,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
         rewriteParams(editor.document.uri.toString(), editor.selection, readSettings().rewriteStrength),
       ),
     ),
+    vscode.commands.registerCommand("canvasLs.learnWorkspace", learnWorkspace),
     vscode.workspace.onDidChangeConfiguration(async (event) => {
       if (event.affectsConfiguration("canvasLs")) {
         await stop();

@@ -22,6 +22,9 @@ function M.setup(opts)
   vim.api.nvim_create_user_command('CanvasLsRewrite', function(command)
     M.rewrite(command.line1, command.line2)
   end, { range = true, desc = 'canvas-ls: rewrite the selected lines (or the last visual selection) in place' })
+  vim.api.nvim_create_user_command('CanvasLsLearnWorkspace', function(command)
+    M.learn_workspace(command.args ~= '' and command.args or nil)
+  end, { nargs = '?', complete = 'dir', desc = 'canvas-ls: learn this workspace (tune the model on its code)' })
 
   local inline = vim.lsp.inline_completion ~= nil -- Neovim 0.12+
   vim.api.nvim_create_autocmd('LspAttach', {
@@ -99,6 +102,32 @@ function M.rewrite(first, last, bufnr, on_done)
   local range = { start = { line = first - 1, character = 0 }, ['end'] = { line = last - 1, character = last_column } }
   local argument = { textDocument = { uri = vim.uri_from_bufnr(bufnr) }, range = range }
   execute(client, bufnr, 'canvas-ls.rewriteSelection', argument, on_done)
+end
+
+--- Tune the model on the repository of `folder` (default: the client's workspace folder, else the current
+--- directory) in the background: the server reports progress ($/progress, shown by Neovim's LSP progress UI) and says
+--- when the repository's files use the new model. `on_done(result)` gets {workspace, minutes} or {error}.
+function M.learn_workspace(folder, bufnr, on_done)
+  bufnr = bufnr or vim.api.nvim_get_current_buf()
+  local client = client_for(bufnr)
+  if not client then
+    return
+  end
+  local root = folder and vim.fn.fnamemodify(folder, ':p')
+    or (client.workspace_folders and client.workspace_folders[1] and vim.uri_to_fname(client.workspace_folders[1].uri))
+    or vim.fn.getcwd()
+  local params = { command = 'canvas-ls.learnWorkspace', arguments = { { folder = vim.uri_from_fname(root) } } }
+  client:request('workspace/executeCommand', params, function(err, result)
+    local outcome = err and { error = err.message } or result or { error = 'no answer from the server' }
+    if outcome.error then
+      vim.notify('canvas-ls: ' .. outcome.error, vim.log.levels.ERROR)
+    else
+      vim.notify(('canvas-ls: learning %s for %s min in the background'):format(outcome.workspace, outcome.minutes))
+    end
+    if on_done then
+      on_done(outcome)
+    end
+  end, bufnr)
 end
 
 --- The server's counters and engine state (`canvas/stats`), for :CanvasLsStats and tests.

@@ -27,6 +27,9 @@ import {
   fillHolesParams,
   fillMessage,
   initializationOptions,
+  LearnResult,
+  learnMessage,
+  learnParams,
   outcomeNote,
   rewriteParams,
   serverCommand,
@@ -68,10 +71,14 @@ test("settings become the server's option tree", () => {
     ...DEFAULT_SETTINGS, model: "/m", device: "cpu", gapTokens: { singleLine: 8 }, maxNewTokens: { singleLine: 4 },
   });
   assert.deepEqual(options, {
-    engine: { model: "/m", device: "cpu", backend: "resident" },
+    engine: { model: "/m", device: "cpu", backend: "resident", workspace_models: true },
     completion: { gap_tokens_single_line: 8, max_new_tokens_single_line: 4 },
   });
-  assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, { model: null, device: "auto", backend: "resident" });
+  assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, {
+    model: null, device: "auto", backend: "resident", workspace_models: true,
+  });
+  const learning = initializationOptions({ ...DEFAULT_SETTINGS, workspaceModels: false, learnMinutes: 5 }).engine;
+  assert.deepEqual(learning, { model: null, device: "auto", backend: "resident", workspace_models: false, learn_minutes: 5 });
   const local = initializationOptions({ ...DEFAULT_SETTINGS, backend: "local" }).engine as { backend: string };
   assert.equal(local.backend, "local");
   const strict = initializationOptions({ ...DEFAULT_SETTINGS, minConfidence: 0 }).completion as Record<string, unknown>;
@@ -94,6 +101,12 @@ test("the fill commands' requests, and what the user is told", () => {
   );
   assert.equal(titles["canvasLs.fillHoles"], "canvas-ls: Fill holes");
   assert.equal(titles["canvasLs.rewriteSelection"], "canvas-ls: Rewrite selection");
+  assert.equal(titles["canvasLs.learnWorkspace"], "canvas-ls: Learn this workspace");
+  assert.deepEqual(learnParams("file:///src/app"), {
+    command: "canvas-ls.learnWorkspace", arguments: [{ folder: "file:///src/app" }],
+  });
+  assert.equal(learnMessage({ error: "no folder to learn" }).level, "error");
+  assert.match(learnMessage({ workspace: "/src/app", minutes: 10 }).text, /learning \/src\/app for 10 min/);
   const position = { line: 3, character: 4 };
   assert.deepEqual(fillHolesParams("file:///a.py", position), { textDocument: { uri: "file:///a.py" }, position });
   const range = { start: { line: 1, character: 0 }, end: { line: 2, character: 5 } };
@@ -178,6 +191,11 @@ test("the server the extension starts answers initialize and an inline completio
     });
     assert.equal(overlap.error, "regions 1 and 2 overlap");
     assert.equal(overlap.edit, null);
+    // "Learn this workspace" for a folder that is not there: the server's clear error, nothing started
+    const learn = await connection.sendRequest<LearnResult>(
+      "workspace/executeCommand", learnParams(pathToFileURL(path.join(runtime, "missing")).toString()),
+    );
+    assert.match(learn.error ?? "", /no folder to learn/);
     await connection.sendRequest(ShutdownRequest.type);
     await connection.sendNotification(ExitNotification.type);
   } finally {

@@ -1,0 +1,200 @@
+"""Models tuned on a workspace: the registry under the user's cache, the language server answering a repository's
+files with its model, "Learn this workspace" end to end, and `bench repo` on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest_lsp
+from lsprotocol import types
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+from canvas_ls.engine import workspaces
+from tests.conftest import tokenizer_texts
+from tests.test_lsp import SERVE, options, request, wait_ready
+
+RETURN_DOC = "def f(x):\n    return \n"
+AFTER_RETURN = types.Position(line=1, character=11)
+
+
+def fake_run(folder: Path, weights: Path | None = None) -> Path:
+    """A finished training run's folder: its model/ (a copy of `weights`, or an empty stand-in)."""
+    if weights is not None:
+        shutil.copytree(weights, folder / "model")
+    else:
+        (folder / "model").mkdir(parents=True)
+        (folder / "model" / "config.json").write_text("{}")
+    return folder
+
+
+def test_an_installed_model_serves_its_repository_and_nothing_else(tmp_path: Path) -> None:
+    outer, inner = tmp_path / "code", tmp_path / "code" / "libs" / "inner"
+    inner.mkdir(parents=True)
+    index = workspaces.WorkspaceIndex(recheck_s=0)
+    assert index.for_path(outer / "a.py", None) is None
+    summary = {"step": 7, "elapsed": 90.0, "repository": {"files": 3, "train_tokens": 1234},
+               "eval_before_diffusion": 3.0, "eval_diffusion": 2.5}  # fmt: skip
+    workspaces.install(outer, fake_run(tmp_path / "run1"), None, summary, {"name": "full"})
+    entry = index.for_path(outer / "pkg" / "a.py", None)
+    assert entry is not None and entry.root == outer and entry.adapter is None
+    assert entry.record["tokens"] == 1234 and entry.record["held_out"] == {"before": {"diffusion": 3.0},
+                                                                            "after": {"diffusion": 2.5}}  # fmt: skip
+    assert index.for_path(tmp_path / "elsewhere.py", None) is None
+    assert index.for_path(outer / "a.py", "some/other-model") is None  # tuned from another base: not used
+    # the innermost repository wins
+    workspaces.install(inner, fake_run(tmp_path / "run2"), None, {}, {"name": "full"})
+    assert index.for_path(inner / "b.py", None).root == inner
+    assert index.for_path(outer / "a.py", None).root == outer
+    # installing again replaces the weights under a new name (an engine of the old ones is never reused)
+    first = entry.model
+    workspaces.install(outer, fake_run(tmp_path / "run3"), None, {}, {"name": "full"})
+    again = index.for_path(outer / "a.py", None)
+    assert again.model != first and not Path(first).exists() and Path(again.model).is_dir()
+    assert {e.root for e in workspaces.installed()} == {outer, inner}
+    assert workspaces.remove(inner) and index.for_path(inner / "b.py", None).root == outer
+    assert not workspaces.remove(inner)
+
+
+def test_a_finished_run_starts_anew_and_an_interrupted_one_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text(json.dumps({"final": {"stopped": "interrupted"}}) + "\n")
+    workspaces.fresh_run(run)
+    assert run.is_dir()
+    (run / "log.jsonl").write_text(json.dumps({"final": {"stopped": "budget"}}) + "\n")
+    workspaces.fresh_run(run)
+    assert not run.exists()
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def raw_client(lsp_client: LanguageClient):
+    yield
+
+
+def open_file(client: LanguageClient, path: Path, text: str) -> str:
+    uri = path.as_uri()
+    client.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", 1, text)))
+    return uri
+
+
+async def fill_at(client: LanguageClient, uri: str, position: types.Position) -> dict[str, Any]:
+    where = {"line": position.line, "character": position.character}
+    return await request(client, "canvas/fill", {"textDocument": {"uri": uri}, "position": where})
+
+
+async def wait_for(condition: Any, timeout: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_repositorys_files_are_answered_by_its_own_model(
+    raw_client: LanguageClient, writing_model_dir: Path, fixed_model_dir: Path, tmp_path: Path
+) -> None:
+    """The configured model is the random one; the repository's model (installed as tuned from it) writes
+    "Nonecodecodecode" after `return `: once it has loaded, the repository's files get its answer, other files
+    the configured model's."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    workspaces.install(repo, fake_run(tmp_path / "run", fixed_model_dir), str(writing_model_dir), {}, {"name": "t"})
+    capabilities = pytest_lsp.client_capabilities("neovim")
+    init = options(writing_model_dir, max_steps=4)
+    await raw_client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    await wait_ready(raw_client)
+    inside = open_file(raw_client, repo / "pkg" / "a.py", RETURN_DOC)
+    outside = open_file(raw_client, tmp_path / "elsewhere" / "a.py", RETURN_DOC)
+    first = await fill_at(raw_client, inside, AFTER_RETURN)  # starts the repository's engine; answered meanwhile
+    assert first["source"] in ("model", "stale", "hidden") or first["source"].startswith("skip")
+
+    async def loaded() -> bool:
+        stats = await request(raw_client, "canvas/stats", {})
+        return [m["state"] for m in stats["workspaceModels"]] == ["ready"]
+
+    await wait_for(loaded, 120)
+    answer = await fill_at(raw_client, inside, AFTER_RETURN)
+    assert answer["edit"]["text"] == "Nonecodecodecode", answer
+    other = await fill_at(raw_client, outside, AFTER_RETURN)
+    assert (other["edit"] or {}).get("text") != "Nonecodecodecode" and other["source"] == "model"
+    stats = await request(raw_client, "canvas/stats", {})
+    assert stats["workspaceModels"][0]["model"].startswith(str(workspaces.entry_dir(repo)))
+    await raw_client.shutdown_session()
+
+
+async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
+    raw_client: LanguageClient, writing_model_dir: Path, tmp_path: Path, private_cache_dir: Path
+) -> None:
+    """The editors' command: a background `train --workspace` at the lowest priority, its progress reported, a
+    message when it ends, the model installed (`canvas-ls models` lists it) and used for the repository's files."""
+    from canvas_ls.engine import corpus
+
+    repo = tmp_path / "project"
+    for number, text in enumerate(tokenizer_texts()[:12]):
+        (repo / "pkg").mkdir(parents=True, exist_ok=True)
+        (repo / "pkg" / f"m{number}.py").write_text(text)
+    replay = private_cache_dir / "canvas-ls" / "replay-corpus.jsonl.gz"
+    if not replay.is_file():  # the general code replayed: a small one (collecting the machine's takes ~20 s)
+        corpus.save([corpus.CorpusFile(f"g{i}.py", "python", "test", t) for i, t in enumerate(tokenizer_texts())],
+                    replay)  # fmt: skip
+    capabilities = pytest_lsp.client_capabilities("neovim")
+    init = options(writing_model_dir, max_steps=4)
+    init["engine"]["learn_minutes"] = 0.05
+    await raw_client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    await wait_ready(raw_client)
+    command = types.ExecuteCommandParams("canvas-ls.learnWorkspace", [{"folder": repo.as_uri()}])
+    started = await raw_client.workspace_execute_command_async(command)
+    assert dict(started._asdict() if hasattr(started, "_asdict") else started) == {"workspace": str(repo.resolve()),
+                                                                                   "minutes": 0.05}  # fmt: skip
+    again = await raw_client.workspace_execute_command_async(command)
+    assert "already learning" in (again._asdict() if hasattr(again, "_asdict") else again)["error"]
+
+    async def said() -> bool:
+        return any("learn" in m.message for m in raw_client.messages)
+
+    await wait_for(said, 240)
+    message = next(m for m in raw_client.messages if "learn" in m.message)
+    assert message.type == types.MessageType.Info and message.message.startswith("canvas-ls: learned project: ")
+    assert "its files now use this model" in message.message
+    reports = [r for token, values in raw_client.progress_reports.items() if "learn" in str(token) for r in values]
+    assert isinstance(reports[0], types.WorkDoneProgressBegin) and reports[0].cancellable
+    assert isinstance(reports[-1], types.WorkDoneProgressEnd)
+    listed = subprocess.run([sys.executable, "-m", "canvas_ls.server.cli", "models", "--json"], capture_output=True,
+                            text=True, check=True)  # fmt: skip
+    rows = {row["workspace"]: row for row in json.loads(listed.stdout)}
+    row = rows[str(repo.resolve())]
+    assert row["kind"] == "model" and row["base"] == str(writing_model_dir) and row["steps"] >= 1
+    assert row["files"] == 12 and row["tokens"] > 1000 and row["recipe"] == workspaces.WORKSPACE_RECIPE
+    inside = open_file(raw_client, repo / "pkg" / "m0.py", RETURN_DOC)
+    await fill_at(raw_client, inside, AFTER_RETURN)
+    stats = await request(raw_client, "canvas/stats", {})
+    assert stats["learning"] == [] and len(stats["workspaceModels"]) == 1
+    await raw_client.shutdown_session()
+
+
+def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from canvas_ls.engine import bench_repo
+
+    repo = tmp_path / "repo"
+    for number, text in enumerate(tokenizer_texts()[:10]):
+        (repo / "pkg").mkdir(parents=True, exist_ok=True)
+        (repo / "pkg" / f"m{number}.py").write_text(text)
+    report = bench_repo.run(repo, tmp_path / "work", str(tiny_model_dir), ["full", "lora"], minutes=0.1,
+                            points=(0.03,), limits={"lines": 3, "blocks": 2, "humaneval": 0},
+                            progress=lambda line: None)  # fmt: skip
+    assert report["tasks"] == {"lines": 3, "blocks": 2}
+    for name in ("full", "lora"):
+        curve = report["recipes"][name]["curve"]
+        assert [point["minutes"] for point in curve[:2]] == [0.0, 0.03] and len(curve) == 3
+        assert all(isinstance(point["held_out_loss"], float) for point in curve)
+        assert all(0 <= point["lines"]["edit_similarity"] <= 1 for point in curve)
+    assert (tmp_path / "work" / "lora" / "snapshots" / "0.03" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "work" / "full" / "snapshots" / "0.03" / "model" / "config.json").is_file()
+    table = bench_repo.format_repo(report)
+    assert table.count("\nfull ") == 2 and table.count("\nlora ") == 2 and "best: " in table
+    assert bench_repo.plot_repo(report, tmp_path / "repo.png").stat().st_size > 1000
