@@ -755,8 +755,11 @@ def run(
             model.to("cpu", torch.bfloat16).save_pretrained(str(folder))
         tokenizer.save_pretrained(str(folder))
         record: dict[str, Any] = {"infill": TRAINED_INFILL, "trained": trained}
-        if start_from and (Path(start_from) / MODEL_SETTINGS_FILE).is_file():  # what it had seen before this run
-            record["trained_before"] = json.loads((Path(start_from) / MODEL_SETTINGS_FILE).read_text()).get("trained")
+        if start_from and (Path(start_from) / MODEL_SETTINGS_FILE).is_file():
+            before = json.loads((Path(start_from) / MODEL_SETTINGS_FILE).read_text())
+            record["trained_before"] = before.get("trained")  # what it had seen before this run
+            if "display" in before:  # the base's display threshold, until `bench calibrate` measures this model's
+                record["display"] = {**before["display"], "inherited_from": str(start_from)}
         (folder / MODEL_SETTINGS_FILE).write_text(json.dumps(record, indent=2))
 
     def snapshot(folder: Path) -> None:  # mid-run: the adapter alone (merging would end the LoRA), or the model

@@ -202,6 +202,16 @@ def _parser() -> argparse.ArgumentParser:
     repo.add_argument("--work", type=Path, help="training runs' folder (default: the cache's bench-repo/<name>)")
     repo.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
 
+    neovim = benches.add_parser("neovim", help="inline-completion latency in real Neovim 0.12 at freshly opened "
+                                "multi-line holes")  # fmt: skip
+    neovim.add_argument("--dataset", type=Path, required=True,
+                        help="HumanEval-Infilling jsonl.gz (RandomSpanInfillingLight: spans over lines)")  # fmt: skip
+    neovim.add_argument("--limit", type=int, default=40, help="documents, one per problem")
+    neovim.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    neovim.add_argument("--nvim", help="the Neovim binary (default: the dev extra's Neovim 0.12)")
+    neovim.add_argument("--no-speculate", action="store_true", help="turn off computing the next suggestion ahead")
+    neovim.add_argument("--out", type=Path, help="JSON report path")
+
     lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client: cold, typing-through, "
                                          "accepting a suggestion")  # fmt: skip
     lsp.add_argument("--requests", type=int, default=100, help="cold requests (each may add a typing and an "
@@ -466,8 +476,12 @@ def _train(args: argparse.Namespace) -> int:
     from canvas_ls.engine.loading import DEFAULT_MODEL_DIR
     from canvas_ls.engine.training import TrainingError, run
 
-    recipe = dict(workspaces.RECIPES[args.recipe or workspaces.WORKSPACE_RECIPE] if args.workspace or args.recipe
-                  else {})  # fmt: skip
+    name = args.recipe or (workspaces.WORKSPACE_RECIPE if args.workspace else None)
+    if args.workspace and not args.recipe and args.lora is None and not _fits_fully(args):
+        name = "lora"  # a big base (DiffusionGemma): full tuning cannot fit on this device, an adapter can
+        print(f"canvas-ls: training every weight of {args.start_from} cannot fit here: tuning a LoRA adapter "
+              "(recipe lora)", file=sys.stderr)  # fmt: skip
+    recipe = dict(workspaces.RECIPES[name]) if name else {}
     replay = recipe.pop("replay", 0.0) if args.replay is None else args.replay
     overrides = {**recipe, **_train_overrides(args)}
     corpus, out, minutes, start_from = args.corpus, args.out, args.minutes, args.start_from
@@ -494,8 +508,7 @@ def _train(args: argparse.Namespace) -> int:
         if isinstance(report, _BarProgress):
             report.close()
     if root is not None:
-        folder = workspaces.install(root, out, args.start_from, summary, {"name": args.recipe or
-                                    workspaces.WORKSPACE_RECIPE, **overrides, "replay": replay})  # fmt: skip
+        folder = workspaces.install(root, out, args.start_from, summary, {"name": name, **overrides, "replay": replay})
         summary["installed"] = str(folder)
     shown = {k: v for k, v in summary.items() if k != "config"}
     if args.progress == "json":
@@ -505,6 +518,19 @@ def _train(args: argparse.Namespace) -> int:
         if root is not None:
             print(f"installed for {root}: {folder} (the language server uses it for that repository's files)")
     return 0
+
+
+def _fits_fully(args: argparse.Namespace) -> bool:
+    """Whether full training of the --from model fits the device (`train --plan`'s arithmetic)."""
+    if not args.start_from:
+        return True  # the shipped model: megabytes
+    from canvas_ls.engine.loading import resolve_device
+    from canvas_ls.engine.plan import check
+    from canvas_ls.engine.training import PRESETS, TrainConfig, run_plan
+
+    spec = PRESETS[args.preset]
+    cfg = TrainConfig(**{**spec["train"], **_train_overrides(args), "lora_rank": 0})
+    return check(run_plan(cfg, args.start_from, args.preset, spec["vocab_size"]), resolve_device(cfg.device)) is None
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -569,20 +595,23 @@ def _emit(record: dict[str, Any]) -> None:
 
 
 class _BarProgress:
-    """tqdm on stderr: steps, losses, minutes of the budget."""
+    """tqdm on stderr over the wall-clock budget (so its ETA is the time left): step, losses."""
 
     def __init__(self) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=None, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=5.0)
+        self.bar: Any = None  # made at the first step, when the budget is known
 
     def __call__(self, state: dict, diffusion: float, ar: float, budget: float) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix(diff=f"{diffusion:.3f}", ar=f"{ar:.3f}",
-                             min=f"{state['elapsed'] / 60:.1f}/{budget / 60:.0f}")  # fmt: skip
+        if self.bar is None:
+            from tqdm import tqdm
+
+            shape = "{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]"
+            self.bar = tqdm(total=budget, file=sys.stderr, dynamic_ncols=True, mininterval=5.0, bar_format=shape)
+        self.bar.update(min(state["elapsed"], budget) - self.bar.n)
+        self.bar.set_postfix(step=state["step"], diff=f"{diffusion:.3f}", ar=f"{ar:.3f}", refresh=False)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _JsonProgress:
@@ -639,7 +668,7 @@ def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
                 "train": _bench_train, "holes": _bench_holes, "step": _bench_step,
                 "calibrate": _bench_calibrate, "crossfile": _bench_crossfile, "soak": _bench_soak,
-                "repo": _bench_repo}  # fmt: skip
+                "repo": _bench_repo, "neovim": _bench_neovim}  # fmt: skip
     return handlers[args.bench](args)
 
 
@@ -664,6 +693,16 @@ def _bench_repo(args: argparse.Namespace) -> int:
         checkpoint=lambda partial: out.write_text(json.dumps(partial, indent=2)),
     )  # fmt: skip
     return _report("repo", report, bench_repo.format_repo, out, bench_repo.plot_repo)
+
+
+def _bench_neovim(args: argparse.Namespace) -> int:
+    from canvas_ls.server import bench_neovim
+
+    try:
+        report = bench_neovim.run(args.dataset, args.limit, args.model, args.nvim, speculate=not args.no_speculate)
+    except (ImportError, RuntimeError) as exc:
+        raise CliError(f"bench neovim: {exc}") from exc
+    return _report("neovim", report, bench_neovim.format_neovim, args.out)
 
 
 def _bench_soak(args: argparse.Namespace) -> int:

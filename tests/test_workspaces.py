@@ -198,3 +198,16 @@ def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, t
     table = bench_repo.format_repo(report)
     assert table.count("\nfull ") == 2 and table.count("\nlora ") == 2 and "best: " in table
     assert bench_repo.plot_repo(report, tmp_path / "repo.png").stat().st_size > 1000
+
+
+def test_a_base_too_big_to_tune_fully_learns_an_adapter(tiny_model_dir: Path, monkeypatch) -> None:
+    """`train --workspace` on a model whose full training cannot fit the device (DiffusionGemma on one GPU) takes the
+    LoRA recipe; the shipped model, megabytes, always trains fully."""
+    from canvas_ls.engine import plan
+    from canvas_ls.server import cli
+
+    args = cli._parser().parse_args(["train", "--workspace", ".", "--from", str(tiny_model_dir)])
+    assert cli._fits_fully(args)
+    monkeypatch.setattr(plan, "available_bytes", lambda device: (1 << 20, "a 1 MiB device"))
+    assert not cli._fits_fully(args)
+    assert cli._fits_fully(cli._parser().parse_args(["train", "--workspace", "."]))

