@@ -29,13 +29,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from canvas_ls.engine.confidence import judge
-from canvas_ls.server.backend import Backend, BackendError, BackendNotReady, CancelFlag
+from canvas_ls.server.backend import BackendError, BackendNotReady, CancelFlag
 from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.context import CompletionContext, Skip, build_context
 from canvas_ls.server.crossfile import CrossFile
 from canvas_ls.server.documents import Document, DocumentStore
 from canvas_ls.server.edits import Edit, checked_edit
 from canvas_ls.server.positions import PositionError
+from canvas_ls.server.workspaces import RoutedBackend
 
 log = logging.getLogger(__name__)
 # What the cache keeps of an engine result: enough to decide again what to show.
@@ -104,7 +105,7 @@ class Stats:
 
 
 class Completer:
-    def __init__(self, backend: Backend, config: ServerConfig,
+    def __init__(self, backend: RoutedBackend, config: ServerConfig,
                  documents: DocumentStore | None = None):  # fmt: skip
         self.backend = backend
         self.config = config
@@ -273,9 +274,11 @@ class Completer:
         }
 
     def _key(self, document: Document, context: CompletionContext, overrides: dict[str, Any]) -> str:
+        """The cache's key: the context, the settings, and which model answers this document now (a workspace
+        model that has finished loading must not be answered for by what the configured model said before)."""
         digest = hashlib.sha1()
-        for part in (document.language, context.mode, repr(overrides), context.prefix, "\0",
-                     context.suffix):  # fmt: skip
+        for part in (document.language, context.mode, repr(overrides), self.backend.route(document.uri),
+                     context.prefix, "\0", context.suffix):  # fmt: skip
             digest.update(part.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
 

@@ -546,7 +546,8 @@ async def learn_workspace_command(ls: CanvasServer, *arguments: Any) -> dict[str
     """Tune the configured model on the repository of `folder` (a URI or path; default: the first workspace folder)
     in the background, at the lowest CPU priority; work-done progress while it runs (cancel: it stops, keeps what it
     learnt), a message when it ends. Returns at once: {workspace, minutes} or {error}."""
-    folder = _get(_first(arguments), "folder")
+    argument = _first(arguments)
+    folder = argument if isinstance(argument, str) else _get(argument, "folder")
     if folder is None and ls.workspace.folders:
         folder = next(iter(ls.workspace.folders.values())).uri
     folder = folder or ls.workspace.root_uri
@@ -591,8 +592,9 @@ async def _learn(ls: CanvasServer, root: Path, minutes: float) -> None:
         done = final["done"]
         before, after = done.get("eval_before_diffusion"), done.get("eval_diffusion")
         loss = f"held-out loss {before:.3f} -> {after:.3f}; " if before is not None and after is not None else ""
+        used = "its files now use this model" if ls.backend.enabled else "not used: engine.workspace_models is off"
         message = (f"learned {root.name}: {done.get('step')} steps in {done.get('elapsed', 0) / 60:.1f} min "
-                   f"({done.get('stopped')}); {loss}its files now use this model")  # fmt: skip
+                   f"({done.get('stopped')}); {loss}{used}")  # fmt: skip
         kind = types.MessageType.Info
     else:
         message, kind = f"learning {root.name} failed: {final.get('error')}", types.MessageType.Error

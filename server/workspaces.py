@@ -14,6 +14,8 @@ progress lines, and reports them as work-done progress; the new model is used as
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import json
 import logging
 import signal
@@ -113,8 +115,16 @@ class RoutedBackend:
         if backend is None:
             backend = self.workspace_backends[key] = self.make(*key)
             self.notify(f"loading the model tuned on {entry.root}")
-            backend.load(key[0], self._device, lambda done: self._loaded(entry, done))
+            loop = asyncio.get_running_loop()  # the load ends on a worker thread: report it on the server's loop
+            backend.load(key[0], self._device, lambda done: loop.call_soon_threadsafe(self._loaded, entry, done))
         return backend if backend.state == "ready" else self.default
+
+    def route(self, document: str | None) -> str:
+        """Which model answers this document now: "" for the configured one, else the workspace model's folder."""
+        backend = self.backend_for(document)
+        if backend is self.default:
+            return ""
+        return next(f"{model}|{adapter}" for (model, adapter), b in self.workspace_backends.items() if b is backend)
 
     def _loaded(self, entry: WorkspaceModel, backend: Backend) -> None:
         if backend.state == "ready":
@@ -122,10 +132,6 @@ class RoutedBackend:
         else:
             self.notify(f"the model tuned on {entry.root} failed to load ({backend.error}); the configured model "
                         "answers there")  # fmt: skip
-
-    def workspace_for(self, document: str | None) -> WorkspaceModel | None:
-        path = uri_path(document)
-        return self.index.for_path(path, self.base) if path is not None and self.enabled else None
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
@@ -140,6 +146,13 @@ class RoutedBackend:
         self.default.shutdown()
         for backend in self.workspace_backends.values():
             backend.shutdown()
+
+
+def _interrupted_with_parent() -> None:
+    """In the training child: SIGINT when the server dies (an editor closed without a clean shutdown), as when it
+    shuts down cleanly: the run stops, installs what it learnt, and the next "Learn" resumes it (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -174,7 +187,7 @@ class Learner:
             return {"error": f"already learning {root}"}
         process = await asyncio.create_subprocess_exec(
             *self.command(root, base, minutes), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_interrupted_with_parent,
         )  # fmt: skip
         job = self.jobs[root] = LearnJob(root, process)
         try:
