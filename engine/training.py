@@ -505,9 +505,9 @@ def train(
     rng = random.Random(cfg.seed + state["step"])
     log = (out_dir / "log.jsonl").open("a")
     budget = cfg.minutes * 60
-    started = time.perf_counter() - state["elapsed"]
-    last_checkpoint = time.perf_counter()
     before = evaluate(model, eval_batches, cfg.bf16) if state["step"] == 0 else None  # the held-out start
+    started = time.perf_counter() - state["elapsed"]  # the budget is training time: it starts after that evaluation
+    last_checkpoint = time.perf_counter()
     # Early stopping: the weights of the best held-out diffusion loss so far, and evaluations since it was set
     best = (before["diffusion"], _snapshot(trained)) if before is not None and cfg.patience else None
     worse = 0

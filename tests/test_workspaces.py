@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
@@ -21,6 +22,19 @@ from tests.test_lsp import SERVE, options, request, wait_ready
 
 RETURN_DOC = "def f(x):\n    return \n"
 AFTER_RETURN = types.Position(line=1, character=11)
+
+
+@pytest.fixture
+def replay_corpus(private_cache_dir: Path) -> Path:
+    """The general code a repository run replays (`corpus.replay_files`), already in the tests' cache: a small one
+    (collecting this machine's takes 20-40 s)."""
+    from canvas_ls.engine import corpus
+
+    path = private_cache_dir / "canvas-ls" / "replay-corpus.jsonl.gz"
+    if not path.is_file():
+        corpus.save([corpus.CorpusFile(f"g{i}.py", "python", "test", t) for i, t in enumerate(tokenizer_texts())],
+                    path)  # fmt: skip
+    return path
 
 
 def fake_run(folder: Path, weights: Path | None = None) -> Path:
@@ -129,20 +143,14 @@ async def test_a_repositorys_files_are_answered_by_its_own_model(
 
 
 async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
-    raw_client: LanguageClient, writing_model_dir: Path, tmp_path: Path, private_cache_dir: Path
+    raw_client: LanguageClient, writing_model_dir: Path, tmp_path: Path, replay_corpus: Path
 ) -> None:
     """The editors' command: a background `train --workspace` at the lowest priority, its progress reported, a
     message when it ends, the model installed (`canvas-ls models` lists it) and used for the repository's files."""
-    from canvas_ls.engine import corpus
-
     repo = tmp_path / "project"
     for number, text in enumerate(tokenizer_texts()[:12]):
         (repo / "pkg").mkdir(parents=True, exist_ok=True)
         (repo / "pkg" / f"m{number}.py").write_text(text)
-    replay = private_cache_dir / "canvas-ls" / "replay-corpus.jsonl.gz"
-    if not replay.is_file():  # the general code replayed: a small one (collecting the machine's takes ~20 s)
-        corpus.save([corpus.CorpusFile(f"g{i}.py", "python", "test", t) for i, t in enumerate(tokenizer_texts())],
-                    replay)  # fmt: skip
     capabilities = pytest_lsp.client_capabilities("neovim")
     init = options(writing_model_dir, max_steps=4)
     init["engine"]["learn_minutes"] = 0.05
@@ -178,20 +186,21 @@ async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
     await raw_client.shutdown_session()
 
 
-def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, tmp_path: Path,
+                                                         replay_corpus: Path) -> None:  # fmt: skip
     from canvas_ls.engine import bench_repo
 
     repo = tmp_path / "repo"
     for number, text in enumerate(tokenizer_texts()[:10]):
         (repo / "pkg").mkdir(parents=True, exist_ok=True)
         (repo / "pkg" / f"m{number}.py").write_text(text)
-    report = bench_repo.run(repo, tmp_path / "work", str(tiny_model_dir), ["full", "lora"], minutes=0.1,
+    report = bench_repo.run(repo, tmp_path / "work", str(tiny_model_dir), ["full", "lora"], minutes=0.15,
                             points=(0.03,), limits={"lines": 3, "blocks": 2, "humaneval": 0},
                             progress=lambda line: None)  # fmt: skip
     assert report["tasks"] == {"lines": 3, "blocks": 2}
     for name in ("full", "lora"):
         curve = report["recipes"][name]["curve"]
-        assert [point["minutes"] for point in curve[:2]] == [0.0, 0.03] and len(curve) == 3
+        assert [point["minutes"] for point in curve[:2]] == [0.0, 0.03] and len(curve) == 3, curve
         assert all(isinstance(point["held_out_loss"], float) for point in curve)
         assert all(0 <= point["lines"]["edit_similarity"] <= 1 for point in curve)
     assert (tmp_path / "work" / "lora" / "snapshots" / "0.03" / "adapter" / "adapter_config.json").is_file()
