@@ -24,6 +24,7 @@ from pygls.lsp.client import LanguageClient
 
 from canvas_ls.engine.bench import machine, percentile
 
+LEARN_WARMUP_S = 25.0
 LANGUAGES = {".py": "python", ".js": "javascript", ".go": "go", ".ts": "typescript", ".rs": "rust"}
 
 
@@ -65,8 +66,14 @@ async def start_session(name: str, command: list[str], init: dict[str, Any], env
 
 
 async def _drive(command: list[str], files: list[Path], requests: int, init: dict[str, Any],
-                 think_ms: float) -> dict[str, Any]:  # fmt: skip
+                 think_ms: float, learn: Path | None = None) -> dict[str, Any]:  # fmt: skip
     client, drain = await start_session("canvas-ls-bench", command, init)
+    if learn is not None:  # "Learn this workspace" running in the background through every request
+        params = types.ExecuteCommandParams("canvas-ls.learnWorkspace", [{"folder": learn.resolve().as_uri()}])
+        started = await client.workspace_execute_command_async(params)
+        if getattr(started, "error", None):
+            raise RuntimeError(f"learn: {started.error}")
+        await asyncio.sleep(LEARN_WARMUP_S)  # past its corpus and model loading: training steps are running
 
     texts = {path: path.read_text() for path in files}
     spots = [(path, spot) for path in files for spot in _positions(texts[path])]
@@ -181,12 +188,13 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 
 def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str, backend: str = "resident",
-                  think_ms: float = 300, speculate: bool = True,
-                  context_tokens: int = 512) -> dict[str, Any]:  # fmt: skip
+                  think_ms: float = 300, speculate: bool = True, context_tokens: int = 512,
+                  learn: Path | None = None) -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING"]
-    init = {"engine": {"model": model, "device": device, "backend": backend},
+    init = {"engine": {"model": model, "device": device, "backend": backend, "learn_minutes": 30},
             "completion": {"min_confidence": 0, "speculate": speculate, "context_tokens": context_tokens}}  # fmt: skip
-    report = asyncio.run(_drive(command, files, requests, init, think_ms))
+    report = asyncio.run(_drive(command, files, requests, init, think_ms, learn))
+    report["learning"] = str(learn) if learn else None
     report["machine"] = machine()
     report["model"] = model or "(default)"
     report["backend"] = backend
@@ -196,7 +204,8 @@ def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: s
 
 def format_report(report: dict[str, Any]) -> str:
     where = f" ({report['backend']} backend)" if "backend" in report else ""
-    lines = [f"model {report['model']}{where}", report["machine"], f"{report['requests']} requests", ""]
+    learning = f", while learning {report['learning']} in the background" if report.get("learning") else ""
+    lines = [f"model {report['model']}{where}", report["machine"], f"{report['requests']} requests{learning}", ""]
     for kind in ("cold", "typing", "accepted", "accepted_speculated", "accepted_other", "model_call", "engine",
                  "call_overhead"):  # fmt: skip
         s = report.get(kind, {"n": 0})

@@ -121,8 +121,8 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
                                               "return s and s.engine.state == 'ready'"), 300, "the model")  # fmt: skip
             before = editor.exec_lua("return #_G.canvas_bench.answers")
             row, column = prompt.count("\n") + 1, len(prompt.rsplit("\n", 1)[-1].encode())
-            editor.exec_lua("vim.cmd('startinsert'); vim.schedule(function() "
-                            "vim.api.nvim_win_set_cursor(0, { ... }) end)", row, column)  # fmt: skip
+            editor.exec_lua("local row, column = ...; vim.cmd('startinsert'); vim.schedule(function() "
+                            "vim.api.nvim_win_set_cursor(0, { row, column }) end)", row, column)  # fmt: skip
             _wait(lambda before=before: editor.exec_lua("return #_G.canvas_bench.answers") > before, 30, "an answer")
             answer = editor.exec_lua("return _G.canvas_bench.answers[#_G.canvas_bench.answers]")
             if index >= warmup:

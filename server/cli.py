@@ -224,6 +224,8 @@ def _parser() -> argparse.ArgumentParser:
     lsp.add_argument("--files", type=Path, nargs="*", help="files to complete in (default: the fixtures)")
     lsp.add_argument("--backend", choices=("resident", "local"), default="resident",
                      help="where the model runs: the shared engine (the default) or inside the server")  # fmt: skip
+    lsp.add_argument("--learn", type=Path, metavar="DIR", help="the same requests while the server learns DIR in "
+                     "the background (\"Learn this workspace\"; its model goes to the user's cache)")  # fmt: skip
     lsp.add_argument("--out", type=Path, help="JSON report path")
 
     soak = benches.add_parser("soak", help="many LSP requests (edits, completions, cancels, opens, closes) against "
@@ -765,7 +767,7 @@ def _bench_lsp(args: argparse.Namespace) -> int:
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
     speculate = not args.no_speculate
     report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms, speculate,
-                           args.context_tokens)  # fmt: skip
+                           args.context_tokens, args.learn)  # fmt: skip
     return _report("lsp", report, format_report, args.out)
 
 

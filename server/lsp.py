@@ -66,9 +66,9 @@ class CanvasServer(LanguageServer):
         super().__init__("canvas-ls", VERSION)
         self.documents = DocumentStore()
         self.config = ServerConfig()
-        self.backend = make_backend(self.config)
-        self.backend.notify = self.log_to_client
         self.learner = Learner()
+        self.backend = make_backend(self.config)
+        self.backend.notify, self.backend.learner = self.log_to_client, self.learner
         self.completer = Completer(self.backend, self.config, self.documents)
         self.pending_messages: list[str] = []
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
@@ -155,7 +155,7 @@ class CanvasServer(LanguageServer):
         if changed and not (in_place and config.engine.adapter == self.config.engine.adapter):
             self.backend.shutdown()
             self.backend = make_backend(config)
-            self.backend.notify = self.log_to_client
+            self.backend.notify, self.backend.learner = self.log_to_client, self.learner
             self.completer.backend = self.backend
         elif changed:  # the same local backend, another model: its workspace models are another base's
             self.backend.retarget(config.engine.model, config.engine.workspace_models)
