@@ -231,19 +231,8 @@ def run_infill(
             started = time.perf_counter()
             result = engine.infill(task.prompt, task.suffix, {"order": order})
             latency = (time.perf_counter() - started) * 1000
-            text = result.text
-            row[mode] = {
-                "text": text,
-                "exact": normalise(text) == normalise(task.solution),
-                "edit_similarity": edit_similarity(text, task.solution),
-                "passed": passes(task, text) if run_tests and task.test and task.entry_point else None,
-                "latency_ms": latency,
-                "steps": result.steps,
-                "forward_passes": result.forward_passes,
-                "produced": result.tokens_per_forward * result.forward_passes,
-                "empty": text.strip() == "",
-                "min_confidence": min(result.confidence, default=None),  # for calibrating a display threshold
-            }
+            passed = passes(task, result.text) if run_tests and task.test and task.entry_point else None
+            row[mode] = answer_row(task, result, latency, passed)
         rows.append(row)
         if progress is not None:
             progress(index + 1, len(tasks))
@@ -269,6 +258,22 @@ def run_infill(
     }
     report["rows"] = rows
     return report
+
+
+def answer_row(task: Task, result: Any, latency_ms: float, passed: bool | None = None) -> dict[str, Any]:
+    """One answer, judged against the task's solution: what `summarise` adds up."""
+    return {
+        "text": result.text,
+        "exact": normalise(result.text) == normalise(task.solution),
+        "edit_similarity": edit_similarity(result.text, task.solution),
+        "passed": passed,
+        "latency_ms": latency_ms,
+        "steps": result.steps,
+        "forward_passes": result.forward_passes,
+        "produced": result.tokens_per_forward * result.forward_passes,
+        "empty": result.text.strip() == "",
+        "min_confidence": min(result.confidence, default=None),  # for calibrating a display threshold
+    }
 
 
 def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -19,23 +19,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from canvas_ls.engine import corpus, training
-from canvas_ls.engine.bench import (
-    Task,
-    block_tasks,
-    edit_similarity,
-    figure,
-    line_tasks,
-    load_tasks,
-    machine,
-    normalise,
-)
+from canvas_ls.engine.bench import Task, answer_row, block_tasks, figure, line_tasks, load_tasks, machine, summarise
 from canvas_ls.engine.engine import Engine
 from canvas_ls.engine.workspaces import RECIPES
 
@@ -45,20 +35,13 @@ SETTINGS = {"lines": {"max_new_tokens": 48}, "blocks": {"gap_tokens": 32, "max_n
 
 
 def measure(engine: Engine, tasks: list[Task], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`bench.summarise` of the engine's answers (exact match, edit similarity, empty share, tokens per forward...)."""
     rows = []
     for task in tasks:
+        started = time.perf_counter()
         result = engine.infill(task.prompt, task.suffix, overrides)
-        rows.append({"exact": normalise(result.text) == normalise(task.solution),
-                     "similarity": edit_similarity(result.text, task.solution), "empty": not result.text.strip(),
-                     "produced": result.tokens_per_forward * result.forward_passes,
-                     "forwards": result.forward_passes})  # fmt: skip
-    return {
-        "tasks": len(rows),
-        "exact_match": statistics.fmean(r["exact"] for r in rows) if rows else None,
-        "edit_similarity": statistics.fmean(r["similarity"] for r in rows) if rows else None,
-        "empty_share": statistics.fmean(r["empty"] for r in rows) if rows else None,
-        "tokens_per_forward": sum(r["produced"] for r in rows) / max(1, sum(r["forwards"] for r in rows)),
-    }
+        rows.append(answer_row(task, result, (time.perf_counter() - started) * 1000))
+    return summarise(rows)
 
 
 def evaluate(model: str | None, adapter: str | None, sets: dict[str, list[Task]]) -> dict[str, Any]:

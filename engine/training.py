@@ -699,7 +699,7 @@ def run(
                     break
                 replayed.append(file)
                 taken += len(file.text)
-        train_files = train_files + replayed
+        own_files, train_files = train_files, train_files + replayed
         report.update(held_out_files=[f.path for f in eval_files], replayed_files=len(replayed),
                       replayed_bytes=sum(len(f.text) for f in replayed))  # fmt: skip
 
@@ -717,8 +717,8 @@ def run(
             train_tokenizer(sample, spec["vocab_size"], tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if repository is not None:  # what the model learns the repository from, in its own tokens
-        own = [f.text for f in train_files[: len(train_files) - report["replayed_files"]]]
-        report["train_tokens"] = sum(len(ids) for ids in tokenizer(own, add_special_tokens=False)["input_ids"])
+        own = tokenizer([f.text for f in own_files], add_special_tokens=False)["input_ids"]
+        report["train_tokens"] = sum(len(ids) for ids in own)
         (out_dir / "repository_report.json").write_text(json.dumps(report, indent=2))
 
     cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
@@ -779,7 +779,6 @@ def run(
         from canvas_ls.engine.adapters import merged, save_adapter
 
         save_adapter(adapted, out_dir / "adapter")
-        (out_dir / "adapter" / "trained.json").write_text(json.dumps(summary, indent=2))
         if not export_merged:
             return summary
         model = merged(adapted)

@@ -18,6 +18,7 @@ repository that holds it, when that entry was tuned from the model the editor co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -71,8 +72,14 @@ def same_base(a: str | None, b: str | None) -> bool:
     """Whether two model names (None: the shipped default) are the same model: folders compare resolved."""
     if a is None or b is None:
         return a is b
-    resolved = [str(Path(n).expanduser().resolve()) if Path(n).expanduser().exists() else n for n in (a, b)]
-    return resolved[0] == resolved[1]
+    return _canonical(a) == _canonical(b)
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical(name: str) -> str:
+    """A model folder's resolved path (a hub id as it is); asked on every completion, resolved once."""
+    folder = Path(name).expanduser()
+    return str(folder.resolve()) if folder.exists() else name
 
 
 @dataclass(frozen=True)
@@ -80,14 +87,22 @@ class WorkspaceModel:
     root: Path  # the repository it learned
     folder: Path  # its cache entry
     base: str | None  # the model it was tuned from (None: the shipped default)
-    model: str | None  # the tuned model folder, or None when `adapter` applies to `base`
-    adapter: str | None
+    kind: str  # "model": a tuned model folder; "adapter": a LoRA adapter over `base`
+    weights: Path  # that folder
     record: dict[str, Any]  # the whole workspace.json
+
+    @property
+    def model(self) -> str | None:
+        return str(self.weights) if self.kind == "model" else None
+
+    @property
+    def adapter(self) -> str | None:
+        return str(self.weights) if self.kind == "adapter" else None
 
     @property
     def runs_as(self) -> tuple[str | None, str | None]:
         """(model, adapter) to load: the tuned folder, or the base with the adapter."""
-        return (self.model, None) if self.model else (self.base, self.adapter)
+        return (self.model, None) if self.kind == "model" else (self.base, self.adapter)
 
 
 def read(folder: Path) -> WorkspaceModel | None:
@@ -97,12 +112,11 @@ def read(folder: Path) -> WorkspaceModel | None:
         root = Path(record["workspace"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    weights = folder / str(record.get("path"))
-    model = str(weights) if record.get("kind") == "model" and (weights / "config.json").is_file() else None
-    adapter = str(weights) if record.get("kind") == "adapter" and (weights / "adapter_config.json").is_file() else None
-    if model is None and adapter is None:
+    kind, weights = record.get("kind"), folder / str(record.get("path"))
+    marker = {"model": "config.json", "adapter": "adapter_config.json"}.get(str(kind))
+    if marker is None or not (weights / marker).is_file():
         return None
-    return WorkspaceModel(root, folder, record.get("base"), model, adapter, record)
+    return WorkspaceModel(root, folder, record.get("base"), str(kind), weights, record)
 
 
 def installed() -> list[WorkspaceModel]:
@@ -141,7 +155,7 @@ def install(root: Path, run_dir: Path, base: str | None, summary: dict[str, Any]
     temporary.write_text(json.dumps(record, indent=2))
     os.replace(temporary, folder / ENTRY_FILE)
     if replaced is not None:  # an engine still running the old weights has them in memory already
-        shutil.rmtree(replaced.model or replaced.adapter or "", ignore_errors=True)
+        shutil.rmtree(replaced.weights, ignore_errors=True)
     return folder
 
 

@@ -191,8 +191,10 @@ def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: s
                   think_ms: float = 300, speculate: bool = True, context_tokens: int = 512,
                   learn: Path | None = None) -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING"]
-    init = {"engine": {"model": model, "device": device, "backend": backend, "learn_minutes": 30},
+    init = {"engine": {"model": model, "device": device, "backend": backend},
             "completion": {"min_confidence": 0, "speculate": speculate, "context_tokens": context_tokens}}  # fmt: skip
+    if learn is not None:
+        init["engine"]["learn_minutes"] = 30  # longer than the run: it learns through every request
     report = asyncio.run(_drive(command, files, requests, init, think_ms, learn))
     report["learning"] = str(learn) if learn else None
     report["machine"] = machine()

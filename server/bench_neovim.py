@@ -85,14 +85,15 @@ def multi_line_tasks(dataset: Path, limit: int) -> list[dict[str, Any]]:
     return spread(list(chosen.values()), limit)
 
 
-def _wait(predicate: Any, timeout: float, what: str) -> Any:
+def wait_for(predicate: Any, timeout: float = 90.0, what: str = "condition") -> Any:
+    """Poll `predicate` (an editor RPC, say) until it returns something true, and return that."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.02)
-    raise RuntimeError(f"timed out waiting for {what}")
+    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, warmup: int = 2,
@@ -115,15 +116,15 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
             prompt = task["prompt"]
             path.write_text(prompt + task["suffix"])
             editor.command(f"edit {path}")
-            _wait(lambda: editor.exec_lua(WRAP), 120, "the server to attach")
+            wait_for(lambda: editor.exec_lua(WRAP), 120, "the server to attach")
             if index == 0:
-                _wait(lambda: editor.exec_lua("local s = require('canvas_ls').stats(0); "
+                wait_for(lambda: editor.exec_lua("local s = require('canvas_ls').stats(0); "
                                               "return s and s.engine.state == 'ready'"), 300, "the model")  # fmt: skip
             before = editor.exec_lua("return #_G.canvas_bench.answers")
             row, column = prompt.count("\n") + 1, len(prompt.rsplit("\n", 1)[-1].encode())
             editor.exec_lua("local row, column = ...; vim.cmd('startinsert'); vim.schedule(function() "
                             "vim.api.nvim_win_set_cursor(0, { row, column }) end)", row, column)  # fmt: skip
-            _wait(lambda before=before: editor.exec_lua("return #_G.canvas_bench.answers") > before, 30, "an answer")
+            wait_for(lambda before=before: editor.exec_lua("return #_G.canvas_bench.answers") > before, 30, "an answer")
             answer = editor.exec_lua("return _G.canvas_bench.answers[#_G.canvas_bench.answers]")
             if index >= warmup:
                 rows.append({"task_id": task["task_id"], "request_ms": (answer["done"] - answer["sent"]) / 1e6,

@@ -528,11 +528,9 @@ def _fits_fully(args: argparse.Namespace) -> bool:
         return True  # the shipped model: megabytes
     from canvas_ls.engine.loading import resolve_device
     from canvas_ls.engine.plan import check
-    from canvas_ls.engine.training import PRESETS, TrainConfig, run_plan
 
-    spec = PRESETS[args.preset]
-    cfg = TrainConfig(**{**spec["train"], **_train_overrides(args), "lora_rank": 0})
-    return check(run_plan(cfg, args.start_from, args.preset, spec["vocab_size"]), resolve_device(cfg.device)) is None
+    cfg = replace(_plan_config(args), lora_rank=0)
+    return check(_run_plan(cfg, args), resolve_device(cfg.device)) is None
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -555,11 +553,11 @@ def _models(args: argparse.Namespace) -> int:
              "bytes": _folder_bytes(DEFAULT_MODEL_DIR)}]  # fmt: skip
     for entry in workspaces.installed():
         record = entry.record
-        rows.append({"workspace": str(entry.root), "model": entry.model or entry.adapter, "kind": record.get("kind"),
+        rows.append({"workspace": str(entry.root), "model": str(entry.weights), "kind": entry.kind,
                      "base": entry.base, "created": record.get("created"), "files": record.get("files"),
                      "tokens": record.get("tokens"), "steps": record.get("steps"), "minutes": record.get("minutes"),
                      "recipe": record.get("recipe", {}).get("name"), "held_out": record.get("held_out"),
-                     "bytes": _folder_bytes(Path(entry.model or entry.adapter or entry.folder))})  # fmt: skip
+                     "bytes": _folder_bytes(entry.weights)})  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -645,18 +643,29 @@ def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if v is not None}
 
 
+def _plan_config(args: argparse.Namespace) -> Any:
+    """The TrainConfig a `train` command would run (its preset with the flags over it), for the memory plan."""
+    from canvas_ls.engine.training import PRESETS, TrainConfig
+
+    return TrainConfig(**{**PRESETS[args.preset]["train"], **_train_overrides(args)})
+
+
+def _run_plan(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from canvas_ls.engine.training import PRESETS, run_plan
+
+    return run_plan(cfg, args.start_from, args.preset, PRESETS[args.preset]["vocab_size"])
+
+
 def _train_plan(args: argparse.Namespace) -> int:
     """Full and LoRA training of the run's model, side by side, against the device's free memory."""
     from canvas_ls.engine.loading import resolve_device
     from canvas_ls.engine.plan import GIB, available_bytes, format_plan
-    from canvas_ls.engine.training import PRESETS, TrainConfig, run_plan
 
-    spec = PRESETS[args.preset]
-    overrides = _train_overrides(args)
-    rank = overrides.pop("lora_rank", None) or 16
-    base = TrainConfig(**{**spec["train"], **overrides})
-    plans = [run_plan(base, args.start_from, args.preset, spec["vocab_size"])]
-    plans.append(run_plan(replace(base, lora_rank=rank), args.start_from, args.preset, spec["vocab_size"]))
+    base = _plan_config(args)
+    plans = [
+        _run_plan(replace(base, lora_rank=0), args),
+        _run_plan(replace(base, lora_rank=base.lora_rank or 16), args),
+    ]
     free, where = available_bytes(resolve_device(base.device))
     name = args.start_from or f"the {args.preset} preset's model"
     print(format_plan(plans, where, name))
@@ -684,9 +693,7 @@ def _bench_repo(args: argparse.Namespace) -> int:
     root = args.corpus.expanduser().resolve()
     if not root.is_dir():
         raise CliError(f"corpus folder '{args.corpus}' does not exist")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = args.out or cache_dir() / f"bench-repo-{root.name}-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _report_path(f"repo-{root.name}", args.out)
     report = bench_repo.run(
         root, args.work or cache_dir() / "bench-repo" / root.name, args.model, recipes, args.minutes,
         tuple(float(p) for p in args.points.split(",") if p.strip()),
@@ -702,7 +709,7 @@ def _bench_neovim(args: argparse.Namespace) -> int:
 
     try:
         report = bench_neovim.run(args.dataset, args.limit, args.model, args.nvim, speculate=not args.no_speculate)
-    except (ImportError, RuntimeError) as exc:
+    except (ImportError, RuntimeError, TimeoutError) as exc:
         raise CliError(f"bench neovim: {exc}") from exc
     return _report("neovim", report, bench_neovim.format_neovim, args.out)
 
@@ -730,8 +737,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 def _bench_step(args: argparse.Namespace) -> int:
     from canvas_ls.engine import bench_step
 
-    out = args.out or cache_dir() / f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _report_path("step", args.out)
     report = bench_step.run(
         args.model, args.layers, args.device, args.dtype, args.prefix,
         _ints(args.canvases), _ints(args.rows),
@@ -860,16 +866,20 @@ def _report(name: str, report: dict, formatter: Callable[[dict], str], out: Path
             plot: Callable[[dict, Path], Path] | None = None) -> int:  # fmt: skip
     """Every benchmark: the table on stdout, the whole report as JSON (its path printed last), and a PNG beside it
     where a curve says more."""
-    import time
-
-    out = out or cache_dir() / f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _report_path(name, out)
     out.write_text(json.dumps(report, indent=2))
     print(formatter(report))
     if plot is not None:
         print(f"plot: {plot(report, out.with_suffix('.png'))}")
     print(f"\nreport: {out}")
     return 0
+
+
+def _report_path(name: str, out: Path | None) -> Path:
+    """Where a benchmark's JSON goes: `--out`, or bench-<name>-<time>.json in the cache (its folder made)."""
+    out = out or cache_dir() / f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 class CliError(Exception):

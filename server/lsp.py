@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -29,7 +30,7 @@ from canvas_ls.server.documents import Document, DocumentStore
 from canvas_ls.server.fill import FillOutcome, fill_regions
 from canvas_ls.server.holes import find_holes
 from canvas_ls.server.positions import PositionError
-from canvas_ls.server.workspaces import Learner, RoutedBackend, uri_path
+from canvas_ls.server.workspaces import Learner, LearnJob, RoutedBackend, uri_path
 
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"
@@ -41,14 +42,16 @@ LEARN_COMMAND = "canvas-ls.learnWorkspace"
 VERSION = "0.1.0"
 
 
-def make_backend(config: ServerConfig) -> RoutedBackend:
-    """The configured backend, behind the router that sends a workspace's documents to its own model."""
+def make_backend(config: ServerConfig, learner: Learner | None = None,
+                 notify: Callable[[str], None] | None = None) -> RoutedBackend:  # fmt: skip
+    """The configured backend, behind the router that sends a workspace's documents to its own model (and holds
+    `learner`'s runs while a model answers; `notify` tells the user when a workspace model is in use)."""
     options = config.engine
     if options.backend == "openai":
         key = options.api_key or os.environ.get("CANVAS_LS_API_KEY")
         remote = OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
                                options.fim_template)  # fmt: skip
-        return RoutedBackend(remote, lambda model, adapter: remote, options.model, enabled=False)
+        return RoutedBackend(remote, lambda model, adapter: remote, options.model, False, notify, learner)
 
     def make(model: str | None, adapter: str | None, socket: str | None = None) -> Backend:
         if options.backend == "resident":
@@ -58,7 +61,7 @@ def make_backend(config: ServerConfig) -> RoutedBackend:
     default = make(options.model, options.adapter, options.socket)
     # a workspace model applies to the configured model as it is, not to one with an adapter of the user's own
     enabled = options.workspace_models and not options.adapter
-    return RoutedBackend(default, make, options.model, enabled=enabled)
+    return RoutedBackend(default, make, options.model, enabled, notify, learner)
 
 
 class CanvasServer(LanguageServer):
@@ -67,8 +70,7 @@ class CanvasServer(LanguageServer):
         self.documents = DocumentStore()
         self.config = ServerConfig()
         self.learner = Learner()
-        self.backend = make_backend(self.config)
-        self.backend.notify, self.backend.learner = self.log_to_client, self.learner
+        self.backend = make_backend(self.config, self.learner, self.log_to_client)
         self.completer = Completer(self.backend, self.config, self.documents)
         self.pending_messages: list[str] = []
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
@@ -154,8 +156,7 @@ class CanvasServer(LanguageServer):
         in_place = {config.engine.backend, self.config.engine.backend} == {"local"}
         if changed and not (in_place and config.engine.adapter == self.config.engine.adapter):
             self.backend.shutdown()
-            self.backend = make_backend(config)
-            self.backend.notify, self.backend.learner = self.log_to_client, self.learner
+            self.backend = make_backend(config, self.learner, self.log_to_client)
             self.completer.backend = self.backend
         elif changed:  # the same local backend, another model: its workspace models are another base's
             self.backend.retarget(config.engine.model, config.engine.workspace_models)
@@ -164,14 +165,15 @@ class CanvasServer(LanguageServer):
         if reload and self.loop is not None:
             self.loop.create_task(self.load_model())
 
-    async def begin_progress(self, token: str, title: str, message: str, cancellable: bool = False) -> bool:
+    async def begin_progress(self, token: str, title: str, message: str, cancellable: bool = False,
+                             percentage: int | None = None) -> bool:  # fmt: skip
         """Server-initiated work-done progress, when the client supports it; False when it does not (or refused)."""
         if not (self.client_capabilities.window and self.client_capabilities.window.work_done_progress):
             return False
         try:
             await self.work_done_progress.create_async(token)
             begin = types.WorkDoneProgressBegin(title=title, message=message, cancellable=cancellable,
-                                                percentage=0 if cancellable else None)  # fmt: skip
+                                                percentage=percentage)  # fmt: skip
             self.work_done_progress.begin(token, begin)
             return True
         except Exception as exc:  # a client that refuses progress still gets its completions
@@ -550,36 +552,35 @@ async def learn_workspace_command(ls: CanvasServer, *arguments: Any) -> dict[str
     folder = argument if isinstance(argument, str) else _get(argument, "folder")
     if folder is None and ls.workspace.folders:
         folder = next(iter(ls.workspace.folders.values())).uri
-    folder = folder or ls.workspace.root_uri
-    path = uri_path(folder) if isinstance(folder, str) and folder.startswith("file:") else None
-    path = path or (Path(folder).expanduser() if isinstance(folder, str) and folder else None)
+    folder = folder or ls.workspace.root_uri or ""
+    path = uri_path(folder) if folder.startswith("file:") else Path(folder).expanduser() if folder else None
     error = None
     if ls.config.engine.backend == "openai":
         error = "learning a workspace needs canvas-ls's own engine (engine.backend local or resident)"
     elif path is None or not path.is_dir():
         error = f"no folder to learn: {folder!r} is not a local folder (open a workspace folder, or pass one)"
-    if error is not None:
+    if error is not None or path is None:
         ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=f"canvas-ls: {error}"))
         return {"error": error}
-    assert path is not None
-    root = repository_root(path)
-    if root in ls.learner.jobs:
-        return {"error": f"already learning {root}"}
+    job = ls.learner.reserve(repository_root(path))
+    if job is None:
+        return {"error": f"already learning {repository_root(path)}"}
     minutes = ls.config.engine.learn_minutes or WORKSPACE_MINUTES
-    asyncio.get_running_loop().create_task(_learn(ls, root, minutes))
-    return {"workspace": str(root), "minutes": minutes}
+    asyncio.get_running_loop().create_task(_learn(ls, job, minutes))
+    return {"workspace": str(job.root), "minutes": minutes}
 
 
-async def _learn(ls: CanvasServer, root: Path, minutes: float) -> None:
+async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
+    root = job.root
     token = f"canvas-ls/learn/{root}"
     progress = await ls.begin_progress(token, f"canvas-ls: learning {root.name}", "reading the repository",
-                                       cancellable=True)  # fmt: skip
+                                       cancellable=True, percentage=0)  # fmt: skip
     if progress:  # the user cancelled: the run stops, keeps what it learnt and installs it
         cancelled = ls.work_done_progress.tokens.get(token)
         if cancelled is not None:
             cancelled.add_done_callback(lambda _: ls.learner.interrupt(root))
 
-    def report(job: Any, record: dict[str, Any]) -> None:
+    def report(record: dict[str, Any]) -> None:
         step = record.get("progress")
         if progress and isinstance(step, dict):
             done = min(100, int(100 * step["elapsed_s"] / max(step["budget_s"], 1e-9)))
@@ -587,7 +588,7 @@ async def _learn(ls: CanvasServer, root: Path, minutes: float) -> None:
             ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=text, percentage=done))
 
     ls.log_to_client(f"learning {root} for {minutes:g} min at the lowest CPU priority")
-    final = await ls.learner.learn(root, ls.config.engine.model, minutes, report)
+    final = await ls.learner.learn(job, ls.config.engine.model, minutes, report)
     if "done" in final:
         done = final["done"]
         before, after = done.get("eval_before_diffusion"), done.get("eval_diffusion")

@@ -48,17 +48,17 @@ class RoutedBackend:
 
     def __init__(self, default: Backend, make: Callable[[str | None, str | None], Backend], base: str | None,
                  enabled: bool = True, notify: Callable[[str], None] | None = None,
-                 index: WorkspaceIndex | None = None) -> None:  # fmt: skip
+                 learner: Learner | None = None) -> None:  # fmt: skip
         self.default = default
         self.make = make  # (model, adapter) -> a new backend of the same kind as the default
         self.base = base
         self.enabled = enabled
         self.notify = notify or log.info
-        self.index = index or WorkspaceIndex()
+        self.learner = learner  # "Learn this workspace" runs, held while a model answers
+        self.index = WorkspaceIndex()
         self.workspace_backends: dict[tuple[str | None, str | None], Backend] = {}
         self._device = "auto"
         self._paths: dict[str, Path | None] = {}  # uri -> resolved path (resolving costs syscalls)
-        self.learner: Learner | None = None  # "Learn this workspace" runs, held while the model answers
 
     # -- the configured model's state is the server's ---------------------------------------------------------
 
@@ -101,8 +101,17 @@ class RoutedBackend:
 
     def backend_for(self, document: str | None) -> Backend:
         """The backend that answers for this document right now."""
+        return self.select(document)[1]
+
+    def route(self, document: str | None) -> str:
+        """Which model answers this document now: "" for the configured one, else the workspace model's folder."""
+        return self.select(document)[0]
+
+    def select(self, document: str | None) -> tuple[str, Backend]:
+        """(route, backend) for this document: the workspace model's, once it has loaded, else the configured one's
+        (a workspace model is created and starts loading on the first request of its repository's files)."""
         if not self.enabled or document is None:
-            return self.default
+            return "", self.default
         if document not in self._paths:
             if len(self._paths) > 4096:
                 self._paths.clear()
@@ -110,7 +119,7 @@ class RoutedBackend:
         path = self._paths[document]
         entry = self.index.for_path(path, self.base) if path is not None else None
         if entry is None:
-            return self.default
+            return "", self.default
         key = entry.runs_as
         backend = self.workspace_backends.get(key)
         if backend is None:
@@ -118,14 +127,7 @@ class RoutedBackend:
             self.notify(f"loading the model tuned on {entry.root}")
             loop = asyncio.get_running_loop()  # the load ends on a worker thread: report it on the server's loop
             backend.load(key[0], self._device, lambda done: loop.call_soon_threadsafe(self._loaded, entry, done))
-        return backend if backend.state == "ready" else self.default
-
-    def route(self, document: str | None) -> str:
-        """Which model answers this document now: "" for the configured one, else the workspace model's folder."""
-        backend = self.backend_for(document)
-        if backend is self.default:
-            return ""
-        return next(f"{model}|{adapter}" for (model, adapter), b in self.workspace_backends.items() if b is backend)
+        return (f"{key[0]}|{key[1]}", backend) if backend.state == "ready" else ("", self.default)
 
     def _loaded(self, entry: WorkspaceModel, backend: Backend) -> None:
         if backend.state == "ready":
@@ -173,20 +175,35 @@ def _interrupted_with_parent() -> None:
 @dataclass
 class LearnJob:
     root: Path
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | None = None  # None until the child has started
     held: bool = False  # stopped (SIGSTOP) while completions run
+    interrupted: bool = False  # asked to stop (it may not have started yet)
     lines: list[str] = field(default_factory=list)  # the child's stderr tail, for the error message
-    last: dict[str, Any] = field(default_factory=dict)  # its last progress record
+
+    def send(self, signum: int) -> bool:
+        """Signal the child if it runs; whether it did."""
+        if self.process is None or self.process.returncode is not None:
+            return False
+        self.process.send_signal(signum)
+        return True
 
 
 class Learner:
-    """`canvas-ls train --workspace` for the editor's "Learn this workspace": one run per repository at a time,
-    at the lowest CPU priority, its progress reported through `report(root, record)`."""
+    """`canvas-ls train --workspace` for the editor's "Learn this workspace": one run per repository at a time
+    (`reserve` claims the repository at once, before anything is awaited), at the lowest CPU priority, stopped
+    while the model answers, its progress lines handed to a `report` callback."""
 
     def __init__(self, resume_after_s: float = 1.0) -> None:
         self.jobs: dict[Path, LearnJob] = {}
         self.resume_after_s = resume_after_s
         self._resume: asyncio.TimerHandle | None = None
+
+    def reserve(self, root: Path) -> LearnJob | None:
+        """The new run's job, or None when that repository is being learnt already."""
+        if root in self.jobs:
+            return None
+        job = self.jobs[root] = LearnJob(root)
+        return job
 
     def hold(self) -> None:
         """A model call starts: stop every run (SIGSTOP) until `release` has let `resume_after_s` pass without
@@ -196,8 +213,7 @@ class Learner:
             self._resume.cancel()
             self._resume = None
         for job in self.jobs.values():
-            if not job.held and job.process.returncode is None:
-                job.process.send_signal(signal.SIGSTOP)
+            if not job.held and job.send(signal.SIGSTOP):
                 job.held = True
 
     def release(self) -> None:
@@ -209,9 +225,9 @@ class Learner:
     def _continue(self) -> None:
         self._resume = None
         for job in self.jobs.values():
-            if job.held and job.process.returncode is None:
-                job.process.send_signal(signal.SIGCONT)
-            job.held = False
+            if job.held:
+                job.send(signal.SIGCONT)
+                job.held = False
 
     def command(self, root: Path, base: str | None, minutes: float | None) -> list[str]:
         command = [sys.executable, "-m", "canvas_ls.server.cli", "train", "--workspace", str(root),
@@ -222,18 +238,16 @@ class Learner:
             command += ["--minutes", f"{minutes:g}"]
         return command
 
-    async def learn(self, root: Path, base: str | None, minutes: float | None,
-                    report: Callable[[LearnJob, dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
-        """Tune on the repository at `root` (`engine.workspaces.repository_root`) to the end; returns the run's
-        final record ({"done": {...}} or {"error": "..."})."""
-        if root in self.jobs:
-            return {"error": f"already learning {root}"}
-        process = await asyncio.create_subprocess_exec(
-            *self.command(root, base, minutes), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_interrupted_with_parent,
-        )  # fmt: skip
-        job = self.jobs[root] = LearnJob(root, process)
+    async def learn(self, job: LearnJob, base: str | None, minutes: float | None,
+                    report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
+        """Run a `reserve`d job to the end; returns the run's final record ({"done": {...}} or {"error": "..."})."""
         try:
+            job.process = process = await asyncio.create_subprocess_exec(
+                *self.command(job.root, base, minutes), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_interrupted_with_parent,
+            )  # fmt: skip
+            if job.interrupted:  # cancelled while it started
+                self.interrupt(job.root)
             stderr = asyncio.ensure_future(self._tail(process.stderr, job.lines))
             final: dict[str, Any] = {}
             assert process.stdout is not None
@@ -243,10 +257,9 @@ class Learner:
                 except ValueError:
                     continue
                 if isinstance(record, dict):
-                    job.last = record
                     if "done" in record or "error" in record:
                         final = record
-                    report(job, record)
+                    report(record)
             status = await process.wait()
             await stderr
             if not final:
@@ -254,7 +267,7 @@ class Learner:
                 final = {"error": f"training exited with status {status}: {tail}"}
             return final
         finally:
-            del self.jobs[root]
+            del self.jobs[job.root]
 
     @staticmethod
     async def _tail(stream: asyncio.StreamReader | None, lines: list[str]) -> None:
@@ -269,11 +282,12 @@ class Learner:
     def interrupt(self, root: Path) -> None:
         """Stop a run as Ctrl-C does: it evaluates, saves and installs what it learnt so far."""
         job = self.jobs.get(root)
-        if job is not None and job.process.returncode is None:
-            job.process.send_signal(signal.SIGINT)
-            if job.held:  # a stopped process handles its SIGINT once it runs again
-                job.process.send_signal(signal.SIGCONT)
-                job.held = False
+        if job is None:
+            return
+        job.interrupted = True
+        if job.send(signal.SIGINT) and job.held:  # a stopped process handles its SIGINT once it runs again
+            job.send(signal.SIGCONT)
+            job.held = False
 
     def interrupt_all(self) -> None:
         for root in list(self.jobs):

