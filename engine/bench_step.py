@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicCache
 from canvas_ls.engine.architecture import small_vision_config
 from canvas_ls.engine.bench import synchronize, timed
 from canvas_ls.engine.canvas import BatchedKV, encode
+from canvas_ls.engine.compiled import compile_model
 from canvas_ls.engine.sampling import step_stats_rows
 
 # DiffusionGemma 26B-A4B's text geometry as its published config.json gives it (google/diffusiongemma-26B-A4B-it):
@@ -156,11 +157,6 @@ def profile_table(fn: Callable[[], Any], device: torch.device, top: int = 12) ->
     return rows
 
 
-def compiled_model(model: Any, device: torch.device) -> Any:
-    mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU; inductor on the CPU
-    return torch.compile(model, mode=mode, dynamic=False)
-
-
 @torch.inference_mode()
 def run_step_bench(
     model: Any,
@@ -196,7 +192,7 @@ def run_step_bench(
     report["encode_ms"] = round(timed(one_encode, device, runs=max(3, runs // 2)), 3)
     report["encode_gflop"] = _gflop(flops_of(one_encode))
     progress(f"{name}: encode {report['encode_ms']} ms")
-    compiled = compiled_model(model, device) if compile_canvases else None
+    compiled = compile_model(model, device, dynamic=False) if compile_canvases else None
     peak = report["peak"]["tflops"] * 1e12
     cases = {(canvas, count): StepCase(model, prefix, canvas, count) for canvas in canvases for count in rows}
     eager_logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -288,7 +284,8 @@ def run(model_name: str | None, layers: int, device: str | None, dtype: str | No
 
     if model_name == "full-width":
         target = resolve_device(device)
-        model = random_model(full_width_config(layers), target, resolve_dtype(dtype, target))
+        config = full_width_config(layers)
+        model = random_model(config, target, resolve_dtype(dtype, target, config.text_config.hidden_size))
         name = f"DiffusionGemma 26B-A4B geometry, {layers} of 30 layers, random weights"
     else:
         loaded = load_model(model_name, device, dtype)

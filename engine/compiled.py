@@ -45,8 +45,7 @@ class CompiledDecoder:
         self._graphs_at_ready = 0
         self._graphs_on_cuda = self.enabled and device.type == "cuda"
         if self.enabled:
-            mode = "reduce-overhead" if self._graphs_on_cuda and backend == "inductor" else None
-            self._fn = torch.compile(model, mode=mode, dynamic=True, backend=backend)
+            self._fn = compile_model(model, device, backend, dynamic=True)
 
     @property
     def static_inputs(self) -> bool:
@@ -112,6 +111,16 @@ class CompiledDecoder:
         return {"state": self.state, "detail": self.detail, "warmup_seconds": self.warmup_seconds,
                 "compiled_steps": self.steps["compiled"], "eager_steps": self.steps["eager"],
                 "compilations_after_warmup": self.compilations_after_warmup}  # fmt: skip
+
+
+def compile_model(model: Any, device: torch.device, backend: str = "inductor", dynamic: bool = True) -> Any:
+    """`torch.compile` as the engine runs it: CUDA graphs on a GPU; on the CPU inductor with its C++ wrapper (the
+    compiled forward 0.79-0.82x eager vs 0.89-0.92x with the Python wrapper: shipped model, fp32, 2-core Xeon, 1k
+    prefix, 1 and 4 rows)."""
+    inductor = backend == "inductor"
+    mode = "reduce-overhead" if device.type == "cuda" and inductor else None
+    options = {"cpp_wrapper": True} if device.type == "cpu" and inductor else None
+    return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options)
 
 
 def _graphs() -> int:

@@ -294,7 +294,7 @@ def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> No
     if device:
         parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="auto: bf16 on GPUs and on CPUs with native bf16, else fp32")  # fmt: skip
+                        help="auto: bf16 on GPUs and (models 512+ wide) CPUs with native bf16, else fp32")  # fmt: skip
 
 
 def _settings_argument(parser: argparse.ArgumentParser) -> None:
@@ -413,9 +413,12 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     handler = logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
-    logging.basicConfig(level=args.log_level, handlers=[handler], format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level, handlers=[handler], format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     if args.log_level != "DEBUG":
-        logging.getLogger("pygls").setLevel(logging.WARNING)  # it logs every message it sends at INFO
+        for chatty in ("pygls", "httpx"):  # each logs every message it sends at INFO
+            logging.getLogger(chatty).setLevel(logging.WARNING)
     from canvas_ls.server.lsp import server
 
     if args.tcp:

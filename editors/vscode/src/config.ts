@@ -145,3 +145,21 @@ export function fillMessage(result: FillRegionsResult): { level: "error" | "warn
   const level = result.error ? "error" : result.stale || left || !result.edit ? "warning" : "info";
   return { level, text: `canvas-ls: ${result.message}` };
 }
+
+export type LogLevel = "debug" | "info" | "warn" | "error";
+
+const LEVELS: Record<string, LogLevel> = {
+  DEBUG: "debug", INFO: "info", WARNING: "warn", ERROR: "error", CRITICAL: "error",
+};
+
+// One line of the server's stderr -> the output channel's level and the text to show (the channel adds its own
+// time). The server logs "<date> <time>,<ms> LEVEL logger message" (server/cli.py); a line without that head
+// continues the record before it (a traceback's frames, a progress bar), except that a traceback or a library's
+// printed warning starts its own.
+export function serverLogLine(line: string, previous: LogLevel): { level: LogLevel; text: string } {
+  const record = /^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) (.*)$/.exec(line);
+  if (record) return { level: LEVELS[record[1]], text: record[2] };
+  if (line.startsWith("Traceback (most recent call last)")) return { level: "error", text: line };
+  if (/^\S*Warning: /.test(line) || /:\d+: \w*Warning: /.test(line)) return { level: "warn", text: line };
+  return { level: previous, text: line };
+}

@@ -1,3 +1,4 @@
+import * as readline from "node:readline";
 import * as vscode from "vscode";
 import {
   LanguageClient,
@@ -18,9 +19,11 @@ import {
   LearnResult,
   learnMessage,
   learnParams,
+  LogLevel,
   outcomeNote,
   rewriteParams,
   serverCommand,
+  serverLogLine,
 } from "./config";
 
 let client: LanguageClient | undefined;
@@ -80,6 +83,10 @@ async function pollEngine(): Promise<void> {
   }
 }
 
+function eachLine(input: NodeJS.ReadableStream, handle: (line: string) => void): void {
+  readline.createInterface({ input, crlfDelay: Infinity, terminal: false }).on("line", handle);
+}
+
 async function start(): Promise<void> {
   const settings = readSettings();
   const { command, args } = serverCommand(settings);
@@ -89,6 +96,18 @@ async function start(): Promise<void> {
     initializationOptions: initializationOptions(settings),
     outputChannel: output,
     traceOutputChannel: output,
+    // The server's log lines at their own level (the client's default shows all of stderr as errors).
+    stdioOptions: {
+      stdout: (input, channel) => eachLine(input, (line) => channel.info(line)),
+      stderr: (input, channel) => {
+        let level: LogLevel = "info";
+        eachLine(input, (line) => {
+          const parsed = serverLogLine(line, level);
+          level = parsed.level;
+          channel[level](parsed.text);
+        });
+      },
+    },
     middleware: {
       provideInlineCompletionItems: async (document, position, context, token, next) => {
         if (!enabled) return undefined;

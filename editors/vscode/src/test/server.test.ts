@@ -7,6 +7,7 @@ import * as fs from "node:fs";
 import * as http from "node:http";
 import * as os from "node:os";
 import * as path from "node:path";
+import * as readline from "node:readline";
 import { pathToFileURL } from "node:url";
 import {
   createProtocolConnection,
@@ -30,9 +31,11 @@ import {
   LearnResult,
   learnMessage,
   learnParams,
+  LogLevel,
   outcomeNote,
   rewriteParams,
   serverCommand,
+  serverLogLine,
 } from "../config";
 
 const python = process.env.CANVAS_PYTHON ?? "python3";
@@ -94,6 +97,19 @@ test("the status bar's note says why nothing was shown", () => {
   assert.equal(outcomeNote(null), undefined);
 });
 
+test("server log lines reach the output channel at their own level", () => {
+  const line = (text: string, previous: LogLevel = "info") => serverLogLine(text, previous);
+  assert.deepEqual(line("2026-12-01 01:02:03,456 INFO canvas-ls.backend engine ready"),
+    { level: "info", text: "canvas-ls.backend engine ready" });
+  assert.equal(line("2026-12-01 01:02:03,456 WARNING canvas-ls.lsp slow").level, "warn");
+  assert.equal(line("2026-12-01 01:02:03,456 DEBUG pygls sent").level, "debug");
+  assert.equal(line("2026-12-01 01:02:03,456 ERROR canvas-ls.lsp failed").level, "error");
+  assert.equal(line("Traceback (most recent call last):").level, "error");
+  assert.equal(line('  File "x.py", line 1, in <module>', "error").level, "error"); // a traceback's frames
+  assert.equal(line("/x/y.py:3: UserWarning: deprecated").level, "warn");
+  assert.equal(line("learning  40%|####", "info").level, "info");
+});
+
 test("the fill commands' requests, and what the user is told", () => {
   const manifest = JSON.parse(fs.readFileSync(path.join(__dirname, "..", "..", "package.json"), "utf8"));
   const titles = Object.fromEntries(
@@ -130,7 +146,10 @@ test("the server the extension starts answers initialize and an inline completio
   // The server starts a resident engine (the default backend): in a runtime folder of this test's own, stopped below.
   const runtime = fs.mkdtempSync(path.join(os.tmpdir(), "canvas-run-"));
   const env = { ...process.env, XDG_RUNTIME_DIR: runtime };
-  const server = spawn(command, args, { stdio: ["pipe", "pipe", "ignore"], env });
+  // At INFO, so that the server has log lines to show: each must reach the output channel at its own level.
+  const server = spawn(command, [...args, "--log-level", "INFO"], { stdio: ["pipe", "pipe", "pipe"], env });
+  const logged: string[] = [];
+  readline.createInterface({ input: server.stderr }).on("line", (line) => logged.push(line));
   const connection = createProtocolConnection(
     new StreamMessageReader(server.stdout),
     new StreamMessageWriter(server.stdin),
@@ -198,6 +217,12 @@ test("the server the extension starts answers initialize and an inline completio
     assert.match(learn.error ?? "", /no folder to learn/);
     await connection.sendRequest(ShutdownRequest.type);
     await connection.sendNotification(ExitNotification.type);
+    await new Promise((resolve) => server.once("exit", resolve));
+    let level: LogLevel = "info";
+    const shown = logged.map((line) => (level = serverLogLine(line, level).level, serverLogLine(line, level)));
+    // The engine's start and each request are INFO records: read as such (time and level taken off), none an error.
+    assert.ok(shown.some((entry) => entry.level === "info" && entry.text.startsWith("canvas_ls.")), logged.join("\n"));
+    assert.ok(shown.every((entry) => entry.level !== "error"), logged.join("\n"));
   } finally {
     connection.dispose();
     server.kill();
