@@ -27,10 +27,10 @@ from typing import Any
 from canvas_ls.engine.bench import machine, percentile
 
 SETUP = """
-local root, python, init = ...
+local root, python, init, prefetch = ...
 vim.opt.rtp:prepend(root .. '/editors/neovim')
-require('canvas_ls').setup({ config = { cmd = { python, '-m', 'canvas_ls.server.cli', 'serve', '--log-level',
-  'WARNING' }, init_options = vim.json.decode(init) } })
+require('canvas_ls').setup({ prefetch = prefetch, config = { cmd = { python, '-m', 'canvas_ls.server.cli', 'serve',
+  '--log-level', 'WARNING' }, init_options = vim.json.decode(init) } })
 _G.canvas_bench = { entered = 0, answers = {} }
 vim.api.nvim_create_autocmd({ 'InsertEnter', 'CursorMovedI' }, { callback = function()
   _G.canvas_bench.entered = vim.uv.hrtime()
@@ -97,7 +97,7 @@ def wait_for(predicate: Any, timeout: float = 90.0, what: str = "condition") -> 
 
 
 def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, warmup: int = 2,
-        speculate: bool = True) -> dict[str, Any]:  # fmt: skip
+        speculate: bool = True, prefetch: bool = True) -> dict[str, Any]:  # fmt: skip
     import pynvim
 
     binary = nvim or find_nvim()
@@ -109,8 +109,9 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     work = Path(tempfile.mkdtemp(prefix="canvas-bench-nvim-"))
     editor = pynvim.attach("child", argv=[binary, "--embed", "--headless", "--clean", "-n"])
     rows: list[dict[str, Any]] = []
+    counters: dict[str, Any] = {}  # the server's, after the last task
     try:
-        editor.exec_lua(SETUP, str(root), sys.executable, json.dumps(init))
+        editor.exec_lua(SETUP, str(root), sys.executable, json.dumps(init), prefetch)
         for index, task in enumerate(tasks):
             path = work / f"task{index}.py"
             prompt = task["prompt"]
@@ -121,15 +122,19 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
                 wait_for(lambda: editor.exec_lua("local s = require('canvas_ls').stats(0); "
                                               "return s and s.engine.state == 'ready'"), 300, "the model")  # fmt: skip
             before = editor.exec_lua("return #_G.canvas_bench.answers")
+            # As a user does: the cursor to the hole, then `i` (or `A` where the hole ends its line).
             row, column = prompt.count("\n") + 1, len(prompt.rsplit("\n", 1)[-1].encode())
-            editor.exec_lua("local row, column = ...; vim.cmd('startinsert'); vim.schedule(function() "
-                            "vim.api.nvim_win_set_cursor(0, { row, column }) end)", row, column)  # fmt: skip
+            at_end = task["suffix"].startswith("\n") or not task["suffix"]
+            editor.exec_lua("local row, column, at_end = ...; vim.api.nvim_win_set_cursor(0, { row, column }); "
+                            "vim.api.nvim_feedkeys(at_end and 'A' or 'i', 'n', false)",
+                            row, column, at_end)  # fmt: skip
             wait_for(lambda before=before: editor.exec_lua("return #_G.canvas_bench.answers") > before, 30, "an answer")
             answer = editor.exec_lua("return _G.canvas_bench.answers[#_G.canvas_bench.answers]")
             if index >= warmup:
                 rows.append({"task_id": task["task_id"], "request_ms": (answer["done"] - answer["sent"]) / 1e6,
                              "wait_ms": (answer["done"] - answer["entered"]) / 1e6, "items": answer["items"],
                              "error": answer["error"]})  # fmt: skip
+            counters = editor.exec_lua("return require('canvas_ls').stats(0)") or {}
             editor.input("<Esc>")
             editor.command("bwipeout!")
         version = editor.exec_lua("return tostring(vim.version())")
@@ -141,7 +146,8 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     requests, waits = [r["request_ms"] for r in rows], [r["wait_ms"] for r in rows]
     return {
         "neovim": version, "dataset": str(dataset), "tasks": len(rows), "model": model or "(default)",
-        "machine": machine(), "speculate": speculate,
+        "machine": machine(), "speculate": speculate, "prefetch": prefetch,
+        "prefetches": counters.get("prefetch"),
         "request": {"p50_ms": statistics.median(requests), "p95_ms": percentile(requests, 0.95)},
         "wait": {"p50_ms": statistics.median(waits), "p95_ms": percentile(waits, 0.95)},
         "shown_share": sum(r["items"] > 0 for r in rows) / max(len(rows), 1),
@@ -159,4 +165,5 @@ def format_neovim(report: dict[str, Any]) -> str:
         f"insert -> answer (the user's wait, with Neovim's 200 ms debounce)   p50 {wait['p50_ms']:7.1f} ms   "
         f"p95 {wait['p95_ms']:7.1f} ms",
         f"answers with a suggestion: {100 * report['shown_share']:.0f}%; errors: {len(report['errors'])}",
+        f"prefetch ({'on' if report['prefetch'] else 'off'}): {report['prefetches']}",
     ])  # fmt: skip

@@ -210,6 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     neovim.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     neovim.add_argument("--nvim", help="the Neovim binary (default: the dev extra's Neovim 0.12)")
     neovim.add_argument("--no-speculate", action="store_true", help="turn off computing the next suggestion ahead")
+    neovim.add_argument("--no-prefetch", action="store_true",
+                        help="the plugin does not say where the cursor went (nothing starts early)")  # fmt: skip
     neovim.add_argument("--out", type=Path, help="JSON report path")
 
     lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client: cold, typing-through, "
@@ -711,7 +713,14 @@ def _bench_neovim(args: argparse.Namespace) -> int:
     from canvas_ls.server import bench_neovim
 
     try:
-        report = bench_neovim.run(args.dataset, args.limit, args.model, args.nvim, speculate=not args.no_speculate)
+        report = bench_neovim.run(
+            args.dataset,
+            args.limit,
+            args.model,
+            args.nvim,
+            speculate=not args.no_speculate,
+            prefetch=not args.no_prefetch,
+        )
     except (ImportError, RuntimeError, TimeoutError) as exc:
         raise CliError(f"bench neovim: {exc}") from exc
     return _report("neovim", report, bench_neovim.format_neovim, args.out)

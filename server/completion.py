@@ -14,6 +14,11 @@ After a suggestion is shown, the completion that follows it once accepted is com
 suggestion (or typing it out) then finds that answer in the cache, or joins it while it runs. A speculation never
 delays a real request: any real model call cancels the speculations in flight (the resident engine also runs real
 requests first), and a change that makes one useless drops it.
+
+Before a request, the editor may say where the cursor went (`prefetch`: Neovim on entering insert mode or moving the
+cursor in it, while its own 200 ms debounce runs): the completion there starts at once, as a real request would, and
+the request that follows finds its answer in the cache, or joins it while it runs. A prefetch for another place, or
+the request for one, supersedes it like any older request.
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ class Stats:
     speculation_used: int = 0  # ...that answered a request
     speculation_wasted: int = 0  # ...dropped unused (cancelled by a real request or a change, or never asked for)
     heads: int = 0  # answers cut to their confident head
+    prefetched: int = 0  # completions started where the editor said the cursor went, before it asked
+    prefetch_used: int = 0  # ...that answered the request which followed
     # Per answered model call (the last 1,000): the backend call as the server waited on it (ms), and the engine's
     # own encode + denoise time within it (None from servers that do not say); the rest is transport and queueing.
     call_ms: deque[tuple[float, float | None]] = field(default_factory=lambda: deque(maxlen=1000))
@@ -118,6 +125,7 @@ class Completer:
         self.ids = itertools.count(1)
         self.stats = Stats()
         self.speculations: dict[str, _Speculation] = {}  # uri -> the next suggestion computed ahead
+        self.prefetches: dict[str, tuple[str, asyncio.Task[Outcome]]] = {}  # uri -> the last prefetch's key, task
         self.last: tuple[str, Outcome] | None = None  # the last request's uri and outcome (for the status bar)
 
     async def complete(self, document: Document | None, line: int, character: int, invoked: bool = False) -> Outcome:
@@ -138,8 +146,14 @@ class Completer:
                       outcome.edit.start, outcome.edit.end)  # fmt: skip
         return outcome
 
+    def prefetch(self, document: Document, line: int, character: int) -> None:
+        """Start the completion at (line, character) now, before the editor asks for it there (as it will while
+        typing): the answer goes to the cache, for the request to find or join."""
+        task = asyncio.get_running_loop().create_task(self._complete(document, line, character, 0, False, True))
+        task.add_done_callback(_log_failure)
+
     async def _complete(self, document: Document | None, line: int, character: int, request_id: int,
-                        invoked: bool) -> Outcome:  # fmt: skip
+                        invoked: bool, prefetch: bool = False) -> Outcome:  # fmt: skip
         def nothing(source: str) -> Outcome:
             return Outcome(None, source, request_id, 0.0)
 
@@ -159,14 +173,24 @@ class Completer:
             return nothing(f"skip:{context.reason}")
 
         # 3. Typing through the completion on screen: answer with the rest, no model call.
-        edit = self._typed_through(document, offset)
+        edit = None if prefetch else self._typed_through(document, offset)
         if edit is not None:
             self.stats.typing_hits += 1
             return Outcome(edit, "typing", request_id, 0.0)
 
-        # 4. Cache, keyed on the context the model would see.
+        # 4. Cache, keyed on the context the model would see; this very completion started early (a prefetch) or
+        #    ahead (a speculation) is joined.
         overrides = self._overrides(context, invoked)
         key = self._key(document, context, overrides)
+        prefetched = False
+        if prefetch:
+            if not self._claim_prefetch(document.uri, key):
+                return nothing("cache")  # answered already, or being answered
+        else:
+            joined = await self._join_prefetch(document, key)
+            if joined is None:
+                return nothing("stale")
+            prefetched = joined
         ahead = self.speculations.get(document.uri)
         if ahead is not None and ahead.key == key and not ahead.done and ahead.task is not None:
             version = document.version
@@ -177,7 +201,10 @@ class Completer:
             self.cache.move_to_end(key)
             self.stats.cache_hits += 1
             source = "cache"
-            if ahead is not None and ahead.key == key:
+            if prefetched:
+                self.stats.prefetch_used += 1
+                source = "prefetched"
+            elif ahead is not None and ahead.key == key:
                 del self.speculations[document.uri]
                 self.stats.speculation_used += 1
                 source = "speculated"
@@ -221,6 +248,8 @@ class Completer:
             return nothing("stale")
         answer = {k: result[k] for k in _ANSWER_KEYS if k in result}
         self._store(key, answer)
+        if prefetch:
+            return Outcome(None, "prefetched", request_id, 0.0, result=result)
         outcome = self._answer(document, context, offset, answer, invoked, "model", request_id)
         outcome.result = result
         self._speculate(document, outcome.edit)
@@ -281,6 +310,31 @@ class Completer:
                      context.prefix, "\0", context.suffix):  # fmt: skip
             digest.update(part.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
+
+    # -- the suggestion where the cursor went, started before the editor asks ---------------------------------------
+
+    def _claim_prefetch(self, uri: str, key: str) -> bool:
+        """Register the running prefetch as the one computing `key` for `uri`; False when nothing is left to do."""
+        early = self.prefetches.get(uri)
+        if key in self.cache or (early is not None and early[0] == key and not early[1].done()):
+            return False
+        self.prefetches[uri] = (key, asyncio.current_task())  # type: ignore[assignment]
+        self.stats.prefetched += 1
+        return True
+
+    async def _join_prefetch(self, document: Document, key: str) -> bool | None:
+        """For a request: whether a prefetch of it put its answer in the cache (waiting for it while it runs); None
+        when the document changed meanwhile."""
+        early = self.prefetches.get(document.uri)
+        if early is None or early[0] != key:
+            return False
+        del self.prefetches[document.uri]
+        if not early[1].done():
+            version = document.version
+            await asyncio.shield(early[1])
+            if document.version != version:
+                return None
+        return key in self.cache
 
     # -- the next suggestion, computed ahead ---------------------------------------------------------------------
 
@@ -365,8 +419,15 @@ class Completer:
 
     def forget(self, uri: str) -> None:
         self._drop(uri)
+        self.prefetches.pop(uri, None)
         self.cross_file.forget(uri)
         self.remembered.pop(uri, None)
         cancel = self.in_flight.pop(uri, None)
         if cancel is not None:
             cancel.set()
+
+
+def _log_failure(task: asyncio.Task[Outcome]) -> None:
+    """A background completion's unexpected exception, logged (nobody awaits it)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("prefetch failed", exc_info=task.exception())

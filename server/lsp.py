@@ -35,6 +35,7 @@ from canvas_ls.server.workspaces import Learner, LearnJob, RoutedBackend, uri_pa
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"
 STATS_METHOD = "canvas/stats"
+PREFETCH_METHOD = "canvas/prefetch"
 FILL_REGIONS_METHOD = "canvas/fillRegions"
 FILL_HOLES_COMMAND = "canvas-ls.fillHoles"
 REWRITE_COMMAND = "canvas-ls.rewriteSelection"
@@ -314,6 +315,23 @@ async def fill(ls: CanvasServer, params: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+@server.feature(PREFETCH_METHOD)
+def prefetch(ls: CanvasServer, params: Any) -> None:
+    """`canvas/prefetch` {textDocument: {uri, version?}, position}: the cursor went there (the editor will ask for
+    a completion there once its debounce ends); start that completion now. Answers at once. A request rather than a
+    notification so that the editor sends its pending changes first; for another version of the document (changes
+    still on their way) nothing starts."""
+    document_id, position = _get(params, "textDocument"), _get(params, "position")
+    uri, version = _get(document_id, "uri"), _get(document_id, "version")
+    line, character = _get(position, "line"), _get(position, "character")
+    if not isinstance(uri, str) or not isinstance(line, int) or not isinstance(character, int):
+        raise JsonRpcInvalidParams(f"{PREFETCH_METHOD} wants {{textDocument: {{uri}}, position: {{line, character}}}}")
+    document = ls.documents.get(uri)
+    if document is None or (isinstance(version, int) and version != document.version):
+        return
+    ls.completer.prefetch(document, line, character)
+
+
 @server.feature(STATS_METHOD)
 def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
     """`canvas/stats`: engine state and request counters (model calls, cache and typing-through hits)."""
@@ -327,6 +345,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "contextBlocks": {"built": ls.completer.cross_file.built, "reused": ls.completer.cross_file.reused},
         "hidden": counters.by_source.get("hidden", 0),
         "heads": counters.heads,
+        "prefetch": {"started": counters.prefetched, "used": counters.prefetch_used},
         "speculation": {
             "started": counters.speculated,
             "used": counters.speculation_used,

@@ -291,6 +291,42 @@ async def test_the_next_suggestion_is_ready_when_one_is_accepted(
     assert counts["running"] == counts["ready"] == 0
 
 
+async def prefetch(client: LanguageClient, name: str, at: types.Position, version: int | None = 1) -> None:
+    document = {"uri": uri(name)} | ({"version": version} if version is not None else {})
+    assert (
+        await request(
+            client,
+            "canvas/prefetch",
+            {"textDocument": document, "position": {"line": at.line, "character": at.character}},
+        )
+        is None
+    )
+
+
+async def test_a_prefetch_answers_the_request_that_follows(client: LanguageClient) -> None:
+    """Where the editor says the cursor went, the completion starts before it is asked for; the request then
+    joins it (or finds its answer): one model call (the prefetch's). A prefetch for another version of
+    the document starts nothing; one for another place is superseded by the request."""
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    open_doc(client, "b.py", COMMENT_DOC + "\n")
+    await prefetch(client, "a.py", COMMENT_POS)
+    answered = await fill(client, "a.py", COMMENT_POS)
+    stats = await request(client, "canvas/stats", {})
+    assert answered["source"] == "prefetched", answered
+    assert stats["modelCalls"] == 1 and stats["prefetch"] == {"started": 1, "used": 1}
+    assert answered["edit"] is not None and answered["result"] is None  # shown from the cache: no engine result
+
+    await prefetch(client, "b.py", types.Position(1, 0), version=7)  # changes still on their way: nothing starts
+    await prefetch(client, "b.py", types.Position(5, 4), version=None)  # elsewhere: the request supersedes it
+    elsewhere = await fill(client, "b.py", types.Position(4, 11))
+    assert elsewhere["source"] in ("model", "rejected")
+    stats = await request(client, "canvas/stats", {})
+    assert stats["prefetch"] == {"started": 2, "used": 1}
+    with pytest.raises(Exception, match="canvas/prefetch wants"):
+        await request(client, "canvas/prefetch", {"position": {"line": 0}})
+
+
 async def test_completion_fallback_returns_one_text_edit(client: LanguageClient) -> None:
     await wait_ready(client)
     open_doc(client, "a.py", COMMENT_DOC)

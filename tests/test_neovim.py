@@ -54,9 +54,10 @@ def nvim_011():
 
 
 FIXED_SETUP = """
-local root, python, model, speculate = ...
+local root, python, model, speculate, prefetch = ...
 vim.opt.rtp:prepend(root .. '/editors/neovim')
 require('canvas_ls').setup({
+  prefetch = prefetch,
   config = {
     cmd = { python, '-m', 'canvas_ls.server.cli', 'serve' },
     init_options = { engine = { model = model, device = 'cpu' },
@@ -77,10 +78,10 @@ return found
 """
 
 
-def open_area(nvim, fixed_model_dir: Path, tmp_path: Path, speculate: bool) -> None:
+def open_area(nvim, fixed_model_dir: Path, tmp_path: Path, speculate: bool, prefetch: bool = False) -> None:
     path = tmp_path / "area.py"
     path.write_text(AREA)
-    nvim.exec_lua(FIXED_SETUP, str(REPO), sys.executable, str(fixed_model_dir), speculate)
+    nvim.exec_lua(FIXED_SETUP, str(REPO), sys.executable, str(fixed_model_dir), speculate, prefetch)
     nvim.command(f"edit {path}")
     wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
              what="the server to attach and load the model")  # fmt: skip
@@ -102,6 +103,19 @@ def test_ghost_text_accepted_and_the_next_one_shown(nvim, fixed_model_dir: Path,
     nvim.input("<Tab>")
     wait_for(lambda: nvim.current.buffer[1] == "    return Nonecodecodecodecodecodecodecode", what="the second accept")
     assert nvim.api.get_mode()["mode"] == "i"
+
+
+def test_the_suggestion_starts_where_the_cursor_went_before_neovim_asks(
+    nvim, fixed_model_dir: Path, tmp_path: Path
+) -> None:
+    """With the plugin's prefetch (on by default), the server starts the suggestion as the cursor arrives (entering
+    insert mode, typing), while Neovim's inline completion waits out its 200 ms debounce: the request that follows
+    makes no model call of its own; it is answered from the prefetch."""
+    open_area(nvim, fixed_model_dir, tmp_path, speculate=False, prefetch=True)
+    assert wait_for(lambda: nvim.exec_lua(GHOSTS), what="the ghost text") == [[1, 11, "Nonecodecodecode"]]
+    stats = nvim.exec_lua("return require('canvas_ls').stats(0)")
+    assert stats["prefetch"]["used"] == 1, stats
+    assert stats["modelCalls"] == stats["prefetch"]["started"] >= 1, stats  # every model call was a prefetch
 
 
 def test_neovim_011_offers_the_suggestion_in_the_completion_menu(

@@ -8,6 +8,8 @@ local M = {}
 ---@field config? vim.lsp.Config  merged into lsp/canvas_ls.lua (cmd, init_options, filetypes...)
 ---@field menu_autotrigger? boolean  Neovim 0.11 (no inline completion): open the completion menu with the
 ---  suggestion as you type (default true); false: only on <C-x><C-o> or vim.lsp.completion.get()
+---@field prefetch? boolean  Neovim 0.12: tell the server where the cursor went in insert mode, so that it starts
+---  the suggestion there while Neovim's inline completion waits out its fixed 200 ms debounce (default true)
 
 ---@param opts? canvas_ls.Opts
 function M.setup(opts)
@@ -36,6 +38,15 @@ function M.setup(opts)
       end
       if inline then
         vim.lsp.inline_completion.enable(true, { bufnr = args.buf })
+        if opts.prefetch ~= false then
+          vim.api.nvim_create_autocmd({ 'InsertEnter', 'CursorMovedI' }, {
+            group = vim.api.nvim_create_augroup('canvas_ls_prefetch_' .. args.buf, { clear = true }),
+            buffer = args.buf,
+            callback = function()
+              M.prefetch(args.buf)
+            end,
+          })
+        end
       else -- 0.11: the suggestion is one item of the completion menu (<C-y> inserts it)
         vim.lsp.completion.enable(true, client.id, args.buf, { autotrigger = opts.menu_autotrigger ~= false })
       end
@@ -128,6 +139,19 @@ function M.learn_workspace(folder, bufnr, on_done)
       on_done(outcome)
     end
   end, bufnr)
+end
+
+--- Tell the server the cursor's place in `bufnr` (default: current), where Neovim will ask for a suggestion once
+--- its debounce ends: the server starts computing it now. A request, so that pending changes go out first.
+function M.prefetch(bufnr)
+  bufnr = bufnr or vim.api.nvim_get_current_buf()
+  local client = vim.lsp.get_clients({ name = 'canvas_ls', bufnr = bufnr })[1]
+  if not client then
+    return
+  end
+  local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
+  params.textDocument.version = vim.lsp.util.buf_versions[bufnr]
+  client:request('canvas/prefetch', params, function() end, bufnr)
 end
 
 --- The server's counters and engine state (`canvas/stats`), for :CanvasLsStats and tests.
