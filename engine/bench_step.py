@@ -284,8 +284,7 @@ def run(model_name: str | None, layers: int, device: str | None, dtype: str | No
 
     if model_name == "full-width":
         target = resolve_device(device)
-        config = full_width_config(layers)
-        model = random_model(config, target, resolve_dtype(dtype, target, config.text_config.hidden_size))
+        model = random_model(full_width_config(layers), target, resolve_dtype(dtype, target))
         name = f"DiffusionGemma 26B-A4B geometry, {layers} of 30 layers, random weights"
     else:
         loaded = load_model(model_name, device, dtype)

@@ -2,8 +2,7 @@
 
 A model is a local folder or a hub id (`from_pretrained` either way). bf16 on CUDA, placed by accelerate
 (`device_map="auto"`); on a CPU, bf16 where it has native bf16 arithmetic (AVX-512 BF16 or AMX: a bf16 matmul
-ran 2.4x an fp32 one on the project's CPU) for models wide enough to gain from it (`resolve_dtype`), and fp32
-elsewhere (emulated bf16 is slower than fp32).
+ran 2.4x an fp32 one on the project's CPU) and fp32 elsewhere (emulated bf16 is slower than fp32).
 
 Every failure becomes a `ModelLoadError` whose message is a single sentence a user can act on; tracebacks stay out
 of the editor and the terminal.
@@ -58,21 +57,10 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
-# On a CPU with native bf16 (AVX-512 BF16/AMX), bf16 pays off only where matmuls are wide enough to outweigh the
-# casts around them: a decoder step (canvas 48, 1k prefix, random weights; 2-core Xeon with AMX) took bf16/fp32
-# 1.00x at hidden 256, 0.70x at 512, 0.64x at 1024, 0.51x at 2048; the shipped model (hidden 256) in the engine,
-# 12 HumanEval multi-line holes, denoised 1.5x slower in bf16 than in fp32.
-CPU_BF16_MIN_HIDDEN = 512
-
-
-def resolve_dtype(dtype: str | None, device: torch.device, hidden_size: int | None = None) -> torch.dtype:
-    """auto (None): bf16 on CUDA, and on CPUs with native bf16 for models at least `CPU_BF16_MIN_HIDDEN` wide
-    (`hidden_size`; None: assume wide); fp32 otherwise."""
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """auto (None): bf16 on CUDA and on CPUs with native bf16, fp32 on other CPUs."""
     if dtype in (None, "", "auto"):
-        if device.type == "cuda":
-            return torch.bfloat16
-        wide = hidden_size is None or hidden_size >= CPU_BF16_MIN_HIDDEN
-        return torch.bfloat16 if wide and cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{dtype}' (use auto, float32 or bfloat16)")
     return DTYPES[dtype]
@@ -92,6 +80,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
 
     quiet_libraries()
     target = resolve_device(device)
+    weights_dtype = resolve_dtype(dtype, target)
 
     if name is None:
         if not (DEFAULT_MODEL_DIR / "config.json").is_file():
@@ -129,7 +118,6 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
             "DiffusionGemmaForBlockDiffusion (model_type 'diffusion_gemma')"
         )
 
-    weights_dtype = resolve_dtype(dtype, target, getattr(config.get_text_config(), "hidden_size", None))
     kwargs: dict[str, Any] = {"dtype": weights_dtype}
     if target.type == "cuda":
         kwargs["device_map"] = "auto" if target.index is None else {"": target.index}

@@ -296,7 +296,7 @@ def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> No
     if device:
         parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="auto: bf16 on GPUs and (models 512+ wide) CPUs with native bf16, else fp32")  # fmt: skip
+                        help="auto: bf16 on GPUs and on CPUs with native bf16, else fp32")  # fmt: skip
 
 
 def _settings_argument(parser: argparse.ArgumentParser) -> None:
