@@ -3,8 +3,14 @@
 A keystroke changes the last token or two of the prefix (BPE re-merges "retu" into "return"), and sliding-window
 cache layers cannot be cropped back once tokens have slid out. So the cache keeps *snapshots* taken a safe distance
 behind the cursor, at a length rounded down to `GRID` tokens: while the user types, the snapshot stays the same,
-each request copies it and encodes only the few tokens after it. Memory is bounded by bytes, least recently used
-out first.
+each request copies it and encodes only the few tokens after it. Memory is bounded by bytes and by the number of
+snapshots, least recently used out first.
+
+The count bound is what holds for a small model: a snapshot of the shipped model's 1k-token prefix is ~0.3 MB, so a
+byte budget alone (256 MB) let the cache grow to ~800 snapshots, each request scanning them all, and the engine's
+resident memory grew by the whole budget over a long session (`bench soak`). An editor's working set is the places
+typed at lately (a snapshot every 64 tokens of progress at each); `MAX_SNAPSHOTS` of them. For a large model the
+byte budget binds first (DiffusionGemma 26B-A4B: ~0.25 MB of KV per token).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 # Snapshot lengths are multiples of GRID and at least TAIL tokens behind the end of the prefix.
 GRID = 64
 TAIL = 16
+MAX_SNAPSHOTS = 64
 
 
 @dataclass
@@ -54,8 +61,8 @@ class _Plan:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, max_snapshots: int = MAX_SNAPSHOTS):
+        self.max_bytes, self.max_snapshots = max_bytes, max_snapshots
         self._snapshots: OrderedDict[tuple[int, ...], _Snapshot] = OrderedDict()
         self.hits = 0
         self.misses = 0
@@ -124,5 +131,5 @@ class PrefixCache:
             return
         self._snapshots[ids] = snapshot
         self._snapshots.move_to_end(ids)
-        while self.nbytes > self.max_bytes:
+        while self.nbytes > self.max_bytes or len(self._snapshots) > self.max_snapshots:
             self._snapshots.popitem(last=False)

@@ -66,6 +66,20 @@ def test_a_short_new_prefix_is_encoded_in_one_go_and_its_snapshot_cut_from_it() 
     assert log == [(0, ((600 - TAIL) // GRID) * GRID), (((600 - TAIL) // GRID) * GRID, 600)]
 
 
+def test_snapshots_are_bounded_in_number_least_recently_used_out_first() -> None:
+    cache = PrefixCache(max_bytes=1 << 30, max_snapshots=3)
+    documents = [[d * 1000 + i for i in range(200)] for d in range(5)]
+    for ids in documents[:3]:
+        encode_one(cache, ids, [])
+    encode_one(cache, [*documents[0], 1], [])  # the first place typed at again: used most recently
+    for ids in documents[3:]:
+        encode_one(cache, ids, [])
+    log: list[tuple[int, int]] = []
+    assert encode_one(cache, [*documents[0], 2], log)[1] > 0  # kept
+    assert encode_one(cache, [*documents[1], 2], log)[1] == 0  # dropped: the least recently used
+    assert len(cache._snapshots) == 3
+
+
 def test_an_edit_before_the_snapshot_misses() -> None:
     cache = PrefixCache(max_bytes=1 << 20)
     encode_one(cache, list(range(300)), [])
