@@ -121,7 +121,7 @@ class Completer:
         # context key -> the model's answer (text, and its tokens' texts and confidences), before shaping
         self.cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.remembered: dict[str, _Remembered] = {}
-        self.in_flight: dict[str, CancelFlag] = {}  # uri -> cancel flag of its newest request
+        self.in_flight: dict[str, tuple[str, CancelFlag]] = {}  # uri -> key and cancel flag of its newest model call
         self.ids = itertools.count(1)
         self.stats = Stats()
         self.speculations: dict[str, _Speculation] = {}  # uri -> the next suggestion computed ahead
@@ -216,8 +216,8 @@ class Completer:
         cancel = CancelFlag()
         older = self.in_flight.get(document.uri)
         if older is not None:
-            older.set()
-        self.in_flight[document.uri] = cancel
+            older[1].set()
+        self.in_flight[document.uri] = (key, cancel)
         version = document.version
         try:
             if self.config.completion.debounce_ms > 0:
@@ -236,7 +236,7 @@ class Completer:
             self.stats.last_error = str(exc)
             return nothing(f"error:{exc}")
         finally:
-            if self.in_flight.get(document.uri) is cancel:
+            if self.in_flight.get(document.uri, ("", None))[1] is cancel:
                 del self.in_flight[document.uri]
         if result is None:
             return nothing("cancelled")
@@ -315,8 +315,10 @@ class Completer:
 
     def _claim_prefetch(self, uri: str, key: str) -> bool:
         """Register the running prefetch as the one computing `key` for `uri`; False when nothing is left to do."""
-        early = self.prefetches.get(uri)
+        early, running = self.prefetches.get(uri), self.in_flight.get(uri)
         if key in self.cache or (early is not None and early[0] == key and not early[1].done()):
+            return False
+        if running is not None and running[0] == key:  # the request itself got there first
             return False
         self.prefetches[uri] = (key, asyncio.current_task())  # type: ignore[assignment]
         self.stats.prefetched += 1
@@ -422,9 +424,9 @@ class Completer:
         self.prefetches.pop(uri, None)
         self.cross_file.forget(uri)
         self.remembered.pop(uri, None)
-        cancel = self.in_flight.pop(uri, None)
-        if cancel is not None:
-            cancel.set()
+        running = self.in_flight.pop(uri, None)
+        if running is not None:
+            running[1].set()
 
 
 def _log_failure(task: asyncio.Task[Outcome]) -> None:

@@ -317,12 +317,16 @@ async def test_a_prefetch_answers_the_request_that_follows(client: LanguageClien
     assert stats["modelCalls"] == 1 and stats["prefetch"] == {"started": 1, "used": 1}
     assert answered["edit"] is not None and answered["result"] is None  # shown from the cache: no engine result
 
+    request_first = asyncio.ensure_future(fill(client, "b.py", COMMENT_POS))  # a prefetch right behind the request
+    await asyncio.sleep(0)  # for the same place neither cancels the request nor starts a second model call
+    await prefetch(client, "b.py", COMMENT_POS)
+    assert (await request_first)["source"] == "model"
     await prefetch(client, "b.py", types.Position(1, 0), version=7)  # changes still on their way: nothing starts
     await prefetch(client, "b.py", types.Position(5, 4), version=None)  # elsewhere: the request supersedes it
     elsewhere = await fill(client, "b.py", types.Position(4, 11))
     assert elsewhere["source"] in ("model", "rejected")
     stats = await request(client, "canvas/stats", {})
-    assert stats["prefetch"] == {"started": 2, "used": 1}
+    assert stats["prefetch"] == {"started": 2, "used": 1} and stats["modelCalls"] == 4  # none for the race
     with pytest.raises(Exception, match="canvas/prefetch wants"):
         await request(client, "canvas/prefetch", {"position": {"line": 0}})
 
