@@ -3,7 +3,9 @@
 A real LSP client (pygls) starts `canvas-ls serve` (the resident backend, in a runtime folder of its own so that the
 engine it starts is this run's alone) and sends a seeded random mix: incremental edits (multi-byte and astral
 characters, CRLF, at line ends and across lines), inline completions (awaited), completions cancelled with
-`$/cancelRequest` a few milliseconds after they were sent, opens and closes (at most 8 documents open). One
+`$/cancelRequest` a few milliseconds after they were sent, `canvas/prefetch` (half the time followed by the
+completion there, which joins it; one in ten for a version not yet sent), opens and closes (at most 8 documents
+open). One
 "request" is one message sent. The resident set size (RSS) of both processes is sampled along the way; growth is
 measured from the end of a warm-up (the first 10% of the requests: caches fill, the allocator settles) to the end,
 each sample after a pause of 2.5 s (an editor's user pauses too: the idle engine then hands freed memory back).
@@ -32,7 +34,7 @@ from canvas_ls.engine.bench import machine
 from canvas_ls.server.bench_lsp import start_session
 
 MAX_OPEN = 8
-WEIGHTS = {"edit": 45, "complete": 30, "cancel": 10, "open": 7.5, "close": 7.5}
+WEIGHTS = {"edit": 40, "complete": 27, "cancel": 9, "prefetch": 9, "open": 7.5, "close": 7.5}
 INSERTS = ["x", "total = ", "(", ")", "\n", "    ", "é", "→", "😀", "𝔘", "\r\n", "# note ", "return ", "def f(a, b):\n"]
 
 
@@ -99,11 +101,32 @@ class Soak:
             context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
         )
 
-    async def complete(self) -> None:
+    async def complete(self, params: types.InlineCompletionParams | None = None) -> None:
         try:
-            await asyncio.wait_for(self.client.text_document_inline_completion_async(self._completion_params()), 60)
+            await asyncio.wait_for(
+                self.client.text_document_inline_completion_async(params or self._completion_params()), 60
+            )
         except Exception as exc:
             self.failures.append(f"completion: {type(exc).__name__}: {exc}")
+
+    async def prefetch(self) -> None:
+        """`canvas/prefetch` where the cursor went (now and then for a version the server has not seen), followed
+        half the time by the completion there, as an editor's debounce would send it (it joins the prefetch)."""
+        params = self._completion_params()
+        uri = params.text_document.uri
+        version = self.documents[uri][1] + (1 if self.rng.random() < 0.1 else 0)
+        position = {"line": params.position.line, "character": params.position.character}
+        try:
+            await asyncio.wait_for(
+                self.client.protocol.send_request_async(
+                    "canvas/prefetch", {"textDocument": {"uri": uri, "version": version}, "position": position}
+                ),
+                60,
+            )
+        except Exception as exc:
+            self.failures.append(f"prefetch: {type(exc).__name__}: {exc}")
+        if self.rng.random() < 0.5:
+            await self.complete(params)
 
     async def cancel(self, number: int) -> None:
         msg_id = f"soak-cancel-{number}"
@@ -131,6 +154,8 @@ class Soak:
         kind = "open" if not self.documents else self.rng.choices(list(kinds), list(kinds.values()))[0]
         if kind == "complete":
             await self.complete()
+        elif kind == "prefetch":
+            await self.prefetch()
         elif kind == "cancel":
             await self.cancel(number)
         else:
@@ -215,6 +240,7 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
         "speculations accounted for": speculation.started
         == speculation.used + speculation.wasted + speculation.running + speculation.ready,
         "no traceback on the server's stderr": not any(b"Traceback" in line for line in stderr),
+        "prefetches accounted for": stats.prefetch.used <= stats.prefetch.started <= soak.sent["prefetch"],
     }
     return {
         "machine": machine(),
@@ -234,6 +260,7 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
             "errors": stats.errors,
             "by_source": {row.source: row.count for row in stats.bySource},
             "speculation": {k: getattr(speculation, k) for k in ("started", "used", "wasted", "running", "ready")},
+            "prefetch": {"started": stats.prefetch.started, "used": stats.prefetch.used},
         },
         "engine": metrics,
         "checks": checks,
@@ -256,7 +283,8 @@ def format_soak(report: dict[str, Any]) -> str:
                  f"MB, engine {report['engine_growth_mb']:+.1f} MB")  # fmt: skip
     server = report["server"]
     lines.append(f"server: {server['requests']} completions, {server['model_calls']} model calls, "
-                 f"by source {server['by_source']}, speculation {server['speculation']}")  # fmt: skip
+                 f"by source {server['by_source']}, speculation {server['speculation']}, "
+                 f"prefetch {server.get('prefetch')}")  # fmt: skip
     lines.append(f"engine: {report['engine']}")
     lines += [f"{'ok  ' if ok else 'FAIL'} {name}" for name, ok in report["checks"].items()]
     lines += [f"  failure: {failure}" for failure in report["failures"]]
