@@ -214,11 +214,17 @@ class Engine:
 
     def warm_up(self, background: bool = True) -> None:
         """Compile the batched step's decoder (when `compile` turned it on) on the inputs of made-up requests: one
-        alone, then two together (a batch of one is its own graph). Requests meanwhile run eager."""
+        alone, then two together (a batch of one is its own graph). Requests meanwhile run eager.
+
+        One prefix runs past the sliding window: there sliding and full layers hold caches of different lengths,
+        and a graph compiled only on short prefixes assumed them equal (dynamo's duck sizing) and compiled again,
+        ~20 s on 2 cores, on the first long request."""
+        window = getattr(self.loaded.model.config.get_text_config(), "sliding_window", None) or 0
+        long = "".join(f"x{i} = {i}\n" for i in range(window // 3 + 8)) + "def area(r):\n    return "
 
         def examples() -> list[dict[str, Any]]:
             found = []
-            for prefixes in (["def area(r):\n    return "], ["import os\n\n\ndef main():\n    ", "x = [\n    "]):
+            for prefixes in ([long], ["import os\n\n\ndef main():\n    ", long]):
                 batch = self.batch()
                 for error in (error for _, error in batch.add_many([InfillRequest(p, "\n") for p in prefixes])):
                     raise error
