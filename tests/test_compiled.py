@@ -34,9 +34,12 @@ def test_compiled_steps_answer_as_eager_ones_alone_and_batched(tiny_model_dir: P
         for want, have in zip(expected, got, strict=True):
             assert have.tokens == want.tokens
             assert have.steps == want.steps
+    window = compiled.loaded.model.config.get_text_config().sliding_window
+    long = InfillRequest("".join(f"y{i} = {i}\n" for i in range(window)) + "z = ", "\n", settings[0])
+    assert compiled.infill_batch([long])[0].prefix_tokens > window  # sliding and full layers' caches now differ
     report = compiled.decoder.report()
     assert report["compiled_steps"] > 0 and report["eager_steps"] == during[0].steps
-    assert report["compilations_after_warmup"] == 0  # two warm-up shapes cover one and several rows
+    assert report["compilations_after_warmup"] == 0  # the warm-up shapes cover one and several rows, short and long
 
 
 def test_a_failed_compilation_leaves_the_engine_eager(tiny_model_dir: Path) -> None:
