@@ -2,14 +2,17 @@
 
 A denoising step of a small model is mostly per-op overhead (`canvas-ls bench step`: on an H200 the shipped model's
 eager forward takes ~15 ms whatever its shape, compiled with CUDA graphs 0.8-1.2 ms; on a 2-core Xeon 0.85x eager at
-one row, 0.64x at 8). `CompiledDecoder` stands in for the model in `DenoisingBatch`:
+one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` stands in for the model in
+`DenoisingBatch`:
 
 - off: the model itself (eager).
 - on: `torch.compile` of the model with dynamic shapes (rows, canvas width, cached prefix length), compiled in a
-  background thread at engine start on made-up inputs of two row counts (a batch of one is its own graph) while
-  requests run eager; once warm, every step runs compiled. A compilation that fails leaves the engine eager and says
-  why (`/health`, the log). Compilations after the warm-up (a shape the guards did not cover) are counted.
-- auto: on where there is a GPU, off on the CPU (where the gain is smaller and the warm-up costs ~20 s of 2 cores).
+  background thread at engine start on made-up inputs of two row counts (a batch of one is its own graph) and a
+  prefix past the sliding window (`Engine.warm_up`) while requests run eager; once warm, every step runs compiled.
+  A compilation that fails leaves the engine eager and says why (`/health`, the log). Compilations after the
+  warm-up (a shape the guards did not cover) are counted.
+- auto: on where there is a GPU, off on the CPU (where the gain is smaller and the warm-up holds 2 cores for about
+  two minutes).
 
 The compiled step always passes self-conditioning logits (zeros with a False mask where a row has none): the model
 zeroes masked rows' soft embeddings exactly as it does without logits, and one graph then serves every step.
