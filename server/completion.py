@@ -172,10 +172,11 @@ class Completer:
         if isinstance(context, Skip):
             return nothing(f"skip:{context.reason}")
 
-        # 3. Typing through the completion on screen: answer with the rest, no model call.
-        edit = None if prefetch else self._typed_through(document, offset)
+        # 3. Typing through the completion on screen: answer with the rest, no model call (nor a prefetch).
+        edit = self._typed_through(document, offset)
         if edit is not None:
-            self.stats.typing_hits += 1
+            if not prefetch:
+                self.stats.typing_hits += 1
             return Outcome(edit, "typing", request_id, 0.0)
 
         # 4. Cache, keyed on the context the model would see; this very completion started early (a prefetch) or
@@ -315,11 +316,11 @@ class Completer:
 
     def _claim_prefetch(self, uri: str, key: str) -> bool:
         """Register the running prefetch as the one computing `key` for `uri`; False when nothing is left to do."""
-        early, running = self.prefetches.get(uri), self.in_flight.get(uri)
+        early, running, ahead = self.prefetches.get(uri), self.in_flight.get(uri), self.speculations.get(uri)
         if key in self.cache or (early is not None and early[0] == key and not early[1].done()):
             return False
-        if running is not None and running[0] == key:  # the request itself got there first
-            return False
+        if (running is not None and running[0] == key) or (ahead is not None and ahead.key == key):
+            return False  # the request itself got there first, or the speculation after an accepted suggestion
         self.prefetches[uri] = (key, asyncio.current_task())  # type: ignore[assignment]
         self.stats.prefetched += 1
         return True

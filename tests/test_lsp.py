@@ -316,6 +316,10 @@ async def test_a_prefetch_answers_the_request_that_follows(client: LanguageClien
     assert answered["source"] == "prefetched", answered
     assert stats["modelCalls"] == 1 and stats["prefetch"] == {"started": 1, "used": 1}
     assert answered["edit"] is not None and answered["result"] is None  # shown from the cache: no engine result
+    moved = await accept(client, "a.py", COMMENT_POS, answered["edit"]["text"][:1], 2)  # typing the suggestion out
+    await prefetch(client, "a.py", moved, version=2)  # typing-through answers there: no prefetch starts
+    stats = await request(client, "canvas/stats", {})
+    assert stats["modelCalls"] == 1 and stats["prefetch"]["started"] == 1
 
     request_first = asyncio.ensure_future(fill(client, "b.py", COMMENT_POS))  # a prefetch right behind the request
     await asyncio.sleep(0)  # for the same place neither cancels the request nor starts a second model call

@@ -90,16 +90,19 @@ def open_area(nvim, fixed_model_dir: Path, tmp_path: Path, speculate: bool, pref
 
 
 def test_ghost_text_accepted_and_the_next_one_shown(nvim, fixed_model_dir: Path, tmp_path: Path) -> None:
-    """Neovim 0.12, the model whose answers are known: the suggestion is drawn as ghost text, <Tab> (the plugin's
-    key) accepts it, and the next suggestion is drawn after it, answered from the speculation the server ran while
-    the first one was shown (no model call of its own)."""
-    open_area(nvim, fixed_model_dir, tmp_path, speculate=True)
+    """Neovim 0.12, the model whose answers are known, the plugin's defaults (prefetch on): the suggestion is drawn
+    as ghost text, <Tab> (the plugin's key) accepts it, and the next suggestion is drawn after it, answered from the
+    speculation the server ran while the first one was shown (no model call of its own)."""
+    open_area(nvim, fixed_model_dir, tmp_path, speculate=True, prefetch=True)
     assert wait_for(lambda: nvim.exec_lua(GHOSTS), what="the ghost text") == [[1, 11, "Nonecodecodecode"]]
     nvim.input("<Tab>")
     wait_for(lambda: nvim.current.buffer[1] == "    return Nonecodecodecode", what="the accepted suggestion")
     assert wait_for(lambda: nvim.exec_lua(GHOSTS), what="the next ghost text") == [[1, 27, "codecodecodecode"]]
     stats = nvim.exec_lua("return require('canvas_ls').stats(0)")
-    assert stats["speculation"]["used"] == 1 and stats["modelCalls"] == 1
+    # Accepting made no model call: the cursor's move after it prefetched nothing (the speculation had it), and the
+    # model calls before were the plugin's prefetches (entering insert mode, then the typed space).
+    assert stats["speculation"]["used"] == 1 and stats["modelCalls"] == stats["prefetch"]["started"], stats
+    assert stats["last"]["source"] == "speculated", stats
     nvim.input("<Tab>")
     wait_for(lambda: nvim.current.buffer[1] == "    return Nonecodecodecodecodecodecodecode", what="the second accept")
     assert nvim.api.get_mode()["mode"] == "i"
