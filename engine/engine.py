@@ -219,10 +219,10 @@ class Engine:
         One prefix runs past the sliding window: there sliding and full layers hold caches of different lengths,
         and a graph compiled only on short prefixes assumed them equal (dynamo's duck sizing) and compiled again,
         ~20 s on 2 cores, on the first long request."""
-        window = getattr(self.loaded.model.config.get_text_config(), "sliding_window", None) or 0
-        long = "".join(f"x{i} = {i}\n" for i in range(window // 3 + 8)) + "def area(r):\n    return "
 
         def examples() -> list[dict[str, Any]]:
+            window = getattr(self.loaded.model.config.get_text_config(), "sliding_window", None) or 0
+            long = "".join(f"x{i} = {i}\n" for i in range(window // 3 + 8)) + "def area(r):\n    return "
             found = []
             for prefixes in ([long], ["import os\n\n\ndef main():\n    ", long]):
                 batch = self.batch()

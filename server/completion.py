@@ -179,36 +179,29 @@ class Completer:
                 self.stats.typing_hits += 1
             return Outcome(edit, "typing", request_id, 0.0)
 
-        # 4. Cache, keyed on the context the model would see; this very completion started early (a prefetch) or
-        #    ahead (a speculation) is joined.
+        # 4. Cache, keyed on the context the model would see. The same completion already under way, started where
+        #    the cursor went (a prefetch) or after an accepted suggestion (a speculation), is joined.
         overrides = self._overrides(context, invoked)
         key = self._key(document, context, overrides)
-        prefetched = False
-        if prefetch:
-            if not self._claim_prefetch(document.uri, key):
-                return nothing("cache")  # answered already, or being answered
-        else:
-            joined = await self._join_prefetch(document, key)
-            if joined is None:
-                return nothing("stale")
-            prefetched = joined
-        ahead = self.speculations.get(document.uri)
-        if ahead is not None and ahead.key == key and not ahead.done and ahead.task is not None:
+        if prefetch and not self._claim_prefetch(document.uri, key):
+            return nothing("cache")  # answered already, or being answered
+        early = None if prefetch else self._early(document.uri, key)
+        if early is not None and not early[1].done():
             version = document.version
-            await asyncio.shield(ahead.task)  # the answer is being computed ahead: join it
+            await asyncio.shield(early[1])
             if document.version != version:
                 return nothing("stale")  # the document moved on while it ran
         if key in self.cache:
             self.cache.move_to_end(key)
             self.stats.cache_hits += 1
             source = "cache"
-            if prefetched:
-                self.stats.prefetch_used += 1
-                source = "prefetched"
-            elif ahead is not None and ahead.key == key:
-                del self.speculations[document.uri]
-                self.stats.speculation_used += 1
-                source = "speculated"
+            if early is not None:
+                source = early[0]
+                if source == "prefetched":
+                    self.stats.prefetch_used += 1
+                else:
+                    self.speculations.pop(document.uri, None)
+                    self.stats.speculation_used += 1
             outcome = self._answer(document, context, offset, self.cache[key], invoked, source, request_id)
             self._speculate(document, outcome.edit)
             return outcome
@@ -315,29 +308,27 @@ class Completer:
     # -- the suggestion where the cursor went, started before the editor asks ---------------------------------------
 
     def _claim_prefetch(self, uri: str, key: str) -> bool:
-        """Register the running prefetch as the one computing `key` for `uri`; False when nothing is left to do."""
-        early, running, ahead = self.prefetches.get(uri), self.in_flight.get(uri), self.speculations.get(uri)
-        if key in self.cache or (early is not None and early[0] == key and not early[1].done()):
+        """Register the running prefetch as the one computing `key` for `uri`; False when nothing is left to do: the
+        answer is cached, or being computed (a model call in flight for it, or the speculation after an accepted
+        suggestion)."""
+        running, ahead = self.in_flight.get(uri), self.speculations.get(uri)
+        if key in self.cache or (running and running[0] == key) or (ahead and ahead.key == key):
             return False
-        if (running is not None and running[0] == key) or (ahead is not None and ahead.key == key):
-            return False  # the request itself got there first, or the speculation after an accepted suggestion
         self.prefetches[uri] = (key, asyncio.current_task())  # type: ignore[assignment]
         self.stats.prefetched += 1
         return True
 
-    async def _join_prefetch(self, document: Document, key: str) -> bool | None:
-        """For a request: whether a prefetch of it put its answer in the cache (waiting for it while it runs); None
-        when the document changed meanwhile."""
-        early = self.prefetches.get(document.uri)
-        if early is None or early[0] != key:
-            return False
-        del self.prefetches[document.uri]
-        if not early[1].done():
-            version = document.version
-            await asyncio.shield(early[1])
-            if document.version != version:
-                return None
-        return key in self.cache
+    def _early(self, uri: str, key: str) -> tuple[str, asyncio.Task[Any]] | None:
+        """For a request: the computation of its very answer started before it (its source, "prefetched" or
+        "speculated", and its task), if any; a prefetch is taken (it answers one request)."""
+        prefetched = self.prefetches.get(uri)
+        if prefetched is not None and prefetched[0] == key:
+            del self.prefetches[uri]
+            return "prefetched", prefetched[1]
+        ahead = self.speculations.get(uri)
+        if ahead is not None and ahead.key == key and ahead.task is not None:
+            return "speculated", ahead.task
+        return None
 
     # -- the next suggestion, computed ahead ---------------------------------------------------------------------
 

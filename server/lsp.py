@@ -581,9 +581,10 @@ async def learn_workspace_command(ls: CanvasServer, *arguments: Any) -> dict[str
     if error is not None or path is None:
         ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=f"canvas-ls: {error}"))
         return {"error": error}
-    job = ls.learner.reserve(repository_root(path))
+    root = repository_root(path)
+    job = ls.learner.reserve(root)
     if job is None:
-        return {"error": f"already learning {repository_root(path)}"}
+        return {"error": f"already learning {root}"}
     minutes = ls.config.engine.learn_minutes or WORKSPACE_MINUTES
     asyncio.get_running_loop().create_task(_learn(ls, job, minutes))
     return {"workspace": str(job.root), "minutes": minutes}

@@ -63,9 +63,10 @@ function M.setup(opts)
   end, { expr = true, replace_keycodes = true, desc = 'canvas-ls: accept the inline completion' })
 end
 
-local function client_for(bufnr)
+-- The canvas-ls client of `bufnr`; when there is none, nil (and an error message unless `quiet`).
+local function client_for(bufnr, quiet)
   local client = vim.lsp.get_clients({ name = 'canvas_ls', bufnr = bufnr })[1]
-  if not client then
+  if not client and not quiet then
     vim.notify('canvas-ls: not attached to this buffer', vim.log.levels.ERROR)
   end
   return client
@@ -145,7 +146,7 @@ end
 --- its debounce ends: the server starts computing it now. A request, so that pending changes go out first.
 function M.prefetch(bufnr)
   bufnr = bufnr or vim.api.nvim_get_current_buf()
-  local client = vim.lsp.get_clients({ name = 'canvas_ls', bufnr = bufnr })[1]
+  local client = client_for(bufnr, true)
   if not client then
     return
   end
@@ -156,7 +157,7 @@ end
 
 --- The server's counters and engine state (`canvas/stats`), for :CanvasLsStats and tests.
 function M.stats(bufnr)
-  local client = vim.lsp.get_clients({ name = 'canvas_ls', bufnr = bufnr or 0 })[1]
+  local client = client_for(bufnr or 0, true)
   if not client then
     return nil
   end
