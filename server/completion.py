@@ -37,7 +37,7 @@ from canvas_ls.engine.confidence import judge
 from canvas_ls.server.backend import BackendError, BackendNotReady, CancelFlag
 from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.context import CompletionContext, Skip, build_context
-from canvas_ls.server.crossfile import CrossFile
+from canvas_ls.server.crossfile import Block, CrossFile
 from canvas_ls.server.documents import Document, DocumentStore
 from canvas_ls.server.edits import Edit, checked_edit
 from canvas_ls.server.positions import PositionError
@@ -275,13 +275,19 @@ class Completer:
     def _context(self, document: Document, offset: int) -> CompletionContext | Skip:
         """The windows around the cursor, the prefix led by snippets of the other files of its language."""
         context = build_context(document, offset, self.config.completion)
+        block = None if isinstance(context, Skip) else self.lead(document, offset)
+        if block is None:
+            return context
+        return replace(context, prefix=block.text + context.prefix, lead_tokens=self.config.completion.context_tokens)
+
+    def lead(self, document: Document, offset: int) -> Block | None:
+        """The snippets of the other files of its language that lead a prompt at `offset` (completions and fills);
+        None when `completion.context_tokens` is 0 or nothing there relates to the code around `offset`."""
         budget = self.config.completion.context_tokens
-        if isinstance(context, Skip) or self.documents is None or budget <= 0:
-            return context
+        if self.documents is None or budget <= 0:
+            return None
         block = self.cross_file.block(document, offset, self.documents.others(document), budget)
-        if block is None or not block.text:
-            return context
-        return replace(context, prefix=block.text + context.prefix, lead_tokens=budget)
+        return block if block is not None and block.text else None
 
     def _overrides(self, context: CompletionContext, invoked: bool) -> dict[str, Any]:
         options = self.config.completion

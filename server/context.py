@@ -91,6 +91,13 @@ def build_context(document: Document, offset: int, options: CompletionOptions) -
     )
 
 
+def prefix_window(document: Document, offset: int, budget_tokens: int) -> str:
+    """The window before `offset` that a completion there sees (for prompts laid out elsewhere: a fill's)."""
+    grammar = GRAMMARS.get(document.language)
+    node = _node_at(document, offset) if grammar is not None else None
+    return _prefix_window(document, offset, budget_tokens, grammar, node)
+
+
 def _node_at(document: Document, offset: int) -> Node | None:
     if document.tree is None:
         return None

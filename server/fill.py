@@ -1,8 +1,9 @@
 """Several regions of a document filled in one request, top to bottom:
 
     document -> regions (the placeholders tree-sitter finds, a selection, or a client's ranges) -> checked (in the
-    document, apart, not a hole inside a string or comment) -> engine (one canvas, off the loop, cancellable)
-    -> per region: empty? truncated? adds syntax errors? -> edits, and why each region left out stayed as it was
+    document, apart, not a hole inside a string or comment) -> [snippets of other files before the prefix, as for
+    a completion (`Lead`)] -> engine (one canvas, off the loop, cancellable) -> per region: empty? truncated? adds
+    syntax errors? -> edits, and why each region left out stayed as it was
 
 The edits are for the document version the fill read; the caller drops them when the document changed meanwhile.
 """
@@ -11,17 +12,30 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from canvas_ls.engine.regions import FillError, Region, parts_to_json, regions_to_parts
 from canvas_ls.server.backend import Backend, BackendError, BackendNotReady, CancelFlag
 from canvas_ls.server.config import FillOptions
+from canvas_ls.server.context import prefix_window
+from canvas_ls.server.crossfile import Block
 from canvas_ls.server.documents import Document
 from canvas_ls.server.edits import Edit, adds_syntax_errors
 from canvas_ls.server.holes import inside_string_or_comment
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lead:
+    """Snippets of the other files (`server/crossfile.py`) placed before a fill's prefix. The document before the
+    first region is then cut to a completion's prefix window (`prefix_tokens`), so that the engine's cut of an
+    over-long prefix (it keeps the end) never drops the block."""
+
+    block: Block
+    tokens: int  # the block's budget (`completion.context_tokens`)
+    prefix_tokens: int  # the window of the document before the first region (`completion.prefix_tokens`)
 
 
 @dataclass
@@ -40,6 +54,7 @@ class FillOutcome:
     cancelled: bool = False
     result: dict[str, Any] | None = None  # the engine's whole result
     elapsed_ms: float = 0.0
+    context: list[str] = field(default_factory=list)  # "path:line" of each snippet of another file the model saw
 
     def summary(self) -> str:
         """One line for the user: what was filled and why the rest was not."""
@@ -61,9 +76,10 @@ REASONS = {
 
 
 async def fill_regions(document: Document, regions: list[Region], backend: Backend, options: FillOptions,
-                       cancel: CancelFlag) -> FillOutcome:  # fmt: skip
+                       cancel: CancelFlag, lead: Lead | None = None) -> FillOutcome:  # fmt: skip
     started = time.perf_counter()
     version, text = document.version, document.text
+    overrides, context = options.overrides(), []
     try:
         parts = regions_to_parts(text, regions)
         for number, region in enumerate(regions, 1):
@@ -71,8 +87,12 @@ async def fill_regions(document: Document, regions: list[Region], backend: Backe
                 raise FillError(f"region {number} is inside a string or comment, where this language has no hole")
     except FillError as exc:
         return FillOutcome(version, [], error=str(exc))
+    if lead is not None:
+        parts[0] = lead.block.text + prefix_window(document, len(parts[0]), lead.prefix_tokens)
+        overrides["max_prefix_tokens"] = lead.prefix_tokens + lead.tokens
+        context = [f"{snippet.path}:{snippet.line + 1}" for snippet in lead.block.snippets]
     try:
-        result = await backend.fill(parts_to_json(parts), options.overrides(), cancel, document.uri)
+        result = await backend.fill(parts_to_json(parts), overrides, cancel, document.uri)
     except (BackendError, BackendNotReady) as exc:
         return FillOutcome(version, [], error=str(exc))
     elapsed = (time.perf_counter() - started) * 1000
@@ -84,7 +104,8 @@ async def fill_regions(document: Document, regions: list[Region], backend: Backe
         answers[index] = _answer(document, regions[index], gap)
     log.info("fill %s v%d: %d regions, %d steps, %.0f ms", document.uri, version, len(regions), result["steps"],
              elapsed)  # fmt: skip
-    return FillOutcome(version, [a for a in answers if a is not None], result=result, elapsed_ms=elapsed)
+    return FillOutcome(version, [a for a in answers if a is not None], result=result, elapsed_ms=elapsed,
+                       context=context)  # fmt: skip
 
 
 def _answer(document: Document, region: Region, gap: dict[str, Any]) -> RegionAnswer:

@@ -27,7 +27,7 @@ from canvas_ls.server.backend import Backend, CancelFlag, LocalBackend, OpenAIBa
 from canvas_ls.server.completion import Completer, Outcome
 from canvas_ls.server.config import ServerConfig, layered, parse_config
 from canvas_ls.server.documents import Document, DocumentStore
-from canvas_ls.server.fill import FillOutcome, fill_regions
+from canvas_ls.server.fill import FillOutcome, Lead, fill_regions
 from canvas_ls.server.holes import find_holes
 from canvas_ls.server.positions import PositionError
 from canvas_ls.server.workspaces import Learner, LearnJob, RoutedBackend, uri_path
@@ -448,9 +448,9 @@ async def _fill_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
     except (PositionError, ValueError, TypeError) as exc:
         return _fill_failed(ls, str(exc), apply)
     index = document.index  # the text the fill reads: its regions are reported in it, even if it changes meanwhile
-    cancel = CancelFlag()
+    cancel, lead = CancelFlag(), _lead(ls, document, regions)
     try:
-        outcome = await fill_regions(document, regions, ls.backend, ls.config.fill, cancel)
+        outcome = await fill_regions(document, regions, ls.backend, ls.config.fill, cancel, lead)
     except asyncio.CancelledError:
         cancel.set()  # the client cancelled the request: the engine stops at its next step
         raise
@@ -488,8 +488,18 @@ async def _fill_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
             }
             for a in outcome.answers
         ],
+        "context": outcome.context,
         "result": outcome.result,
     }
+
+
+def _lead(ls: CanvasServer, document: Document, regions: list[Region]) -> Lead | None:
+    """The snippets of other files chosen for the code around the first region, as a completion there gets."""
+    if not regions:
+        return None  # the fill says why it cannot run
+    block = ls.completer.lead(document, min(region.start for region in regions))
+    options = ls.config.completion
+    return None if block is None else Lead(block, options.context_tokens, options.prefix_tokens)
 
 
 def _regions(document: Document, params: Any) -> list[Region]:
@@ -548,7 +558,7 @@ def _fill_failed(ls: CanvasServer, message: str, apply: bool) -> dict[str, Any]:
         ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Error,
                                                        message=f"canvas-ls: nothing filled: {message}"))  # fmt: skip
     return {"edit": None, "applied": False, "error": message, "cancelled": False, "stale": False,
-            "message": f"nothing filled: {message}", "regions": [], "result": None}  # fmt: skip
+            "message": f"nothing filled: {message}", "regions": [], "context": [], "result": None}  # fmt: skip
 
 
 def _first(arguments: tuple[Any, ...]) -> Any:

@@ -16,6 +16,7 @@ import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
+from tests.test_crossfile import MAIN, UTIL
 from tests.test_lsp import SERVE, open_doc, options, plain, request, uri, wait_ready
 
 SHAPES = """import math
@@ -154,6 +155,22 @@ async def test_fill_regions_in_plain_text_applies_one_edit(client: LanguageClien
     open_doc(client, "many.txt", "\n".join(f"line {i}" for i in range(12)) + "\n", language="plaintext")
     result = await fill_regions(client, "many.txt", [{"range": span(i, 0, i, 4)} for i in range(10)])
     assert "10 holes, over the limit of 8" in result["error"] and result["edit"] is None
+
+
+async def test_a_fill_is_led_by_snippets_of_the_other_files(client: LanguageClient) -> None:
+    """A fill gets the block a completion at its first region would: the definition of the name used there, from
+    another open file of the language, under its path; the engine encodes it (more prefix tokens than the same fill
+    with `completion.context_tokens` 0). shapes.py, open too, shares no name with main.py and is left out."""
+    open_doc(client, "util.py", UTIL)
+    open_doc(client, "main.py", MAIN + "    return cfg\n")
+    hole = [{"range": span(4, 17, 4, 17)}]  # after `parse_config(`
+    led = await fill_regions(client, "main.py", hole)
+    assert led["error"] is None and led["context"] == ["util.py:4"]
+    settings = {"canvas-ls": {"completion": {"context_tokens": 0}}}
+    client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
+    alone = await fill_regions(client, "main.py", hole)
+    assert alone["error"] is None and alone["context"] == []
+    assert led["result"]["prefix_tokens"] > alone["result"]["prefix_tokens"] + 10
 
 
 BAD_REGIONS = [
