@@ -12,12 +12,16 @@ slower steps).
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from canvas_ls.engine.errors import ModelLoadError
+from canvas_ls.engine.workspaces import holds_beside_others
 
 TEXT_LAYERS = r".*(language_model|decoder)\.layers\.\d+\."
 LINEAR_TARGETS = TEXT_LAYERS + r"(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
@@ -89,15 +93,90 @@ def apply_adapter(model: Any, adapter: str | Path, merge: bool = True) -> Any:
     """Load the adapter folder into `model`; returns the model to run: merged (the default) or with LoRA layers."""
     from peft import PeftModel
 
+    folder = _adapter_folder(adapter)
+    with _fits(adapter):
+        wrapped = tie_shared_adapters(PeftModel.from_pretrained(model, str(folder)))
+    return (merged(wrapped) if merge else wrapped.get_base_model()).eval()
+
+
+def _adapter_folder(adapter: str | Path) -> Path:
     folder = Path(adapter).expanduser()
     if not (folder / "adapter_config.json").is_file():
         raise ModelLoadError(f"adapter '{adapter}' is not a peft adapter folder (no adapter_config.json in it)")
+    return folder
+
+
+@contextlib.contextmanager
+def _fits(adapter: str | Path) -> Iterator[None]:
+    """peft's errors for an adapter of another model, as one ModelLoadError line."""
     try:
-        wrapped = tie_shared_adapters(PeftModel.from_pretrained(model, str(folder)))
+        yield
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
         raise ModelLoadError(f"adapter '{adapter}' does not fit this model: {first}") from exc
-    return (merged(wrapped) if merge else wrapped.get_base_model()).eval()
+
+
+class AdapterSet:
+    """LoRA adapters held apart from the base weights, one active at a time: one engine answers for several
+    workspaces tuned from its model (`train --workspace` on a base too big to tune fully) without a second copy
+    of the base. Each request names its adapter (None: the base alone); the batch's step activates it
+    (`activate`, a no-op when it is active already). At most `limit` stay loaded (the least recently used goes).
+
+    peft holds several adapters on `nn.Linear` targets; an adapter on DiffusionGemma's fused expert parameters
+    (`target_parameters`) cannot be loaded beside another ("Trying to target the same nn.Parameter twice"), so such
+    an adapter is refused here and runs merged in an engine of its own (`canvas-ls engine --adapter`)."""
+
+    def __init__(self, model: Any, limit: int = 4) -> None:
+        self.model = model
+        self.limit = limit
+        self.peft: Any = None  # the PeftModel around `model`, from the first adapter on
+        self.names: OrderedDict[str, str] = OrderedDict()  # folder -> peft's adapter name, least recent first
+        self.active: str | None = None  # the folder whose LoRA the layers apply now; None: none (the base)
+        self._serial = 0
+
+    def activate(self, adapter: str | None) -> None:
+        """Make the model compute with `adapter` (a folder; None: the base alone), loading it the first time.
+        Raises ModelLoadError for a folder that is not an adapter of this model, or one that cannot be shared."""
+        key = None if adapter is None else str(Path(adapter).expanduser().resolve())
+        if key is not None and key not in self.names:
+            self._load(key)
+        if key is not None:
+            self.names.move_to_end(key)
+        if key == self.active or self.peft is None:
+            return
+        if key is None:
+            self.peft.base_model.disable_adapter_layers()
+        else:
+            self.peft.base_model.enable_adapter_layers()
+            self.peft.set_adapter(self.names[key])
+        self.active = key
+
+    def _load(self, key: str) -> None:
+        from peft import PeftModel
+
+        if not holds_beside_others(_adapter_folder(key)):
+            raise ModelLoadError(f"adapter '{key}' adapts the MoE expert parameters, which peft cannot hold "
+                                 "beside another adapter: run it merged (canvas-ls engine --adapter)")  # fmt: skip
+        while len(self.names) >= self.limit:
+            _, name = self.names.popitem(last=False)
+            self.peft.delete_adapter(name)
+        name = f"adapter{self._serial}"
+        self._serial += 1
+        with _fits(key):
+            try:
+                if self.peft is None:
+                    self.peft = PeftModel.from_pretrained(self.model, key, adapter_name=name)
+                else:
+                    self.peft.load_adapter(key, adapter_name=name)
+            except Exception:
+                if self.peft is not None:  # what peft injected before it failed
+                    with contextlib.suppress(Exception):
+                        self.peft.delete_adapter(name)
+                raise
+        tie_shared_adapters(self.peft)
+        self.peft.eval()
+        self.names[key] = name
+        self.active = ""  # peft may have switched the active adapter: the next activate sets it
 
 
 def adapter_size(config: Any, rank: int = 16, experts: bool = False) -> dict[str, Any]:

@@ -100,10 +100,18 @@ class CompiledDecoder:
             self._fail(exc)
             return
         self.warmup_seconds = time.perf_counter() - started
+        if self.state != "warming":
+            return  # stopped meanwhile (`stop`): the graph no longer matches the model
         self._graphs_at_ready = _graphs()
         self.state = "ready"
         self.detail = f"{self._graphs_at_ready} graphs"
         log.info("decoder compiled in %.1f s (%s); steps run compiled from now", self.warmup_seconds, self.detail)
+
+    def stop(self, reason: str) -> None:
+        """Eager from now on (the model changed under the graph), and why."""
+        if self.enabled and self.state != "off":
+            self.state, self.detail = "off", reason
+            log.info("the compiled step is off: %s", reason)
 
     def _fail(self, exc: Exception) -> None:
         self.state, self.detail = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from canvas_ls.engine.adapters import AdapterSet
 from canvas_ls.engine.canvas import (
     CancelToken,
     CanvasJob,
@@ -68,6 +69,8 @@ class InfillRequest:
     middle: list[str | Hole] | None = None
     # Work computed ahead (an editor's next suggestion): the resident engine runs it only when nothing else waits.
     background: bool = False
+    # A LoRA adapter folder to answer with (a workspace's, tuned from this model; `AdapterSet`); None: the model.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class InfillResult:
     score: float = 1.0
     score_kind: str = "geometric"
     min_confidence: float = 0.0
+    adapter: str | None = None  # the LoRA adapter that answered (`InfillRequest.adapter`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,6 +132,10 @@ class Engine:
         self.decoder = CompiledDecoder(loaded.model, compile)
         # Encoder KV of recent prefixes: a keystroke re-encodes only the tail. 0 turns it off.
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
+        # LoRA adapters that requests name, held apart from the weights; each has its own prefix cache (its KV).
+        self.adapters = AdapterSet(loaded.model)
+        self._adapter_caches: dict[str, PrefixCache] = {}
+        self._prefix_cache_bytes = prefix_cache_mb << 20
         self.tokenizer = loaded.tokenizer
         generation_config = getattr(loaded.model, "generation_config", None)
         self.settings = InfillSettings().merged(model_settings(loaded.folder, generation_config)).merged(overrides)
@@ -172,9 +180,11 @@ class Engine:
         overrides: dict[str, Any] | None = None,
         cancel: CancelToken | None = None,
         on_step: Callable[[StepView], None] | None = None,
+        adapter: str | None = None,
     ) -> InfillResult:
-        """Fill the gap between `prefix` and `suffix`. Raises InfillCancelled when `cancel` is set mid-way."""
-        return self.run(InfillRequest(prefix, suffix, overrides, cancel, on_step))
+        """Fill the gap between `prefix` and `suffix` (with a LoRA `adapter` of this model, when given). Raises
+        InfillCancelled when `cancel` is set mid-way."""
+        return self.run(InfillRequest(prefix, suffix, overrides, cancel, on_step, adapter=adapter))
 
     def fill(
         self,
@@ -183,11 +193,12 @@ class Engine:
         suffix: str,
         overrides: dict[str, Any] | None = None,
         cancel: CancelToken | None = None,
+        adapter: str | None = None,
     ) -> InfillResult:
         """Fill every `Hole` of `middle` (holes and the code between them) in one canvas after `prefix`, before
         `suffix`: each gap sees the code on both sides and the other gaps' drafts. The answers are `result.gaps`.
         Raises FillError for a request that cannot be laid out, InfillCancelled when cancelled."""
-        return self.run(InfillRequest(prefix, suffix, overrides, cancel, middle=middle))
+        return self.run(InfillRequest(prefix, suffix, overrides, cancel, middle=middle, adapter=adapter))
 
     def run(self, request: InfillRequest) -> InfillResult:
         """One request: a batch of one (the resident engine's path, alone). Raises what its preparation raised, or
@@ -302,8 +313,23 @@ class Engine:
         return Prepared(settings, encoder_ids, [], params, tuple(segments))
 
     def cache_for(self, settings: InfillSettings) -> PrefixCache | None:
-        """The prefix KV cache a request may use (none when its settings turn reuse off)."""
-        return self.prefix_cache if settings.reuse_prefix else None
+        """The prefix KV cache a request may use (none when its settings turn reuse off): the model's, or that of
+        the adapter it computes with now (an adapter changes the KV); an adapter no longer loaded loses its cache."""
+        adapter = self.adapters.active
+        if not settings.reuse_prefix or self.prefix_cache is None or adapter is None:
+            return self.prefix_cache if settings.reuse_prefix else None
+        for gone in set(self._adapter_caches) - set(self.adapters.names):
+            del self._adapter_caches[gone]
+        if adapter not in self._adapter_caches:
+            self._adapter_caches[adapter] = PrefixCache(self._prefix_cache_bytes)
+        return self._adapter_caches[adapter]
+
+    def use_adapter(self, adapter: str | None) -> None:
+        """Compute with `adapter` from now on (under `lock`). The first adapter turns the compiled step off: its
+        graph holds neither the LoRA layers nor the switch between adapters."""
+        if adapter is not None and self.adapters.peft is None:
+            self.decoder.stop("LoRA adapters in use: the step runs eager")
+        self.adapters.activate(adapter)
 
     def _line_end_ids(self) -> frozenset[int]:
         """Vocabulary ids whose text holds a line break (computed once)."""
@@ -404,6 +430,7 @@ class EngineBatch:
         self.engine = engine
         self._batch = DenoisingBatch(engine.loaded.model, pad_id=engine.stop_ids[-1], decoder=engine.decoder)
         self._requests: dict[int, tuple[InfillRequest, Prepared]] = {}  # by job serial
+        self.adapter: str | None = None  # every request in the batch answers with this adapter (one forward)
 
     def __len__(self) -> int:
         return len(self._batch)
@@ -419,7 +446,12 @@ class EngineBatch:
         engine = self.engine
         failed: list[tuple[InfillRequest, Exception]] = []
         by_cache: dict[bool, list[tuple[InfillRequest, Prepared]]] = {}
+        if not self._batch and requests:
+            self.adapter = requests[0].adapter
         for request in requests:
+            if request.adapter != self.adapter:  # the scheduler batches one adapter at a time
+                failed.append((request, ValueError("a batch answers with one adapter at a time")))
+                continue
             try:
                 prepared = engine.prepare(request)
             except Exception as exc:  # this request's problem, not its neighbours'
@@ -430,6 +462,7 @@ class EngineBatch:
         for group in by_cache.values():
             try:
                 with engine.lock:
+                    engine.use_adapter(self.adapter)
                     cache = engine.cache_for(group[0][1].settings)
                     encoded = encode_prefixes(engine.loaded.model, [p.encoder_ids for _, p in group], cache)
                     jobs = [CanvasJob(engine.loaded.model, p.encoder_ids, p.head_ids, p.params, engine.stop_ids,
@@ -450,11 +483,14 @@ class EngineBatch:
 
     def step(self) -> list[tuple[InfillRequest, InfillResult | InfillCancelled]]:
         with self.engine.lock:
+            self.engine.use_adapter(self.adapter)
             ended = self._batch.step()
         outcomes: list[tuple[InfillRequest, InfillResult | InfillCancelled]] = []
         for job in ended:
             request, prepared = self._requests.pop(job.serial)
             outcome = job.error if job.error is not None else self.engine.result(prepared, job.out)
+            if isinstance(outcome, InfillResult):
+                outcome.adapter = request.adapter
             outcomes.append((request, outcome))
         return outcomes
 

@@ -6,7 +6,9 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
     POST /v1/completions   OpenAI-compatible: prompt (= prefix), suffix, max_tokens, temperature, stream (drafts
                            as server-sent events), so the client side can also talk to vLLM or SGLang
     POST /v1/infill        the engine's whole result (InfillResult) for {prefix, suffix, settings, document,
-                           priority}; priority "background": work computed ahead (an editor's next suggestion)
+                           priority, adapter}; priority "background": work computed ahead (an editor's next
+                           suggestion); adapter: a LoRA adapter folder tuned from this model (a workspace's), held
+                           beside the others (`engine.adapters.AdapterSet`), /v1/fill takes it too
     POST /v1/fill          several holes and span rewrites in one canvas: {segments: [{"text": ...} | {"hole": true}
                            | {"rewrite": current text, "strength": s}, ...], settings, document}; the text before
                            the first hole is the prefix, after the last the suffix; the answers are `gaps`
@@ -19,7 +21,8 @@ sharing each decoder forward; requests join and leave between steps. Each has a 
 checks every step: a client that disconnects, or a newer request for the same `document`, stops it at its next
 step; the others go on. Background requests run only while no other request waits or runs: one that arrives
 stops them before the next step (they answer 499, counted in canvas_background_preempted; their requests are
-counted under endpoint "infill_background").
+counted under endpoint "infill_background"). A batch computes with one adapter: a request naming another waits
+until the batch drains.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from starlette.routing import Route
 
 from canvas_ls.engine.canvas import InfillCancelled, StepView
 from canvas_ls.engine.engine import Engine, EngineBatch, InfillRequest
+from canvas_ls.engine.errors import ModelLoadError
 from canvas_ls.engine.paths import default_socket
 from canvas_ls.engine.regions import FillError, Hole, parts_from_json, split_parts
 from canvas_ls.engine.settings import SettingsError
@@ -135,8 +139,8 @@ class EngineService:
     async def health(self, request: Request) -> JSONResponse:
         device = str(self.engine.loaded.device)
         return JSONResponse({"status": "ok", "model": self.engine.name, "device": device, "dtype": self.engine.dtype,
-                             "queue": self.queue, "pid": os.getpid(),
-                             "compile": self.engine.decoder.report()})  # fmt: skip
+                             "queue": self.queue, "pid": os.getpid(), "compile": self.engine.decoder.report(),
+                             "adapters": list(self.engine.adapters.names)})  # fmt: skip
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -152,7 +156,7 @@ class EngineService:
             raise BadRequest(400, f"'priority' must be 'normal' or 'background', got {priority!r}")
         endpoint = "infill_background" if priority == "background" else "infill"  # counted apart in /metrics
         result = await self._run(request, endpoint, prefix, suffix, settings, body.get("document"),
-                                 background=priority == "background")  # fmt: skip
+                                 background=priority == "background", adapter=_adapter(body))  # fmt: skip
         if result is None:
             return JSONResponse({"cancelled": True}, status_code=499)
         return JSONResponse(result)
@@ -169,7 +173,8 @@ class EngineService:
             prefix, middle, suffix = split_parts(parts_from_json(segments))
         except FillError as exc:
             raise BadRequest(400, str(exc)) from exc
-        result = await self._run(request, "fill", prefix, suffix, settings, body.get("document"), middle=middle)
+        result = await self._run(request, "fill", prefix, suffix, settings, body.get("document"), middle=middle,
+                                 adapter=_adapter(body))  # fmt: skip
         if result is None:
             return JSONResponse({"cancelled": True}, status_code=499)
         return JSONResponse(result)
@@ -263,6 +268,7 @@ class EngineService:
         on_step: Callable[[StepView], None] | None = None,
         middle: list[str | Hole] | None = None,
         background: bool = False,
+        adapter: str | None = None,
     ) -> dict[str, Any] | None:
         """Run one infill on the worker; None when it was cancelled (client gone, superseded, or, in the
         background, preempted). A document's background request supersedes only its older background one."""
@@ -283,13 +289,13 @@ class EngineService:
         started = time.perf_counter()
 
         job = asyncio.wrap_future(
-            self.batcher.submit(InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background))
+            self.batcher.submit(InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background, adapter))
         )
         watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
         try:
             try:
                 outcome = await job
-            except FillError as exc:  # a fill that cannot be laid out (too many holes, canvas over budget...)
+            except (FillError, ModelLoadError) as exc:  # a fill that cannot be laid out, an adapter that cannot load
                 self.m_requests.labels(endpoint, "bad_request").inc()
                 raise BadRequest(400, str(exc)) from exc
             if isinstance(outcome, InfillCancelled):
@@ -398,6 +404,22 @@ class Batcher:
                 if future is not None and not future.done():
                     future.set_result(outcome)
 
+    def _take(self, pending: deque[tuple[InfillRequest, Future]], arrived: list[tuple[InfillRequest, Future]],
+              batch: EngineBatch) -> None:  # fmt: skip
+        """Move requests from `pending` to `arrived`, in order, while the batch has room; stop at the first one of
+        another LoRA adapter than the batch's: one forward computes with one adapter, so it waits for the batch to
+        drain (and the requests behind it too: no adapter waits behind a stream of another's)."""
+        while pending and len(batch) + len(arrived) < self.max_batch:
+            request, future = pending[0]
+            if request.cancel is not None and request.cancel.is_set():
+                pending.popleft()
+                future.set_result(InfillCancelled(0))  # cancelled while it waited
+                continue
+            adapter = batch.adapter if batch else arrived[0][0].adapter if arrived else request.adapter
+            if request.adapter != adapter:
+                break
+            arrived.append(pending.popleft())
+
     def _admit(self, batch: EngineBatch, futures: dict[int, Future], running: dict[int, InfillRequest]) -> None:
         """Take waiting requests into the batch (blocking only when nothing runs or waits); the ones that arrived
         together are encoded together. Every waiting request is read at once, so that a real request is seen even
@@ -421,19 +443,9 @@ class Batcher:
                     if self.on_preempt is not None:
                         self.on_preempt()
         arrived: list[tuple[InfillRequest, Future]] = []
-        while self.ready and len(batch) + len(arrived) < self.max_batch:
-            request, future = self.ready.popleft()
-            if request.cancel is not None and request.cancel.is_set():
-                future.set_result(InfillCancelled(0))  # cancelled while it waited
-            else:
-                arrived.append((request, future))
+        self._take(self.ready, arrived, batch)
         if not arrived and not self.ready and all(request.background for request in running.values()):
-            while self.held and len(batch) + len(arrived) < self.max_batch:
-                request, future = self.held.popleft()
-                if request.cancel is not None and request.cancel.is_set():
-                    future.set_result(InfillCancelled(0))
-                else:
-                    arrived.append((request, future))
+            self._take(self.held, arrived, batch)
         for request, future in arrived:
             futures[id(request)] = future
             running[id(request)] = request
@@ -480,6 +492,14 @@ def _text(body: dict[str, Any], key: str, default: str | None = None) -> str:
     if not isinstance(value, str):
         raise BadRequest(400, f"'{key}' must be a string")
     return value
+
+
+def _adapter(body: dict[str, Any]) -> str | None:
+    """The request's LoRA adapter folder (`adapter`: a workspace's, tuned from the engine's model), or None."""
+    adapter = body.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise BadRequest(400, "'adapter' must be an adapter folder's path")
+    return adapter
 
 
 def _int(body: dict[str, Any], key: str) -> int:

@@ -104,6 +104,22 @@ class WorkspaceModel:
         """(model, adapter) to load: the tuned folder, or the base with the adapter."""
         return (self.model, None) if self.kind == "model" else (self.base, self.adapter)
 
+    @property
+    def shares_base(self) -> bool:
+        """An adapter that the engine already running its base can answer with (`engine.adapters.AdapterSet`)."""
+        return self.kind == "adapter" and holds_beside_others(self.weights)
+
+
+def holds_beside_others(adapter: Path) -> bool:
+    """Whether peft can hold this LoRA adapter folder beside others on one model: adapters of `nn.Linear` layers
+    can; one of DiffusionGemma's fused expert parameters (`target_parameters`) cannot ("Trying to target the same
+    nn.Parameter twice")."""
+    try:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and not config.get("target_parameters")
+
 
 def read(folder: Path) -> WorkspaceModel | None:
     """The entry in `folder`, or None when it holds none (or a half-written one)."""

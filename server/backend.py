@@ -77,14 +77,16 @@ class Backend(Protocol):
     model_name: str | None
     load_seconds: float | None
     cancelled_after_steps: list[int]
+    adapters: bool  # whether a request may name a LoRA adapter of the model (`adapter`: its folder)
 
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None: ...
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False) -> dict | None: ...  # fmt: skip
+                     document: str | None = None, background: bool = False,
+                     adapter: str | None = None) -> dict | None: ...  # fmt: skip
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None) -> dict | None: ...  # fmt: skip
+                   document: str | None = None, adapter: str | None = None) -> dict | None: ...  # fmt: skip
 
     def shutdown(self) -> None: ...
 
@@ -97,6 +99,8 @@ def _check_ready(state: str, error: str | None) -> None:
 
 
 class LocalBackend:
+    adapters = True
+
     def __init__(self, adapter: str | None = None) -> None:
         self.adapter = adapter  # a LoRA adapter folder applied to whatever model `load` is given
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
@@ -130,27 +134,30 @@ class LocalBackend:
         self._executor.submit(work)
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
+                     document: str | None = None, background: bool = False,
+                     adapter: str | None = None) -> dict | None:  # fmt: skip
         """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed.
         `background`: work computed ahead (the server cancels it when a real request comes; one worker here)."""
-        return await self._call(cancel, lambda engine: engine.infill(prefix, suffix, overrides, cancel=cancel))
+        return await self._call(
+            cancel, lambda engine: engine.infill(prefix, suffix, overrides, cancel=cancel, adapter=adapter)
+        )
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None) -> dict | None:  # fmt: skip
+                   document: str | None = None, adapter: str | None = None) -> dict | None:  # fmt: skip
         """Several holes in one canvas (`/v1/fill` segments): the engine's result, None when cancelled. Raises
         BackendError for a fill the engine cannot lay out."""
         from canvas_ls.engine.regions import parts_from_json, split_parts
 
         def compute(engine: Any) -> Any:
             prefix, middle, suffix = split_parts(parts_from_json(segments))
-            return engine.fill(prefix, middle, suffix, overrides, cancel=cancel)
+            return engine.fill(prefix, middle, suffix, overrides, cancel=cancel, adapter=adapter)
 
         return await self._call(cancel, compute)
 
     async def _call(self, cancel: CancelFlag, compute: Callable[[Any], Any]) -> dict | None:
         """`compute(engine)` on the worker thread: its result as a dict, None when cancelled."""
         _check_ready(self.state, self.error)
-        from canvas_ls.engine import FillError, InfillCancelled
+        from canvas_ls.engine import FillError, InfillCancelled, ModelLoadError
 
         engine = self._engine
 
@@ -159,7 +166,7 @@ class LocalBackend:
                 return None
             try:
                 return compute(engine).to_dict()
-            except FillError as exc:
+            except (FillError, ModelLoadError) as exc:  # a fill it cannot lay out, an adapter it cannot load
                 raise BackendError(str(exc)) from exc
             except InfillCancelled as stopped:
                 self.cancelled_after_steps = [*self.cancelled_after_steps[-99:], stopped.steps]
@@ -180,6 +187,8 @@ class ResidentBackend:
     """The model in `canvas-ls engine`, one process per user, shared by every editor: reached over its unix
     socket, started (under a lock file) when none answers, restarted when it dies. Same methods as LocalBackend.
     """
+
+    adapters = True
 
     def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0, model: str | None = None,
                  device: str = "auto", adapter: str | None = None):  # fmt: skip
@@ -279,27 +288,26 @@ class ResidentBackend:
     # -- requests ----------------------------------------------------------------------------------------------
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
+                     document: str | None = None, background: bool = False,
+                     adapter: str | None = None) -> dict | None:  # fmt: skip
         """`background`: the engine runs it only when no real request waits, and drops it when one comes."""
-        _check_ready(self.state, self.error)
-        body = {"prefix": prefix, "suffix": suffix, "document": document,
-                "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
-        if background:
-            body["priority"] = "background"
-        return await self._post("/v1/infill", body, cancel, "completion")
+        body = {"prefix": prefix, "suffix": suffix, **({"priority": "background"} if background else {})}
+        return await self._post("/v1/infill", body, overrides, document, adapter, cancel, "completion")
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None) -> dict | None:  # fmt: skip
+                   document: str | None = None, adapter: str | None = None) -> dict | None:  # fmt: skip
         """Several holes in one canvas through `/v1/fill`; None when cancelled. Raises BackendError with the
         engine's reason when it refuses the fill or fails."""
-        _check_ready(self.state, self.error)
-        body = {"segments": segments, "document": document,
-                "settings": {k: v for k, v in overrides.items() if v is not None}}  # fmt: skip
-        return await self._post("/v1/fill", body, cancel, "fill")
+        return await self._post("/v1/fill", {"segments": segments}, overrides, document, adapter, cancel, "fill")
 
-    async def _post(self, path: str, body: dict[str, Any], cancel: CancelFlag, what: str) -> dict | None:
+    async def _post(self, path: str, body: dict[str, Any], overrides: dict[str, Any], document: str | None,
+                    adapter: str | None, cancel: CancelFlag, what: str) -> dict | None:  # fmt: skip
         """The engine's answer; None only when `cancel` won (or the engine says the request was cancelled). An
         engine that went away is restarted and the request fails with BackendError, as does one that refused it."""
+        _check_ready(self.state, self.error)
+        body = {**body, "document": document, "settings": {k: v for k, v in overrides.items() if v is not None}}
+        if adapter is not None:
+            body["adapter"] = adapter
         try:
             response = await post_cancellable(self._client, path, body, cancel)
         except httpx.HTTPError as exc:  # the engine died (or was killed): start a new one, say what happened
@@ -360,6 +368,8 @@ def completion_request(prefix: str, suffix: str, overrides: dict[str, Any], mode
 class OpenAIBackend:
     """Any OpenAI-compatible completions server (our own engine over TCP, vLLM, SGLang...). Same methods."""
 
+    adapters = False  # a workspace's adapter runs there only if that server loads it itself
+
     def __init__(self, url: str, api_key: str | None, model: str | None, suffix_mode: str, template: str):
         self.url = url.rstrip("/")
         self.model, self.suffix_mode, self.template = model, suffix_mode, template
@@ -377,7 +387,8 @@ class OpenAIBackend:
             on_done(self)
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
+                     document: str | None = None, background: bool = False,
+                     adapter: str | None = None) -> dict | None:  # fmt: skip
         body = completion_request(prefix, suffix, overrides, self.model, self.suffix_mode, self.template)
         try:
             response = await post_cancellable(self._client, "/v1/completions", body, cancel)
@@ -393,7 +404,7 @@ class OpenAIBackend:
                 "usage": data.get("usage"), "model": data.get("model")}  # fmt: skip
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None) -> dict | None:  # fmt: skip
+                   document: str | None = None, adapter: str | None = None) -> dict | None:  # fmt: skip
         raise BackendError("filling several holes needs canvas-ls's own engine (engine.backend local or resident)")
 
     def shutdown(self) -> None:

@@ -59,6 +59,7 @@ class RoutedBackend:
         self.workspace_backends: dict[tuple[str | None, str | None], Backend] = {}
         self._device = "auto"
         self._paths: dict[str, Path | None] = {}  # uri -> resolved path (resolving costs syscalls)
+        self._announced: set[Path] = set()  # workspaces whose adapter the configured engine answers with, told
 
     # -- the configured model's state is the server's ---------------------------------------------------------
 
@@ -107,11 +108,13 @@ class RoutedBackend:
         """Which model answers this document now: "" for the configured one, else the workspace model's folder."""
         return self.select(document)[0]
 
-    def select(self, document: str | None) -> tuple[str, Backend]:
-        """(route, backend) for this document: the workspace model's, once it has loaded, else the configured one's
-        (a workspace model is created and starts loading on the first request of its repository's files)."""
+    def select(self, document: str | None) -> tuple[str, Backend, str | None]:
+        """(route, backend, adapter) for this document. A workspace's LoRA adapter of the configured model goes to
+        the configured model's own engine, which holds it beside the others (one copy of the base, whatever the
+        number of workspaces); a workspace's tuned model gets a backend of its own, which answers once it has
+        loaded (created and started on the first request of its repository's files); else the configured one."""
         if not self.enabled or document is None:
-            return "", self.default
+            return "", self.default, None
         if document not in self._paths:
             if len(self._paths) > 4096:
                 self._paths.clear()
@@ -119,15 +122,20 @@ class RoutedBackend:
         path = self._paths[document]
         entry = self.index.for_path(path, self.base) if path is not None else None
         if entry is None:
-            return "", self.default
+            return "", self.default, None
         key = entry.runs_as
+        if self.default.adapters and entry.shares_base:
+            if entry.root not in self._announced:
+                self._announced.add(entry.root)
+                self.notify(f"documents under {entry.root} answer with the adapter tuned on it")
+            return f"{key[0]}|{key[1]}", self.default, key[1]
         backend = self.workspace_backends.get(key)
         if backend is None:
             backend = self.workspace_backends[key] = self.make(*key)
             self.notify(f"loading the model tuned on {entry.root}")
             loop = asyncio.get_running_loop()  # the load ends on a worker thread: report it on the server's loop
             backend.load(key[0], self._device, lambda done: loop.call_soon_threadsafe(self._loaded, entry, done))
-        return (f"{key[0]}|{key[1]}", backend) if backend.state == "ready" else ("", self.default)
+        return (f"{key[0]}|{key[1]}", backend, None) if backend.state == "ready" else ("", self.default, None)
 
     def _loaded(self, entry: WorkspaceModel, backend: Backend) -> None:
         if backend.state == "ready":
@@ -138,15 +146,15 @@ class RoutedBackend:
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
-        backend = self.backend_for(document)
+        _, backend, adapter = self.select(document)
         with self._learning_held():
-            return await backend.infill(prefix, suffix, overrides, cancel, document, background)
+            return await backend.infill(prefix, suffix, overrides, cancel, document, background, adapter)
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
                    document: str | None = None) -> dict | None:  # fmt: skip
-        backend = self.backend_for(document)
+        _, backend, adapter = self.select(document)
         with self._learning_held():
-            return await backend.fill(segments, overrides, cancel, document)
+            return await backend.fill(segments, overrides, cancel, document, adapter)
 
     @contextlib.contextmanager
     def _learning_held(self) -> Iterator[None]:

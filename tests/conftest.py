@@ -111,3 +111,26 @@ def tiny_engine_fp32(tiny_model_dir: Path) -> Engine:
     """For checks of exact equivalence (batched vs alone): bf16 rounds a batched matmul a hair differently, and
     the random tiny model's near-tied logits flip on such hairs."""
     return Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+
+
+def random_adapter(model_dir: Path, out: Path, seed: int = 3, experts: bool = False) -> Path:
+    """A LoRA adapter of the model whose weights are random (a fresh LoRA's B is zero: it would change nothing)."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from canvas_ls.engine.adapters import add_lora, save_adapter
+
+    torch.manual_seed(seed)
+    adapted = add_lora(DiffusionGemmaForBlockDiffusion.from_pretrained(str(model_dir)), rank=4, experts=experts)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    return save_adapter(adapted, out)
+
+
+@pytest.fixture(scope="session")
+def linear_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two adapters of the tiny model's attention and dense MLP (what `train --workspace` tunes on a base too big
+    to tune fully): what one engine holds side by side."""
+    return [random_adapter(tiny_model_dir, tmp_path_factory.mktemp(f"linear{seed}"), seed) for seed in (3, 4)]

@@ -10,11 +10,11 @@ import torch
 from transformers import DiffusionGemmaForBlockDiffusion
 
 from canvas_ls.engine import Engine
-from canvas_ls.engine.adapters import adapter_size, add_lora, save_adapter, trainable_parameters
+from canvas_ls.engine.adapters import adapter_size, add_lora, trainable_parameters
 from canvas_ls.engine.architecture import small_config
 from canvas_ls.engine.bench_step import full_width_config
 from canvas_ls.engine.tokenizer import train_tokenizer
-from tests.conftest import tokenizer_texts
+from tests.conftest import random_adapter, tokenizer_texts
 from tests.test_cli import cli
 from tests.test_training import short_run
 
@@ -43,15 +43,8 @@ def test_lora_training_moves_the_adapter_alone(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An adapter for the tiny model whose weights are random (a fresh LoRA's B is zero: it would change nothing)."""
-    torch.manual_seed(3)
-    adapted = add_lora(DiffusionGemmaForBlockDiffusion.from_pretrained(str(tiny_model_dir)), rank=4, experts=True)
-    with torch.no_grad():
-        for name, parameter in adapted.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.5)
-    assert trainable_parameters(adapted) > 0
-    return save_adapter(adapted, tmp_path_factory.mktemp("adapter"))
+    """An adapter of the attention, dense MLP and expert weights of the tiny model."""
+    return random_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapter"), experts=True)
 
 
 def test_merged_and_unmerged_adapters_answer_alike(tiny_model_dir: Path, adapter_dir: Path,
@@ -70,6 +63,42 @@ def test_merged_and_unmerged_adapters_answer_alike(tiny_model_dir: Path, adapter
     for a, b in zip(with_merged, with_apart, strict=True):
         assert a.tokens == b.tokens and a.steps == b.steps
     assert [r.tokens for r in with_merged] != [r.tokens for r in base]  # the adapter does change the model
+
+
+def test_one_engine_answers_with_each_adapter_a_request_names(
+    tiny_model_dir: Path, linear_adapters: list[Path], adapter_dir: Path, tiny_engine_fp32: Engine
+) -> None:
+    """Adapters held apart from the weights, switched per request, answer as the model with each one merged (fp32,
+    token for token), and the model alone as before; past `limit` the least recent goes and comes back on use. An
+    adapter of the expert parameters cannot share the model (peft), a batch takes one adapter at a time."""
+    from canvas_ls.engine import ModelLoadError
+    from canvas_ls.engine.engine import InfillRequest
+
+    def answers(engine: Engine, adapter: Path | None = None) -> list[list[int]]:
+        requests = [InfillRequest(p, s, {"max_new_tokens": 8, "min_new_tokens": 2, "seed": 1},
+                                  adapter=None if adapter is None else str(adapter)) for p, s in PROMPTS]  # fmt: skip
+        return [result.tokens for result in engine.infill_batch(requests)]
+
+    merged = {a: answers(Engine.load(str(tiny_model_dir), "cpu", dtype="float32", adapter=str(a)))
+              for a in linear_adapters}  # fmt: skip
+    base = answers(tiny_engine_fp32)
+    first, second = linear_adapters
+    assert len({str(merged[first]), str(merged[second]), str(base)}) == 3  # each adapter changes the answers
+    shared = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    for adapter in (first, None, second, first, None):
+        assert answers(shared, adapter) == (base if adapter is None else merged[adapter]), adapter
+    assert list(shared.adapters.names) == [str(second), str(first)]
+    result = shared.infill("x = ", "\n", {"max_new_tokens": 4}, adapter=str(second))
+    assert result.adapter == str(second) and shared.infill("x = ", "\n", {"max_new_tokens": 4}).adapter is None
+    one = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    one.adapters.limit = 1
+    for adapter in (first, second, first):
+        assert answers(one, adapter) == merged[adapter] and list(one.adapters.names) == [str(adapter)]
+    with pytest.raises(ModelLoadError, match="adapts the MoE expert parameters"):
+        shared.infill("x = ", "\n", adapter=str(adapter_dir))
+    batch = shared.batch()
+    refused = batch.add_many([InfillRequest("a = ", "\n", adapter=str(first)), InfillRequest("b = ", "\n")])
+    assert [str(error) for _, error in refused] == ["a batch answers with one adapter at a time"] and len(batch) == 1
 
 
 def test_an_adapter_that_is_not_one_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from pygls.lsp.client import LanguageClient
 
 from canvas_ls.engine import Engine
 from canvas_ls.server.bench_soak import rss_mb
+from tests.test_adapters import PROMPTS
 
 ENGINE = [sys.executable, "-m", "canvas_ls.server.cli", "engine"]
 BODY = {"prefix": "def add(a, b):\n    return ", "suffix": "\n", "settings": {"max_new_tokens": 8, "max_steps": 3}}
@@ -423,6 +424,46 @@ def test_concurrent_requests_share_decoder_forwards(unix_engine: httpx.Client) -
     batched = [line for line in metrics.splitlines() if line.startswith('canvas_batch_size_bucket{le="1.0"}')]
     count = [line for line in metrics.splitlines() if line.startswith("canvas_batch_size_count")]
     assert float(batched[0].split()[-1]) < float(count[0].split()[-1])  # at least one batch held 2+ requests
+
+
+def test_one_engine_answers_for_several_adapters_at_once(tiny_model_dir: Path, linear_adapters: list[Path],
+                                                         tmp_path: Path) -> None:  # fmt: skip
+    """Requests naming different LoRA adapters (workspaces tuned from the engine's model), sent together, each get
+    the answer of the model with their adapter merged (fp32, token for token): a batch computes with one adapter
+    and the others wait for it to drain. A folder that is not an adapter is that request's 400."""
+    import concurrent.futures
+
+    path = tmp_path / "run" / "engine.sock"
+    process = subprocess.Popen([*ENGINE, "--model", str(tiny_model_dir), "--socket", str(path), "--dtype", "float32"],
+                               stdin=subprocess.DEVNULL)  # fmt: skip
+    settings = {"max_new_tokens": 8, "min_new_tokens": 2, "seed": 1}
+    requests = [(prompt, adapter) for adapter in (*linear_adapters, None) for prompt in PROMPTS]
+    expected = {}
+    for adapter in (*linear_adapters, None):
+        merged = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", adapter=adapter and str(adapter))
+        for prefix, suffix in PROMPTS:
+            expected[prefix, adapter] = merged.infill(prefix, suffix, settings).tokens
+
+    def one(request: tuple[tuple[str, str], Path | None]) -> dict[str, Any]:
+        (prefix, suffix), adapter = request
+        body = {"prefix": prefix, "suffix": suffix, "settings": settings, "adapter": adapter and str(adapter)}
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine", timeout=120) as c:
+            return c.post("/v1/infill", json=body).json()
+
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine", timeout=60) as c:
+            wait_health(c)
+            with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+                results = list(pool.map(one, requests))
+            for ((prefix, _), adapter), result in zip(requests, results, strict=True):
+                assert result["tokens"] == expected[prefix, adapter] and result["adapter"] == (adapter and str(adapter))
+            assert sorted(c.get("/health").json()["adapters"]) == sorted(str(a) for a in linear_adapters)
+            refused = c.post("/v1/infill", json={**BODY, "adapter": str(tmp_path)})
+            assert refused.status_code == 400 and "is not a peft adapter folder" in refused.json()["error"]
+            assert c.post("/v1/infill", json=BODY).status_code == 200
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_background_work_waits_for_real_requests_and_yields_to_them(unix_engine: httpx.Client) -> None:

@@ -17,7 +17,7 @@ from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
 from canvas_ls.engine import workspaces
-from tests.conftest import tokenizer_texts
+from tests.conftest import random_adapter, tokenizer_texts
 from tests.test_lsp import SERVE, options, request, wait_ready
 
 RETURN_DOC = "def f(x):\n    return \n"
@@ -109,6 +109,16 @@ async def wait_for(condition: Any, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
+async def inside_and_outside(client: LanguageClient, model: Path, repo: Path, tmp_path: Path) -> tuple[str, str]:
+    """A session with `model` configured, and the same document opened in `repo` and outside it (their URIs)."""
+    capabilities = pytest_lsp.client_capabilities("neovim")
+    init = options(model, max_steps=4, max_new_tokens_single_line=4)
+    await client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    await wait_ready(client)
+    return (open_file(client, repo / "pkg" / "a.py", RETURN_DOC),
+            open_file(client, tmp_path / "elsewhere" / "a.py", RETURN_DOC))  # fmt: skip
+
+
 async def test_a_repositorys_files_are_answered_by_its_own_model(
     raw_client: LanguageClient, writing_model_dir: Path, fixed_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -118,12 +128,7 @@ async def test_a_repositorys_files_are_answered_by_its_own_model(
     repo = tmp_path / "repo"
     repo.mkdir()
     workspaces.install(repo, fake_run(tmp_path / "run", fixed_model_dir), str(writing_model_dir), {}, {"name": "t"})
-    capabilities = pytest_lsp.client_capabilities("neovim")
-    init = options(writing_model_dir, max_steps=4, max_new_tokens_single_line=4)
-    await raw_client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
-    await wait_ready(raw_client)
-    inside = open_file(raw_client, repo / "pkg" / "a.py", RETURN_DOC)
-    outside = open_file(raw_client, tmp_path / "elsewhere" / "a.py", RETURN_DOC)
+    inside, outside = await inside_and_outside(raw_client, writing_model_dir, repo, tmp_path)
     first = await fill_at(raw_client, inside, AFTER_RETURN)  # starts the repository's engine; answered meanwhile
     assert not first["source"].startswith("error"), first
 
@@ -139,6 +144,27 @@ async def test_a_repositorys_files_are_answered_by_its_own_model(
     assert other["result"] is None or other["result"]["model"] != answer["result"]["model"]
     stats = await request(raw_client, "canvas/stats", {})
     assert stats["workspaceModels"][0]["model"].startswith(str(workspaces.entry_dir(repo)))
+    await raw_client.shutdown_session()
+
+
+async def test_a_repositorys_adapter_is_answered_by_the_engine_of_its_base(
+    raw_client: LanguageClient, writing_model_dir: Path, tmp_path: Path
+) -> None:
+    """A repository tuned as a LoRA adapter of the configured model (what "Learn this workspace" makes of a base too
+    big to tune fully): its files are answered by the engine already running that model, with the adapter (no
+    engine of its own, no second copy of the base); other files without it."""
+    repo = tmp_path / "repo"
+    random_adapter(writing_model_dir, tmp_path / "run" / "adapter")
+    workspaces.install(repo, tmp_path / "run", str(writing_model_dir), {}, {"name": "lora", "lora_rank": 4})
+    entry = workspaces.WorkspaceIndex(recheck_s=0).for_path(repo / "a.py", str(writing_model_dir))
+    assert entry is not None and entry.kind == "adapter" and entry.shares_base
+    inside, outside = await inside_and_outside(raw_client, writing_model_dir, repo, tmp_path)
+    answer = await fill_at(raw_client, inside, AFTER_RETURN)
+    assert answer["result"]["adapter"] == entry.adapter, answer
+    other = await fill_at(raw_client, outside, AFTER_RETURN)
+    assert other["result"]["adapter"] is None and other["result"]["model"] == answer["result"]["model"]
+    stats = await request(raw_client, "canvas/stats", {})
+    assert stats["workspaceModels"] == []  # no backend, no engine of its own
     await raw_client.shutdown_session()
 
 
