@@ -21,12 +21,15 @@ zeroes masked rows' soft embeddings exactly as it does without logits, and one g
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from canvas_ls.engine.paths import cache_dir
 
 log = logging.getLogger("canvas-ls.compiled")
 MODES = ("auto", "on", "off")
@@ -128,6 +131,9 @@ def compile_model(model: Any, device: torch.device, backend: str = "inductor", d
     """`torch.compile` as the engine runs it: CUDA graphs on a GPU; on the CPU inductor with its C++ wrapper (the
     compiled forward 0.79-0.82x eager vs 0.89-0.92x with the Python wrapper: shipped model, fp32, 2-core Xeon, 1k
     prefix, 1 and 4 rows)."""
+    # Inductor's caches (compiled kernels, graphs) under the user's cache instead of /tmp: an engine started again,
+    # after a reboot too, loads its graphs instead of compiling them (`Engine.warm_up`'s time, README).
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
     inductor = backend == "inductor"
     mode = "reduce-overhead" if device.type == "cuda" and inductor else None
     options = {"cpp_wrapper": True} if device.type == "cpu" and inductor else None
