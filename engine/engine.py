@@ -324,6 +324,11 @@ class Engine:
             self._adapter_caches[adapter] = PrefixCache(self._prefix_cache_bytes)
         return self._adapter_caches[adapter]
 
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of KV held by the prefix caches (the model's and its adapters')."""
+        caches = [self.prefix_cache, *list(self._adapter_caches.values())]
+        return sum(cache.nbytes for cache in caches if cache is not None)
+
     def use_adapter(self, adapter: str | None) -> None:
         """Compute with `adapter` from now on (under `lock`). The first adapter turns the compiled step off: its
         graph holds neither the LoRA layers nor the switch between adapters."""

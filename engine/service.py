@@ -120,6 +120,8 @@ class EngineService:
             Gauge(name, text, registry=registry).set_function(lambda key=key: float(compiled()[key]))
         Gauge("canvas_compile_warmup_seconds", "Seconds the decoder's compilation took (0 until done)",
               registry=registry).set_function(lambda: float(compiled()["warmup_seconds"] or 0.0))  # fmt: skip
+        Gauge("canvas_prefix_cache_bytes", "Bytes of KV the prefix caches hold (bounded: --prefix-cache-mb, 64 "
+              "snapshots)", registry=registry).set_function(lambda: float(engine.prefix_cache_bytes()))  # fmt: skip
         self.batcher = Batcher(engine, max_batch, self._observe_step, self.m_preempted.inc)
         engine.warm_up()  # compiles in the background when compile is on; requests run eager meanwhile
         self.app = Starlette(

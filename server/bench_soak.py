@@ -181,6 +181,8 @@ def _metrics(engine: httpx.Client) -> dict[str, float]:
                 values[key] = values.get(key, 0) + sample.value
             elif sample.name == "canvas_queue_depth":
                 values["queue"] = sample.value
+            elif sample.name == "canvas_prefix_cache_bytes":
+                values["prefix_cache_mb"] = sample.value / 2**20
             elif sample.name in ("canvas_compilations_after_warmup", "canvas_compiled_steps", "canvas_eager_steps"):
                 values[sample.name.removeprefix("canvas_")] = sample.value
     return values
@@ -208,6 +210,7 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
         if number + 1 == warm_up or (number + 1) % max(1, requests // 20) == 0:
             await asyncio.sleep(2.5)  # background work (speculation) ends, and the idle engine trims its heap
             samples.append({"requests": number + 1, "server_mb": rss_mb(server_pid), "engine_mb": rss_mb(engine_pid),
+                            "prefix_cache_mb": _metrics(engine).get("prefix_cache_mb", 0.0),
                             "seconds": time.perf_counter() - started})  # fmt: skip
     seconds = time.perf_counter() - started
 
@@ -219,7 +222,7 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
     metrics = _metrics(engine)
     queue = engine.get("/health").json()["queue"]
     final = {"requests": requests, "server_mb": rss_mb(server_pid), "engine_mb": rss_mb(engine_pid),
-             "seconds": seconds}  # fmt: skip
+             "prefix_cache_mb": metrics.get("prefix_cache_mb", 0.0), "seconds": seconds}  # fmt: skip
     samples.append(final)
     await client.shutdown_async(None)
     client.exit(None)
@@ -252,6 +255,8 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
         "samples": samples,
         "server_growth_mb": final["server_mb"] - base["server_mb"],
         "engine_growth_mb": final["engine_mb"] - base["engine_mb"],
+        # of which the prefix KV cache filling up to its bounds (by design, not a leak)
+        "prefix_cache_growth_mb": final["prefix_cache_mb"] - base["prefix_cache_mb"],
         "failures": soak.failures[:20],
         "messages": messages[:20],
         "server": {
@@ -277,10 +282,12 @@ def format_soak(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']}", report["machine"],
              f"{report['requests']} requests in {report['seconds']:.0f} s: "
              + ", ".join(f"{k} {v}" for k, v in sorted(report["sent"].items())), "",
-             f"{'requests':>9} {'server MB':>10} {'engine MB':>10}"]  # fmt: skip
-    lines += [f"{s['requests']:>9} {s['server_mb']:>10.1f} {s['engine_mb']:>10.1f}" for s in report["samples"]]
+             f"{'requests':>9} {'server MB':>10} {'engine MB':>10} {'its prefix cache MB':>20}"]  # fmt: skip
+    lines += [f"{s['requests']:>9} {s['server_mb']:>10.1f} {s['engine_mb']:>10.1f} {s['prefix_cache_mb']:>20.1f}"
+              for s in report["samples"]]  # fmt: skip
     lines.append(f"growth after the warm-up ({report['warm_up']} requests): server {report['server_growth_mb']:+.1f} "
-                 f"MB, engine {report['engine_growth_mb']:+.1f} MB")  # fmt: skip
+                 f"MB, engine {report['engine_growth_mb']:+.1f} MB (its prefix cache "
+                 f"{report['prefix_cache_growth_mb']:+.1f} MB)")  # fmt: skip
     server = report["server"]
     lines.append(f"server: {server['requests']} completions, {server['model_calls']} model calls, "
                  f"by source {server['by_source']}, speculation {server['speculation']}, "

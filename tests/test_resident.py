@@ -119,6 +119,12 @@ def test_metrics_count_requests(unix_engine: httpx.Client) -> None:
     assert compiled["state"] == "off" and "cpu" in compiled["detail"]
     eager = next(line for line in text.splitlines() if line.startswith("canvas_eager_steps "))
     assert float(eager.split()[1]) >= 1 and "canvas_compiled_steps 0.0" in text
+    # the prefix cache's bytes (what `bench soak` tells apart from a leak): a long prefix leaves a snapshot
+    long = {**BODY, "prefix": "".join(f"value_{i} = {i} * {i}\n" for i in range(60)) + BODY["prefix"]}
+    assert unix_engine.post("/v1/infill", json=long).status_code == 200
+    held = next(line for line in unix_engine.get("/metrics").text.splitlines()
+                if line.startswith("canvas_prefix_cache_bytes "))  # fmt: skip
+    assert float(held.split()[1]) > 0
 
 
 def free_port() -> int:
