@@ -2,8 +2,8 @@
 // Debian's headless Chromium through puppeteer-core. Run by ./run.sh, which installs all of it (see there).
 //
 // 1. With the tiny model whose answers are known in advance (` None` then `code` in every slot): open a Python file,
-//    type a space after `return`, wait for the ghost text, check it equals the server's answer (its log, at DEBUG)
-//    and the known text, take a screenshot, accept with Tab, save,
+//    type a space after `return`, wait for the ghost text, check it equals the server's answer (its log, at DEBUG,
+//    which the output channel must show at level debug) and the known text, take a screenshot, accept with Tab, save,
 //    and check the file on disk.
 // 2. The status bar item (latency after a completion), and a click on it toggles inline completion off and on.
 // 3. A model that fails to load: an error notification that says so, the status bar's error icon, no crash.
@@ -75,7 +75,9 @@ step("vsix installed", { output: installed.stdout.trim().split("\n").pop() });
 const port = 20000 + Math.floor(Math.random() * 20000);
 const server = spawn(codeServer, ["--bind-addr", `127.0.0.1:${port}`, "--auth", "none", "--user-data-dir", userData,
   "--extensions-dir", extensions, "--disable-telemetry", "--disable-update-check", "--disable-workspace-trust",
-  workspace], { stdio: ["ignore", "pipe", "pipe"], env: { ...process.env, XDG_RUNTIME_DIR: join(root, "run") } });
+  // Log output channels keep debug lines (the server's answers, logged at DEBUG; at the default, info, they are
+  // dropped: the extension shows each server line at its own level).
+  "--log", "debug", workspace], { stdio: ["ignore", "pipe", "pipe"], env: { ...process.env, XDG_RUNTIME_DIR: join(root, "run") } });
 let serverLog = "";
 server.stdout.on("data", (chunk) => (serverLog += chunk));
 server.stderr.on("data", (chunk) => (serverLog += chunk));
@@ -163,8 +165,10 @@ try {
     };
     walk(join(userData, "logs"));
     for (const log of logs) {
-      const match = readFileSync(log, "utf8").match(/request \d+ offered ("(?:[^"\\]|\\.)*") at offsets/);
-      if (match) return { text: JSON.parse(match[1]) };
+      // The output channel's line: "<time> [debug] request N offered ..." (the server logged it at DEBUG).
+      const offeredLine = /\[(\w+)\][^\n]*request \d+ offered ("(?:[^"\\]|\\.)*") at offsets/;
+      const match = readFileSync(log, "utf8").match(offeredLine);
+      if (match) return { text: JSON.parse(match[2]), level: match[1] };
     }
     return null;
   }, 20000);
@@ -172,7 +176,8 @@ try {
   const known = "Nonecodecodecode";
   if (ghost !== offered || !ghost.startsWith("Nonecode") || ghost !== known)
     throw new Error(`ghost text ${JSON.stringify(ghost)}, server answered ${JSON.stringify(offered)}`);
-  step("ghost text equals the server's answer", { ghost });
+  if (answered.level !== "debug") throw new Error(`the server's DEBUG line shows at level ${answered.level}`);
+  step("ghost text equals the server's answer", { ghost, logLevel: answered.level });
 
   await page.keyboard.press("Tab");
   await sleep(500);
