@@ -358,6 +358,7 @@ class TrainingError(Exception):
 @dataclass
 class TrainConfig:
     minutes: float = 150.0  # wall-clock budget; the learning-rate schedule follows elapsed time
+    max_steps: int | None = None  # and a step budget, whichever ends first (tests: work that no machine's speed moves)
     batch_size: int = 16
     prefix_tokens: int = 192  # encoder context per example (BOS included)
     head_tokens: int = 16  # clamped suffix head
@@ -518,6 +519,9 @@ def train(
     snapshots = sorted(m for m in cfg.snapshot_minutes if m * 60 > state["elapsed"] and m < cfg.minutes)
     try:
         while (elapsed := time.perf_counter() - started) < budget:
+            if cfg.max_steps is not None and state["step"] >= cfg.max_steps:
+                stopped = "steps"
+                break
             step = state["step"]
             lr = lr_at(cfg, step, elapsed / budget)
             for group in optimizer.param_groups:
