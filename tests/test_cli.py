@@ -41,6 +41,7 @@ RESULT_FIELDS = {
     "score",
     "score_kind",
     "min_confidence",
+    "adapter",
 }
 
 
