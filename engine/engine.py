@@ -135,7 +135,6 @@ class Engine:
         # LoRA adapters that requests name, held apart from the weights; each has its own prefix cache (its KV).
         self.adapters = AdapterSet(loaded.model)
         self._adapter_caches: dict[str, PrefixCache] = {}
-        self._prefix_cache_bytes = prefix_cache_mb << 20
         self.tokenizer = loaded.tokenizer
         generation_config = getattr(loaded.model, "generation_config", None)
         self.settings = InfillSettings().merged(model_settings(loaded.folder, generation_config)).merged(overrides)
@@ -321,7 +320,7 @@ class Engine:
         for gone in set(self._adapter_caches) - set(self.adapters.names):
             del self._adapter_caches[gone]
         if adapter not in self._adapter_caches:
-            self._adapter_caches[adapter] = PrefixCache(self._prefix_cache_bytes)
+            self._adapter_caches[adapter] = PrefixCache(self.prefix_cache.max_bytes)
         return self._adapter_caches[adapter]
 
     def prefix_cache_bytes(self) -> int:

@@ -411,15 +411,16 @@ class Batcher:
         """Move requests from `pending` to `arrived`, in order, while the batch has room; stop at the first one of
         another LoRA adapter than the batch's: one forward computes with one adapter, so it waits for the batch to
         drain (and the requests behind it too: no adapter waits behind a stream of another's)."""
+        adapter = batch.adapter
         while pending and len(batch) + len(arrived) < self.max_batch:
             request, future = pending[0]
             if request.cancel is not None and request.cancel.is_set():
                 pending.popleft()
                 future.set_result(InfillCancelled(0))  # cancelled while it waited
                 continue
-            adapter = batch.adapter if batch else arrived[0][0].adapter if arrived else request.adapter
-            if request.adapter != adapter:
+            if (batch or arrived) and request.adapter != adapter:
                 break
+            adapter = request.adapter
             arrived.append(pending.popleft())
 
     def _admit(self, batch: EngineBatch, futures: dict[int, Future], running: dict[int, InfillRequest]) -> None:

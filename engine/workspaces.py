@@ -104,9 +104,10 @@ class WorkspaceModel:
         """(model, adapter) to load: the tuned folder, or the base with the adapter."""
         return (self.model, None) if self.kind == "model" else (self.base, self.adapter)
 
-    @property
+    @functools.cached_property
     def shares_base(self) -> bool:
-        """An adapter that the engine already running its base can answer with (`engine.adapters.AdapterSet`)."""
+        """An adapter that the engine already running its base can answer with (`engine.adapters.AdapterSet`). Read
+        once per entry: the router asks it for every completion of the workspace's files."""
         return self.kind == "adapter" and holds_beside_others(self.weights)
 
 
