@@ -172,6 +172,29 @@ def test_dtype_follows_the_cpu(tmp_path: Path) -> None:
         resolve_dtype("half", torch.device("cpu"))
 
 
+def test_a_bf16_model_on_a_cpu_attends_in_fp32(tiny_model_dir: Path) -> None:
+    """bf16 SDPA on a CPU keeps a JIT kernel per block shape for the process's life (the soak's engine growth);
+    the engine runs a bf16 model's attention in fp32 there and bounds oneDNN's per-shape kernel caches."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from canvas_ls.engine.loading import fp32_attention, load_model
+
+    assert load_model(str(tiny_model_dir), "cpu", "float32").model.config._attn_implementation == "sdpa"
+    model = load_model(str(tiny_model_dir), "cpu", "bfloat16").model
+    assert model.config._attn_implementation == fp32_attention()
+    assert int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) < 1024 and int(os.environ["LRU_CACHE_CAPACITY"]) < 1024
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 4, 37, 32, generator=generator).bfloat16() for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = False
+    out, _ = ALL_ATTENTION_FUNCTIONS[fp32_attention()](module, query, key, value, None, scaling=0.25)
+    exact = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=0.25)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, exact.transpose(1, 2).bfloat16())
+
+
 def test_complete_runs_in_the_dtype_asked_for(tiny_model_dir: Path) -> None:
     for dtype in ("float32", "bfloat16"):
         done = cli("complete", str(STATS), "--line", "19", "--character", "11",
