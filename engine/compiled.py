@@ -9,6 +9,10 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
 - on: `torch.compile` of the model with dynamic shapes (rows, canvas width, cached prefix length), compiled in a
   background thread at engine start on made-up inputs of two row counts (a batch of one is its own graph) and a
   prefix past the sliding window (`Engine.warm_up`) while requests run eager; once warm, every step runs compiled.
+  On the CPU each graph serves as soon as it is compiled: the one-row graph (an editor's request alone, the
+  common case) first, 18.5-24.7 s into the warm-up with inductor's cache warm on 2 cores, while several rows run
+  eager until theirs is done (37-46 s). On a GPU all wait for the last (CUDA graphs are not recorded beside
+  running ones).
   A compilation that fails leaves the engine eager and says why (`/health`, the log). Compilations after the
   warm-up (a shape the guards did not cover) are counted.
 - auto: on where there is a GPU, off on the CPU (where the gain is smaller and the warm-up holds 2 cores for about
@@ -24,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,6 +49,7 @@ class CompiledDecoder:
         self.state = "warming" if self.enabled else "off"  # warming -> ready | failed
         self.detail = "" if self.enabled else f"compile={mode} on {device.type}"
         self.warmup_seconds: float | None = None
+        self.ready_seconds: dict[str, float] = {}  # "1 row" / "rows": seconds from the warm-up's start to its graph
         self.steps = {"compiled": 0, "eager": 0}
         self.compilations_after_warmup = 0
         self._fn: Callable[..., Any] | None = None
@@ -59,8 +64,8 @@ class CompiledDecoder:
         return self.enabled
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
-        """The logits of one decoder forward: compiled once warm, eager before and after a failure."""
-        if self.state == "ready" and self._fn is not None:
+        """The logits of one decoder forward: compiled once its graph is warm, eager before and after a failure."""
+        if self._serves(inputs) and self._fn is not None:
             try:
                 if self._graphs_on_cuda:  # a new iteration: the last replay's outputs were copied out
                     torch.compiler.cudagraph_mark_step_begin()
@@ -72,14 +77,20 @@ class CompiledDecoder:
             else:
                 self.steps["compiled"] += 1
                 graphs = _graphs()
-                if graphs > self._graphs_at_ready + self.compilations_after_warmup:
+                if self.state == "ready" and graphs > self._graphs_at_ready + self.compilations_after_warmup:
                     self.compilations_after_warmup = graphs - self._graphs_at_ready
                     log.info("compiled a new graph after the warm-up (%d so far)", self.compilations_after_warmup)
                 return logits
         self.steps["eager"] += 1
         return self.model(**inputs).logits
 
-    def warm_up(self, examples: Callable[[], list[dict[str, Any]]], background: bool = True) -> None:
+    def _serves(self, inputs: dict[str, Any]) -> bool:
+        """Whether the compiled graph for these inputs' row count is ready."""
+        if self.state == "ready":
+            return True
+        return self.state == "warming" and _rows(inputs) in self.ready_seconds and not self._graphs_on_cuda
+
+    def warm_up(self, examples: Callable[[], Iterable[dict[str, Any]]], background: bool = True) -> None:
         """Compile on `examples()` (decoder inputs of the shapes to cover); in a thread unless `background` is False.
         Requests meanwhile run eager."""
         if not self.enabled:
@@ -89,7 +100,7 @@ class CompiledDecoder:
         else:
             self._warm_up(examples)
 
-    def _warm_up(self, examples: Callable[[], list[dict[str, Any]]]) -> None:
+    def _warm_up(self, examples: Callable[[], Iterable[dict[str, Any]]]) -> None:
         started = time.perf_counter()
         try:
             assert self._fn is not None
@@ -99,6 +110,10 @@ class CompiledDecoder:
                         if self._graphs_on_cuda:
                             torch.compiler.cudagraph_mark_step_begin()
                         self._fn(**inputs)
+                    rows = _rows(inputs)
+                    if rows not in self.ready_seconds:
+                        self.ready_seconds[rows] = time.perf_counter() - started
+                        log.info("decoder compiled for %s in %.1f s", rows, self.ready_seconds[rows])
         except Exception as exc:
             self._fail(exc)
             return
@@ -123,7 +138,8 @@ class CompiledDecoder:
     def report(self) -> dict[str, Any]:
         """What `/health` and `/metrics` show."""
         return {"state": self.state, "detail": self.detail, "warmup_seconds": self.warmup_seconds,
-                "compiled_steps": self.steps["compiled"], "eager_steps": self.steps["eager"],
+                "ready_seconds": dict(self.ready_seconds), "compiled_steps": self.steps["compiled"],
+                "eager_steps": self.steps["eager"],
                 "compilations_after_warmup": self.compilations_after_warmup}  # fmt: skip
 
 
@@ -138,6 +154,11 @@ def compile_model(model: Any, device: torch.device, backend: str = "inductor", d
     mode = "reduce-overhead" if device.type == "cuda" and inductor else None
     options = {"cpp_wrapper": True} if device.type == "cpu" and inductor else None
     return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options)
+
+
+def _rows(inputs: dict[str, Any]) -> str:
+    """Which graph a forward needs: one row (specialised by dynamo) or several."""
+    return "1 row" if inputs["decoder_input_ids"].shape[0] == 1 else "rows"
 
 
 def _graphs() -> int:

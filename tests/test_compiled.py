@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.compiled import CompiledDecoder
@@ -56,3 +59,42 @@ def test_a_failed_compilation_leaves_the_engine_eager(tiny_model_dir: Path) -> N
     assert report["state"] == "failed" and "no compiler here" in report["detail"]
     result = engine.infill_batch([InfillRequest(PREFIXES[0], SUFFIXES[0], {"max_new_tokens": 4})])[0]
     assert engine.decoder.report()["eager_steps"] == result.steps > 0
+
+
+def test_on_the_cpu_the_one_row_graph_serves_before_the_others_are_compiled(tiny_model_dir: Path) -> None:
+    """An editor's request alone (one row) runs compiled as soon as its graph is, while batches of several rows run
+    eager until theirs is done: the warm-up's wait halves for the common case."""
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", compile="on")
+    engine.decoder = CompiledDecoder(engine.loaded.model, "on", backend="aot_eager")
+    settings = {"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 3, "seed": 1}
+    requests = [InfillRequest(p, s, settings) for p, s in zip(PREFIXES, SUFFIXES, strict=True)]
+    several_rows_may_compile = threading.Event()
+
+    def examples() -> Iterator[dict[str, Any]]:
+        for batch in (requests[:1], requests):
+            if len(batch) > 1:
+                assert several_rows_may_compile.wait(60)
+            pending = engine.batch()
+            pending.add_many(batch)
+            yield pending.decoder_inputs()
+
+    engine.decoder.warm_up(examples, background=True)
+    deadline = time.monotonic() + 60
+    while "1 row" not in engine.decoder.report()["ready_seconds"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alone = engine.infill_batch(requests[:1])[0]
+    report = engine.decoder.report()
+    assert report["state"] == "warming" and report["compiled_steps"] == alone.steps > 0, report
+    together = engine.infill_batch(requests)
+    report = engine.decoder.report()
+    assert report["eager_steps"] == max(r.steps for r in together) and report["compiled_steps"] == alone.steps
+
+    several_rows_may_compile.set()
+    for thread in threading.enumerate():
+        if thread.name == "canvas-compile":
+            thread.join(timeout=60)
+    report = engine.decoder.report()
+    assert report["state"] == "ready" and list(report["ready_seconds"]) == ["1 row", "rows"], report
+    assert report["compilations_after_warmup"] == 0
+    engine.infill_batch(requests)
+    assert engine.decoder.report()["compiled_steps"] > alone.steps
