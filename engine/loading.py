@@ -10,6 +10,7 @@ of the editor and the terminal.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -130,8 +131,8 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         raise ModelLoadError(f"cannot load model '{name}': {_first_line(exc)}") from exc
     if target.type != "cuda":
         model.to(target)
-        if weights_dtype != torch.float32:
-            model.set_attn_implementation(fp32_attention())
+    if target.type == "cpu" and weights_dtype != torch.float32:
+        model.set_attn_implementation(fp32_attention())
     model.eval()
     if adapter:
         from canvas_ls.engine.adapters import apply_adapter
@@ -162,8 +163,10 @@ def bound_kernel_caches() -> None:
         os.environ.setdefault(variable, str(KERNEL_CACHE_ENTRIES))
 
 
+@functools.cache
 def fp32_attention() -> str:
-    """Register (once) and name an attention that runs torch's SDPA in fp32 on bf16 queries, keys and values.
+    """Register (on the first call) and name an attention that runs torch's SDPA in fp32 on bf16 queries, keys and
+    values.
 
     For a bf16 model on a CPU. There SDPA's flash kernel runs bf16 through oneDNN brgemm kernels JIT-compiled per
     block shape and kept for the process's life: every new prefix length adds some (measured 2026-12-01, 2-core
