@@ -68,9 +68,9 @@ class ExampleSampler:
 
     def __init__(self, files: list[CorpusFile], tokenizer: Any, seed: int, prefix_tokens: int, head_tokens: int,
                  healing: TokenHealing | None = None, multi_share: float = 0.0,
-                 rewrite_share: float = 0.0):  # fmt: skip
+                 rewrite_share: float = 0.0, editor_share: float = 0.0):  # fmt: skip
         self.files = [f for f in files if f.text.count("\n") >= 3]
-        self.multi_share, self.rewrite_share = multi_share, rewrite_share
+        self.multi_share, self.rewrite_share, self.editor_share = multi_share, rewrite_share, editor_share
         self.tokenizer = tokenizer
         self.healing = healing
         self.rng = random.Random(seed)
@@ -85,6 +85,10 @@ class ExampleSampler:
         """Pick [a, b): the middle's text span."""
         rng = self.rng
         starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and i + 1 < len(text)]
+        if self.editor_share and rng.random() < self.editor_share:
+            cut = self._editor_cut(text, starts)
+            if cut is not None:
+                return cut
         kind = rng.random()
         line = rng.randrange(len(starts))
         a = starts[line]
@@ -104,6 +108,21 @@ class ExampleSampler:
             a = rng.randrange(len(text))
             return a, min(len(text), a + rng.randint(1, 120))
         return a, a  # empty middle: the gap is all EOS
+
+    def _editor_cut(self, text: str, starts: list[int]) -> tuple[int, int] | None:
+        """Where an editor asks: the cursor after a line's indentation (after Enter, or on a line's first
+        keystroke), the middle its code through the end of that line, or of 1-3 more lines (a multi-line hole); the
+        last newline stays in the suffix. None when 16 lines drawn held no code."""
+        for _ in range(16):
+            line = self.rng.randrange(len(starts))
+            a = starts[line]
+            body = text[a:].split("\n", 1)[0]
+            code = a + len(body) - len(body.lstrip(" \t"))
+            if code < a + len(body):
+                last = min(len(starts) - 1, line + (self.rng.randint(1, 3) if self.rng.random() < 0.3 else 0))
+                end = text.find("\n", starts[last])
+                return code, len(text[: len(text) if end < 0 else end].rstrip("\r\n"))  # not past blank lines
+        return None
 
     def example(self, gap_tokens: int) -> Example:
         file = self.rng.choice(self.files)
@@ -215,7 +234,7 @@ class BatchStream(torch.utils.data.IterableDataset):
         seed = self.seed + (1_000_003 * (worker.id + 1) if worker is not None else 0)
         cfg = self.cfg
         sampler = ExampleSampler(self.files, self.tokenizer, seed, cfg.prefix_tokens, cfg.head_tokens, self.healing,
-                                 cfg.multi_gap_share, cfg.rewrite_share)  # fmt: skip
+                                 cfg.multi_gap_share, cfg.rewrite_share, cfg.editor_share)  # fmt: skip
         rng = random.Random(seed)
         while True:
             gap = rng.choice(cfg.gap_choices)
@@ -372,6 +391,9 @@ class TrainConfig:
     # Shares of the examples with several gaps in one canvas, and of rewrites (a corrupted middle shown).
     multi_gap_share: float = 0.25
     rewrite_share: float = 0.1
+    # Share of the single-gap examples cut where an editor asks (the cursor after a line's indentation, the middle
+    # its code to the end of the line or of a few lines): the workspace recipe's task-matched mix (bench repo)
+    editor_share: float = 0.0
     # Cut training prefixes where the engine's token healing cuts them (held-out examples stay as cut, so the eval
     # losses compare with runs before this option).
     token_healing: bool = True

@@ -38,6 +38,7 @@ ENTRY_FILE = "workspace.json"
 # is TrainConfig overrides plus `replay`: the share of training bytes drawn from the general corpus.
 RECIPES: dict[str, dict[str, Any]] = {
     "full": {"lr": 5e-4, "replay": 0.0},
+    "full-editor": {"lr": 5e-4, "replay": 0.0, "editor_share": 0.5},
     "full-replay": {"lr": 2e-4, "replay": 0.5, "patience": 2},
     "lora": {"lora_rank": 16, "lr": 2e-3, "replay": 0.25},
 }

@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lora-experts", action="store_true", help="the adapter also adapts the MoE expert weights")
     train.add_argument("--multi-gap-share", type=float, help="share of examples with 2-4 gaps in one canvas")
     train.add_argument("--rewrite-share", type=float, help="share of examples whose gap shows a corrupted middle")
+    train.add_argument(
+        "--editor-share",
+        type=float,
+        help="share of examples cut where an editor asks (the cursor after a line's indentation)",
+    )
     train.add_argument("--workspace", type=Path, metavar="DIR",
                        help="tune the --from model (default: the shipped one) on the repository that holds DIR with "
                             "the workspace recipe, and install it for that repository: the language server uses it "
@@ -638,6 +643,7 @@ def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "multi_gap_share": args.multi_gap_share,
         "rewrite_share": args.rewrite_share,
+        "editor_share": args.editor_share,
         "attention": args.attention,
         "experts": args.experts,
         "bf16": False if args.fp32 else None,

@@ -69,6 +69,32 @@ def test_examples_cut_the_text_as_the_engine_will_see_it(tmp_path: Path) -> None
         assert any(joined in f.text for f in corpus_files()), joined  # one contiguous span of one file
 
 
+def test_editor_examples_start_after_a_lines_indentation_and_leave_its_newline(tmp_path: Path) -> None:
+    """`editor_share`: examples cut where an editor asks (the cursor after a line's indentation, the middle its code
+    through the end of the line or of a few lines); 0 keeps the old mix draw for draw."""
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path)
+    editor = ExampleSampler(corpus_files(), tokenizer, 0, 64, 8, editor_share=1.0)
+    spans = 0
+    for _ in range(200):
+        rng_state = editor.rng.getstate()
+        text = editor.rng.choice(editor.files).text
+        editor.rng.setstate(rng_state)
+        example = editor.example(gap_tokens=64)
+        if not example.middle_len or example.middle_len == 64:
+            continue
+        prefix = tokenizer.decode(example.prefix[1:])
+        middle = tokenizer.decode(example.gap[: example.middle_len])
+        suffix = tokenizer.decode(example.head)
+        assert text.count(prefix + middle + suffix) >= 1
+        assert prefix.endswith("\n") or prefix.split("\n")[-1].strip(" \t") == ""  # the cursor at a line's code
+        assert middle.strip() and not middle.endswith("\n") and suffix.startswith("\n")  # the newline in the suffix
+        spans += 1
+    assert spans > 100
+    plain = ExampleSampler(corpus_files(), tokenizer, 3, 64, 8)
+    zero = ExampleSampler(corpus_files(), tokenizer, 3, 64, 8, editor_share=0.0)
+    assert all(plain.example(16) == zero.example(16) for _ in range(50))
+
+
 def test_examples_are_cut_where_the_engine_heals(tmp_path: Path) -> None:
     """With healing, an example's prefix ends where the engine would cut the same prefix back (and the middle starts
     with the cut text); the same seed draws the same cuts either way."""
