@@ -50,7 +50,11 @@ def resolve_device(device: str | None) -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo"), capability: str | None = None) -> bool:
+    """Whether the CPU has bf16 arithmetic (AVX-512 BF16 or AMX) and torch's kernels use it: with its kernels held
+    to AVX2 (`ATEN_CPU_CAPABILITY=avx2`, or a build without AVX-512) bf16 is emulated, slower than fp32."""
+    if not (capability or torch.backends.cpu.get_cpu_capability()).startswith("AVX512"):
+        return False
     try:
         flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
     except OSError:

@@ -163,7 +163,8 @@ def test_dtype_follows_the_cpu(tmp_path: Path) -> None:
     with_bf16, without = tmp_path / "bf16", tmp_path / "plain"
     with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n")
     without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
-    assert cpu_has_native_bf16(with_bf16) and not cpu_has_native_bf16(without)
+    assert cpu_has_native_bf16(with_bf16, "AVX512") and not cpu_has_native_bf16(without, "AVX512")
+    assert not cpu_has_native_bf16(with_bf16, "AVX2")  # torch's kernels held to AVX2: bf16 would be emulated
     assert not cpu_has_native_bf16(tmp_path / "missing")
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
