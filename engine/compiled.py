@@ -6,17 +6,22 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
 `DenoisingBatch`:
 
 - off: the model itself (eager).
-- on: `torch.compile` of the model with dynamic shapes (rows, canvas width, cached prefix length), compiled in a
-  background thread at engine start on made-up inputs of two row counts (a batch of one is its own graph) and a
-  prefix past the sliding window (`Engine.warm_up`) while requests run eager; once warm, every step runs compiled.
-  On the CPU each graph serves as soon as it is compiled: the one-row graph (an editor's request alone, the
-  common case) first, 18.5-24.7 s into the warm-up with inductor's cache warm on 2 cores, while several rows run
-  eager until theirs is done (37-46 s). On a GPU all wait for the last (CUDA graphs are not recorded beside
-  running ones).
-  A compilation that fails leaves the engine eager and says why (`/health`, the log). Compilations after the
-  warm-up (a shape the guards did not cover) are counted.
-- auto: on where there is a GPU, off on the CPU (where the gain is smaller and the warm-up holds 2 cores for about
-  two minutes).
+- on, on the CPU: each graph compiled ahead of time (`aot_compile` of the model with dynamic shapes: rows, canvas
+  width, cached prefix length; one graph per row count, a batch of one being its own) on made-up inputs
+  (`Engine.warm_up`: one row, two rows, a prefix past the sliding window), in a background thread while requests
+  run eager, and saved under the user's cache (`graph_path`: keyed by the model's architecture and dtype, torch,
+  transformers, the CPU's kernels and this code). The next engine start loads the saved graphs instead of tracing
+  and compiling: ~2.5 s for both on 2 cores instead of ~40 s with inductor's cache warm and ~110 s without
+  (README). The weights are the graph's inputs, so one saved graph serves every model of the architecture (a
+  workspace's fine-tune too). Each graph serves as soon as it is there, the one-row graph (an editor's request
+  alone) first. A step whose inputs its graph's guards refuse runs eager and is counted (`uncovered_steps`):
+  nothing compiles on the request path.
+- on, on a GPU: `torch.compile` with CUDA graphs, compiled in place on the same made-up inputs; all graphs are
+  awaited (CUDA graphs are not recorded beside running ones). Compilations after the warm-up (a shape the guards
+  did not cover) are counted.
+  A compilation that fails leaves the engine eager and says why (`/health`, the log).
+- auto: on where there is a GPU, off on the CPU (where the gain is smaller and the first start's compilation holds
+  2 cores for a minute or two).
 
 The compiled step always passes self-conditioning logits (zeros with a False mask where a row has none): the model
 zeroes masked rows' soft embeddings exactly as it does without logits, and one graph then serves every step.
@@ -24,11 +29,17 @@ zeroes masked rows' soft embeddings exactly as it does without logits, and one g
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import io
+import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,10 +63,17 @@ class CompiledDecoder:
         self.ready_seconds: dict[str, float] = {}  # "1 row" / "rows": seconds from the warm-up's start to its graph
         self.steps = {"compiled": 0, "eager": 0}
         self.compilations_after_warmup = 0
+        self.uncovered_steps = 0  # precompiled: steps whose inputs no saved graph's guards accept (run eager)
+        self.graphs: dict[str, str] = {}  # precompiled: "1 row" / "rows" -> "loaded" | "compiled"
+        self.backend = backend
         self._fn: Callable[..., Any] | None = None
+        self._precompiled: dict[str, Any] = {}  # rows -> a loaded or ahead-of-time compiled graph
         self._graphs_at_ready = 0
         self._graphs_on_cuda = self.enabled and device.type == "cuda"
-        if self.enabled:
+        # On the CPU each graph is compiled ahead of time and saved, so that the next start loads it in ~2 s instead
+        # of tracing and compiling it again (~20 s a graph on 2 cores); on a GPU torch.compile's CUDA graphs.
+        self._ahead = self.enabled and device.type == "cpu"
+        if self.enabled and not self._ahead:
             self._fn = compile_model(model, device, backend, dynamic=True)
 
     @property
@@ -65,7 +83,12 @@ class CompiledDecoder:
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
         """The logits of one decoder forward: compiled once its graph is warm, eager before and after a failure."""
-        if self._serves(inputs) and self._fn is not None:
+        if self._ahead and self._serves(inputs):
+            logits = self._run_precompiled(inputs)
+            if logits is not None:
+                self.steps["compiled"] += 1
+                return logits
+        elif self._serves(inputs) and self._fn is not None:
             try:
                 if self._graphs_on_cuda:  # a new iteration: the last replay's outputs were copied out
                     torch.compiler.cudagraph_mark_step_begin()
@@ -83,6 +106,22 @@ class CompiledDecoder:
                 return logits
         self.steps["eager"] += 1
         return self.model(**inputs).logits
+
+    def _run_precompiled(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """A saved graph's logits, or None where its guards do not accept these inputs (the step then runs eager;
+        nothing is compiled on the request path)."""
+        graph = self._precompiled.get(_rows(inputs))
+        if graph is None:
+            return None
+        # Traced and run outside inference mode on a step's inference tensors: a saved graph's guards then read the
+        # inputs' dispatch keys as they were when it was traced.
+        with torch.inference_mode(False), torch.no_grad():
+            if graph.guard_check(self.model, **inputs):
+                return graph(self.model, **inputs).logits
+        self.uncovered_steps += 1
+        if self.uncovered_steps == 1:
+            log.info("a step's shapes are not covered by the precompiled graphs; such steps run eager")
+        return None
 
     def _serves(self, inputs: dict[str, Any]) -> bool:
         """Whether the compiled graph for these inputs' row count is ready."""
@@ -103,17 +142,21 @@ class CompiledDecoder:
     def _warm_up(self, examples: Callable[[], Iterable[dict[str, Any]]]) -> None:
         started = time.perf_counter()
         try:
-            assert self._fn is not None
-            with torch.inference_mode():
-                for inputs in examples():
-                    for _ in range(3 if self._graphs_on_cuda else 1):  # CUDA graphs record on a later call
-                        if self._graphs_on_cuda:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        self._fn(**inputs)
+            if self._ahead:
+                with torch.inference_mode():  # the examples' tensors made as a step makes them (inference tensors)
+                    pending = iter(examples())
+                while True:
+                    with torch.inference_mode():
+                        inputs = next(pending, None)
+                    if inputs is None:
+                        break
                     rows = _rows(inputs)
-                    if rows not in self.ready_seconds:
+                    if rows not in self._precompiled:
+                        self._precompiled[rows], self.graphs[rows] = self._load_or_compile(inputs, rows)
                         self.ready_seconds[rows] = time.perf_counter() - started
-                        log.info("decoder compiled for %s in %.1f s", rows, self.ready_seconds[rows])
+                        log.info("decoder graph for %s %s in %.1f s", rows, self.graphs[rows], self.ready_seconds[rows])
+            else:
+                self._compile_in_place(examples, started)
         except Exception as exc:
             self._fail(exc)
             return
@@ -122,8 +165,43 @@ class CompiledDecoder:
             return  # stopped meanwhile (`stop`): the graph no longer matches the model
         self._graphs_at_ready = _graphs()
         self.state = "ready"
-        self.detail = f"{self._graphs_at_ready} graphs"
+        graphs = ", ".join(f"{rows}: {how}" for rows, how in self.graphs.items())
+        self.detail = graphs or f"{self._graphs_at_ready} graphs"
         log.info("decoder compiled in %.1f s (%s); steps run compiled from now", self.warmup_seconds, self.detail)
+
+    def _load_or_compile(self, inputs: dict[str, Any], rows: str) -> tuple[Any, str]:
+        """The graph for these inputs' row count: loaded from the cache where an earlier start saved it, else
+        compiled ahead of time (dynamic shapes, one graph) and saved there."""
+        path = graph_path(self.model, rows, self.backend)
+        if path.exists():
+            try:
+                return load_graph(path), "loaded"
+            except Exception as exc:  # another torch, a damaged file: compile it anew
+                log.warning("the saved graph %s does not load (%s: %s); compiling it again", path.name,
+                            type(exc).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
+        options: dict[str, Any] = {"guard_filter_fn": _serializable}
+        if self.backend == "inductor":
+            options["cpp_wrapper"] = True  # as compile_model
+        compiled = torch.compile(self.model, fullgraph=True, dynamic=True, backend=self.backend, options=options)
+        with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
+            graph = compiled.forward.aot_compile(((), inputs))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        graph.save_compiled_function(str(path))
+        return load_graph(path), "compiled"  # the saved graph itself serves, as the next start will load it
+
+    def _compile_in_place(self, examples: Callable[[], Iterable[dict[str, Any]]], started: float) -> None:
+        """torch.compile's own warm-up (the GPU's CUDA graphs): each example's graph compiled by running it."""
+        assert self._fn is not None
+        with torch.inference_mode():
+            for inputs in examples():
+                for _ in range(3 if self._graphs_on_cuda else 1):  # CUDA graphs record on a later call
+                    if self._graphs_on_cuda:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    self._fn(**inputs)
+                rows = _rows(inputs)
+                if rows not in self.ready_seconds:
+                    self.ready_seconds[rows] = time.perf_counter() - started
+                    log.info("decoder compiled for %s in %.1f s", rows, self.ready_seconds[rows])
 
     def stop(self, reason: str) -> None:
         """Eager from now on (the model changed under the graph), and why."""
@@ -139,7 +217,8 @@ class CompiledDecoder:
         """What `/health` and `/metrics` show."""
         return {"state": self.state, "detail": self.detail, "warmup_seconds": self.warmup_seconds,
                 "ready_seconds": dict(self.ready_seconds), "compiled_steps": self.steps["compiled"],
-                "eager_steps": self.steps["eager"],
+                "eager_steps": self.steps["eager"], "graphs": dict(self.graphs),
+                "uncovered_steps": self.uncovered_steps,
                 "compilations_after_warmup": self.compilations_after_warmup}  # fmt: skip
 
 
@@ -154,6 +233,41 @@ def compile_model(model: Any, device: torch.device, backend: str = "inductor", d
     mode = "reduce-overhead" if device.type == "cuda" and inductor else None
     options = {"cpp_wrapper": True} if device.type == "cpu" and inductor else None
     return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options)
+
+
+# Guards a saved graph cannot carry (identities of this process's objects: modules, functions, classes). The file's
+# name already pins what they would check: the model's architecture and dtype, torch, transformers, the CPU's kernels
+# and the code that lays out the decoder's inputs (`graph_path`); weights are the graph's inputs, not constants.
+_UNSAVABLE = {"ID_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH", "TYPE_MATCH", "CLASS_MATCH", "NN_MODULE", "DICT_VERSION",
+              "MODULE_MATCH", "BUILTIN_MATCH"}  # fmt: skip
+
+
+def _serializable(entries: list[Any]) -> list[bool]:
+    return [not (e.is_global or e.guard_type in _UNSAVABLE or _UNSAVABLE & set(e.derived_guard_types)) for e in entries]
+
+
+def graph_path(model: Any, rows: str, backend: str) -> Path:
+    """Where the graph for this model's architecture and row count is saved (under the user's cache)."""
+    import transformers
+
+    here = Path(__file__).parent
+    code = hashlib.sha256(b"".join((here / name).read_bytes() for name in ("canvas.py", "compiled.py"))).hexdigest()
+    config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # the architecture only
+    versions = [torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability()]
+    key = json.dumps([config, str(model.dtype), *versions, backend, rows, code], sort_keys=True, default=str)
+    name = f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{rows.replace(' ', '-')}.pt2"
+    return cache_dir() / "compiled" / name
+
+
+def load_graph(path: Path) -> Any:
+    """A saved graph, with the aliases of modules that dynamo's generated code refers to restored."""
+    from torch._dynamo.aot_compile import AOTCompileUnpickler
+
+    data = path.read_bytes()
+    refs = AOTCompileUnpickler({}, io.BytesIO(data)).load()["runtime_env"].external_refs
+    aliases = {ref: importlib.import_module(m.group(1)) for ref in refs
+               if (m := re.fullmatch(r"___module_(\w+?)_\d+_c\d+", ref))}  # fmt: skip
+    return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=aliases)
 
 
 def _rows(inputs: dict[str, Any]) -> str:

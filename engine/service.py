@@ -116,6 +116,8 @@ class EngineService:
             ("canvas_eager_steps", "eager_steps", "Batched steps run eager (compile off, warming up, or failed)"),
             ("canvas_compilations_after_warmup", "compilations_after_warmup",
              "Decoder graphs compiled after the warm-up (shapes it did not cover)"),
+            ("canvas_uncovered_steps", "uncovered_steps",
+             "Steps run eager because no precompiled graph's guards accept their shapes (CPU)"),
         ):  # fmt: skip
             Gauge(name, text, registry=registry).set_function(lambda key=key: float(compiled()[key]))
         Gauge("canvas_compile_warmup_seconds", "Seconds the decoder's compilation took (0 until done)",

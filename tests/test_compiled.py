@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 from canvas_ls.engine import Engine
-from canvas_ls.engine.compiled import CompiledDecoder
+from canvas_ls.engine.architecture import build_tiny_model
+from canvas_ls.engine.compiled import CompiledDecoder, graph_path
 from canvas_ls.engine.engine import InfillRequest
+from tests.conftest import tokenizer_texts
 from tests.test_batching import PREFIXES, SUFFIXES
 
 
@@ -98,3 +106,56 @@ def test_on_the_cpu_the_one_row_graph_serves_before_the_others_are_compiled(tiny
     assert report["compilations_after_warmup"] == 0
     engine.infill_batch(requests)
     assert engine.decoder.report()["compiled_steps"] > alone.steps
+
+
+SECOND_START = """
+import json, sys
+from canvas_ls.engine import Engine
+from canvas_ls.engine.compiled import CompiledDecoder
+from canvas_ls.engine.engine import InfillRequest
+from tests.test_batching import PREFIXES, SUFFIXES
+
+compiled = Engine.load(sys.argv[1], "cpu", dtype="float32")
+compiled.decoder = CompiledDecoder(compiled.loaded.model, "on", backend="aot_eager")
+compiled.warm_up(background=False)
+eager = Engine.load(sys.argv[1], "cpu", dtype="float32")
+settings = [{"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 5, "seed": s} for s in (1, 2, 3)]
+requests = [InfillRequest(p, s, o) for p, s, o in zip(PREFIXES, SUFFIXES, settings, strict=True)]
+same = [a.tokens == b.tokens for batch in (requests[:1], requests)
+        for a, b in zip(compiled.infill_batch(batch), eager.infill_batch(batch), strict=True)]
+print(json.dumps({"report": compiled.decoder.report(), "same": same}))
+"""
+
+
+def test_a_graph_saved_by_one_start_serves_the_next_and_other_weights_of_the_architecture(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """On the CPU each graph is compiled ahead of time and saved under the user's cache; an engine started again
+    loads it instead of tracing and compiling. The weights are the graph's inputs: a model of the same architecture
+    with other weights (a workspace's fine-tune) is served by the same graph with its own answers."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing saved yet (the second start inherits it)
+    first = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    first.decoder = CompiledDecoder(first.loaded.model, "on", backend="aot_eager")
+    first.warm_up(background=False)
+    assert first.decoder.report()["graphs"] == {"1 row": "compiled", "rows": "compiled"}
+    saved = {rows: graph_path(first.loaded.model, rows, "aot_eager") for rows in ("1 row", "rows")}
+    assert all(path.is_file() for path in saved.values())
+
+    infill = json.loads((tiny_model_dir / "canvas_ls.json").read_text())["infill"]  # as `train --from` keeps it
+    other = build_tiny_model(tmp_path / "other", tokenizer_texts(), seed=7, infill=infill)  # other weights
+    run = subprocess.run([sys.executable, "-c", SECOND_START, str(other)], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.loads(run.stdout.strip().splitlines()[-1])
+    report = outcome["report"]
+    assert report["graphs"] == {"1 row": "loaded", "rows": "loaded"}, report
+    assert report["compiled_steps"] > 0 and report["eager_steps"] == 0 and report["uncovered_steps"] == 0, report
+    assert all(outcome["same"]) and len(outcome["same"]) == 4
+    probe = Engine.load(str(other), "cpu", dtype="float32")
+    assert not torch.equal(probe.loaded.model.lm_head.weight, first.loaded.model.lm_head.weight)
+
+    saved["1 row"].write_bytes(b"not a graph")  # damaged (or written by another torch): compiled again, not fatal
+    again = CompiledDecoder(first.loaded.model, "on", backend="aot_eager")
+    first.decoder = again
+    first.warm_up(background=False)
+    assert again.report()["graphs"] == {"1 row": "compiled", "rows": "loaded"}
+    assert again.report()["state"] == "ready"
