@@ -101,8 +101,9 @@ def _check_ready(state: str, error: str | None) -> None:
 class LocalBackend:
     adapters = True
 
-    def __init__(self, adapter: str | None = None) -> None:
+    def __init__(self, adapter: str | None = None, compile: str = "auto") -> None:
         self.adapter = adapter  # a LoRA adapter folder applied to whatever model `load` is given
+        self.compile = compile  # the compiled step (warmed up in the background after the load)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
         self._engine: Any = None
         self.state = "idle"  # idle -> loading -> ready | failed
@@ -120,7 +121,9 @@ class LocalBackend:
             try:
                 from canvas_ls.engine import Engine
 
-                self._engine = Engine.load(model, None if device == "auto" else device, adapter=self.adapter)
+                self._engine = Engine.load(model, None if device == "auto" else device, adapter=self.adapter,
+                                           compile=self.compile)  # fmt: skip
+                self._engine.warm_up()  # in the background when compiling; requests run eager meanwhile
                 self.model_name = self._engine.name
                 self.state = "ready"
             except Exception as exc:  # a load failure is reported, never raised into the server
@@ -191,10 +194,11 @@ class ResidentBackend:
     adapters = True
 
     def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0, model: str | None = None,
-                 device: str = "auto", adapter: str | None = None):  # fmt: skip
+                 device: str = "auto", adapter: str | None = None, compile: str = "auto"):  # fmt: skip
         from canvas_ls.engine.paths import default_socket
 
         self.adapter = adapter
+        self.compile = compile  # the engine's --compile when this backend starts it
         self.socket = Path(socket) if socket else default_socket(model, device, adapter)
         self.lock_file = self.socket.with_suffix(".lock")  # one starter at a time per engine
         self.log_file = self.socket.with_suffix(".log")
@@ -259,6 +263,8 @@ class ResidentBackend:
                 command += ["--device", self._device]
             if self.adapter:
                 command += ["--adapter", self.adapter]
+            if self.compile != "auto":
+                command += ["--compile", self.compile]
             with open(self.log_file, "ab") as sink:
                 logged = sink.tell()  # where this start's output begins in the log
                 process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,

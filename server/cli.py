@@ -273,6 +273,15 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--runs", type=int, default=10, help="timed calls per figure (median)")
     step.add_argument("--out", type=Path, help="JSON report path")
 
+    warmup = benches.add_parser("warmup", help="the compiled CPU step's warm-up, start after start (fresh processes)")
+    warmup.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    warmup.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    warmup.add_argument("--starts", type=int, default=2, help="starts with the graphs saved (after the two cold ones)")
+    warmup.add_argument("--dataset", type=Path, help="HumanEval-Infilling jsonl(.gz): the last start also times "
+                                                     "compiled vs eager steps on its holes")  # fmt: skip
+    warmup.add_argument("--limit", type=int, default=40, help="holes of --dataset")
+    warmup.add_argument("--out", type=Path, help="JSON report path")
+
     train_bench = benches.add_parser("train", help="seconds per training step, the LM head's loss fused vs plain")
     train_bench.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
     train_bench.add_argument("--steps", type=int, default=5, help="steps per timed run")
@@ -688,7 +697,7 @@ def _train_plan(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
-                "train": _bench_train, "holes": _bench_holes, "step": _bench_step,
+                "train": _bench_train, "holes": _bench_holes, "step": _bench_step, "warmup": _bench_warmup,
                 "calibrate": _bench_calibrate, "crossfile": _bench_crossfile, "soak": _bench_soak,
                 "repo": _bench_repo, "neovim": _bench_neovim}  # fmt: skip
     return handlers[args.bench](args)
@@ -764,6 +773,14 @@ def _bench_step(args: argparse.Namespace) -> int:
         checkpoint=lambda partial: out.write_text(json.dumps(partial, indent=2)),
     )  # fmt: skip
     return _report("step", report, bench_step.format_step, out)
+
+
+def _bench_warmup(args: argparse.Namespace) -> int:
+    from canvas_ls.engine import bench_warmup
+
+    report = bench_warmup.run(args.model, args.dtype, args.starts, args.dataset, args.limit,
+                              progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    return _report("warmup", report, bench_warmup.format_warmup, args.out)
 
 
 def _ints(text: str) -> tuple[int, ...]:

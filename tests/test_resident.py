@@ -290,6 +290,20 @@ async def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
         await close(client)
 
 
+async def test_the_compile_option_reaches_the_engine_the_server_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`engine.compile: on` starts the resident engine with its compiled step (warming up in the background while
+    requests run eager), on the CPU too, where `auto` leaves it off."""
+    path = tmp_path / "run" / "engine.sock"
+    client = await lsp_session({"engine": {**resident(tiny_model_dir, path)["engine"], "compile": "on"}})
+    try:
+        await wait_ready(client)
+        assert (await fill(client)).result is not None  # served eager meanwhile, never refused
+        assert engine_health(path)["compile"]["state"] in ("warming", "ready")
+    finally:
+        await close(client)
+        os.kill(engine_health(path)["pid"], signal.SIGKILL)  # its compilation would hold the cores
+
+
 async def test_two_editors_share_one_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "run" / "engine.sock"
     first, second = await asyncio.gather(lsp_session(resident(tiny_model_dir, path)),
