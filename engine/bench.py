@@ -353,7 +353,8 @@ def machine() -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {gpu}"
+    kernels = torch.backends.cpu.get_cpu_capability()  # ATEN_CPU_CAPABILITY can hold it below the CPU's own
+    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, CPU kernels {kernels}, {gpu}"
 
 
 def format_table(report: dict[str, Any]) -> str:

