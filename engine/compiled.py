@@ -11,11 +11,12 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
   (`Engine.warm_up`: one row, two rows, a prefix past the sliding window), in a background thread while requests
   run eager, and saved under the user's cache (`graph_path`: keyed by the model's architecture and dtype, torch,
   transformers, the CPU's kernels and this code). The next engine start loads the saved graphs instead of tracing
-  and compiling: ~2.5 s for both on 2 cores instead of ~40 s with inductor's cache warm and ~110 s without
-  (README). The weights are the graph's inputs, so one saved graph serves every model of the architecture (a
-  workspace's fine-tune too). Each graph serves as soon as it is there, the one-row graph (an editor's request
-  alone) first. A step whose inputs its graph's guards refuse runs eager and is counted (`uncovered_steps`):
-  nothing compiles on the request path.
+  and compiling: 2.5-2.8 s for both on 2 cores, where the first start takes ~29 s to the one-row graph and ~52 s to
+  both (`canvas-ls bench warmup`; the in-place `torch.compile` warm-up this replaced took 39-46 s at every start,
+  108-138 s on a new machine). The weights are the graph's inputs, so one saved graph serves every model of the
+  architecture (a workspace's fine-tune too). Each graph serves as soon as it is there, the one-row graph (an
+  editor's request alone) first. A step whose inputs its graph's guards refuse runs eager and is counted
+  (`uncovered_steps`): nothing compiles on the request path.
 - on, on a GPU: `torch.compile` with CUDA graphs, compiled in place on the same made-up inputs; all graphs are
   awaited (CUDA graphs are not recorded beside running ones). Compilations after the warm-up (a shape the guards
   did not cover) are counted.
@@ -117,7 +118,11 @@ class CompiledDecoder:
         # inputs' dispatch keys as they were when it was traced.
         with torch.inference_mode(False), torch.no_grad():
             if graph.guard_check(self.model, **inputs):
-                return graph(self.model, **inputs).logits
+                try:
+                    return graph(self.model, **inputs).logits  # its guards checked just now (disabled inside)
+                except Exception as exc:  # a graph that fails costs the speed, never the request
+                    self._fail(exc)
+                    return None
         self.uncovered_steps += 1
         if self.uncovered_steps == 1:
             log.info("a step's shapes are not covered by the precompiled graphs; such steps run eager")
@@ -265,9 +270,11 @@ def load_graph(path: Path) -> Any:
 
     data = path.read_bytes()
     refs = AOTCompileUnpickler({}, io.BytesIO(data)).load()["runtime_env"].external_refs
-    aliases = {ref: importlib.import_module(m.group(1)) for ref in refs
+    aliases = {ref: importlib.import_module(m.group(1).replace("_dot_", ".")) for ref in refs
                if (m := re.fullmatch(r"___module_(\w+?)_\d+_c\d+", ref))}  # fmt: skip
-    return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=aliases)
+    graph = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=aliases)
+    graph.disable_guard_check()  # the caller checks them (`guard_check`) to choose eager instead of an error
+    return graph
 
 
 def _rows(inputs: dict[str, Any]) -> str:

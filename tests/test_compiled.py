@@ -159,3 +159,17 @@ def test_a_graph_saved_by_one_start_serves_the_next_and_other_weights_of_the_arc
     first.warm_up(background=False)
     assert again.report()["graphs"] == {"1 row": "compiled", "rows": "loaded"}
     assert again.report()["state"] == "ready"
+
+    class Broken:  # a graph whose guards pass but whose run fails: that step and the rest run eager
+        def guard_check(self, *args: Any, **kwargs: Any) -> bool:
+            return True
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("kernel crashed")
+
+    again._precompiled["1 row"] = Broken()
+    request = InfillRequest(PREFIXES[0], SUFFIXES[0], {"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 3})
+    answer = first.infill_batch([request])[0]
+    report = again.report()
+    assert report["state"] == "failed" and "kernel crashed" in report["detail"]
+    assert report["eager_steps"] == answer.steps > 0
