@@ -180,7 +180,9 @@ class CompiledDecoder:
         path = graph_path(self.model, rows, self.backend)
         if path.exists():
             try:
-                return load_graph(path), "loaded"
+                graph = load_graph(path)
+                os.utime(path)  # recently used: kept by `_prune`
+                return graph, "loaded"
             except Exception as exc:  # another torch, a damaged file: compile it anew
                 log.warning("the saved graph %s does not load (%s: %s); compiling it again", path.name,
                             type(exc).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
@@ -191,7 +193,8 @@ class CompiledDecoder:
         with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
             graph = compiled.forward.aot_compile(((), inputs))
         path.parent.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(path))
+        graph.save_compiled_function(str(path))  # written whole, then renamed: engines compiling at once are safe
+        _prune(path.parent)
         return load_graph(path), "compiled"  # the saved graph itself serves, as the next start will load it
 
     def _compile_in_place(self, examples: Callable[[], Iterable[dict[str, Any]]], started: float) -> None:
@@ -262,6 +265,16 @@ def graph_path(model: Any, rows: str, backend: str) -> Path:
     key = json.dumps([config, str(model.dtype), *versions, backend, rows, code], sort_keys=True, default=str)
     name = f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{rows.replace(' ', '-')}.pt2"
     return cache_dir() / "compiled" / name
+
+
+KEPT_GRAPHS = 16  # ~3.6 MB each for the shipped model: older models, torch versions and canvas-ls releases go
+
+
+def _prune(folder: Path) -> None:
+    """Only the most recently used saved graphs stay (each upgrade of torch or canvas-ls keys new ones)."""
+    saved = sorted(folder.glob("*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in saved[KEPT_GRAPHS:]:
+        stale.unlink(missing_ok=True)
 
 
 def load_graph(path: Path) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import torch
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.architecture import build_tiny_model
-from canvas_ls.engine.compiled import CompiledDecoder, graph_path
+from canvas_ls.engine.compiled import KEPT_GRAPHS, CompiledDecoder, graph_path
 from canvas_ls.engine.engine import InfillRequest
 from tests.conftest import tokenizer_texts
 from tests.test_batching import PREFIXES, SUFFIXES
@@ -153,12 +154,20 @@ def test_a_graph_saved_by_one_start_serves_the_next_and_other_weights_of_the_arc
     probe = Engine.load(str(other), "cpu", dtype="float32")
     assert not torch.equal(probe.loaded.model.lm_head.weight, first.loaded.model.lm_head.weight)
 
+    for index in range(KEPT_GRAPHS):  # graphs of other releases, least recently used first: pruned past 16
+        old = saved["rows"].with_name(f"{index:04d}-old.pt2")
+        old.write_bytes(b"old")
+        os.utime(old, (1_000_000 + index, 1_000_000 + index))
+
     saved["1 row"].write_bytes(b"not a graph")  # damaged (or written by another torch): compiled again, not fatal
     again = CompiledDecoder(first.loaded.model, "on", backend="aot_eager")
     first.decoder = again
     first.warm_up(background=False)
     assert again.report()["graphs"] == {"1 row": "compiled", "rows": "loaded"}
     assert again.report()["state"] == "ready"
+    kept = sorted(path.name for path in saved["rows"].parent.glob("*.pt2"))
+    assert len(kept) == KEPT_GRAPHS and {p.name for p in saved.values()} <= set(kept)  # the oldest two went
+    assert "0000-old.pt2" not in kept and "0001-old.pt2" not in kept and "0002-old.pt2" in kept
 
     class Broken:  # a graph whose guards pass but whose run fails: that step and the rest run eager
         def guard_check(self, *args: Any, **kwargs: Any) -> bool:
