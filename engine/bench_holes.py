@@ -206,12 +206,14 @@ def run_rewrites(engine: Engine, dataset: Path, limit: int | None, settings: dic
             text = result.gaps[0]["text"]
             row[str(strength)] = {"text": text, "restored": normalise(text) == normalise(original),
                                   "kept_corruption": normalise(text) == normalise(broken or ""),
+                                  "similarity": edit_similarity(text, original),
                                   "forward_passes": result.forward_passes}  # fmt: skip
         rows.append(row)
     summary = {
         str(s): {
             "restored": statistics.fmean(r[str(s)]["restored"] for r in rows) if rows else 0.0,
             "kept_corruption": statistics.fmean(r[str(s)]["kept_corruption"] for r in rows) if rows else 0.0,
+            "similarity": statistics.fmean(r[str(s)]["similarity"] for r in rows) if rows else 0.0,
             "forward_passes": sum(r[str(s)]["forward_passes"] for r in rows),
         }
         for s in STRENGTHS
@@ -236,10 +238,10 @@ def format_holes(report: dict[str, Any]) -> str:
                      f"{r['hole_exact_difference_points']:+.1f} points")  # fmt: skip
     rewrite = report["rewrite"]
     lines += ["", f"rewrite of a line with one token corrupted ({rewrite['tasks']} lines)",
-              f"{'strength':<10}{'restored':>10}{'kept as is':>12}{'forwards':>10}"]  # fmt: skip
+              f"{'strength':<10}{'restored':>10}{'kept as is':>12}{'edit sim':>10}{'forwards':>10}"]  # fmt: skip
     for strength, s in rewrite["by_strength"].items():
         lines.append(f"{strength:<10}{100 * s['restored']:>9.1f}%{100 * s['kept_corruption']:>11.1f}%"
-                     f"{s['forward_passes']:>10}")  # fmt: skip
+                     f"{100 * s['similarity']:>9.1f}%{s['forward_passes']:>10}")  # fmt: skip
     return "\n".join(lines)
 
 

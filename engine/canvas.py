@@ -468,8 +468,12 @@ class CanvasJob:
 
     def _first_gap_canvas(self) -> torch.Tensor:
         """The first canvas's gap slots [1, G]: uniform noise; a rewrite gap keeps its span's tokens outside the
-        renoised share (SDEdit for text)."""
+        renoised share (SDEdit for text). Those kept slots are anchored (`self.anchor`): a step that does not accept
+        a token there puts the span's token back instead of noise, so the span's text stays in the canvas until the
+        model is sure of a replacement, rather than shaping the first forward only."""
         noise = torch.randint(0, self.vocab_size, (1, self.gap), device=self.device, generator=self.generator)
+        self.anchor: tuple[torch.Tensor, torch.Tensor] | None = None  # (kept [1, G] bool, their ids [1, G])
+        kept_all = torch.zeros((1, self.gap), dtype=torch.bool, device=self.device)
         gaps = [s for s in self.segments if isinstance(s, GapSpec)]
         for (start, end), spec in zip(self.gap_bounds, gaps, strict=True):
             if spec.strength >= 1.0:
@@ -481,6 +485,9 @@ class CanvasJob:
             keep = torch.ones(length, dtype=torch.bool, device=self.device)
             keep[order[:renoised]] = False
             noise[0, start:end] = torch.where(keep, init, noise[0, start:end])
+            kept_all[0, start:end] = keep
+        if bool(kept_all.any()):
+            self.anchor = (kept_all, noise.clone())
         return noise
 
     def _open_canvas(self, gap_canvas: torch.Tensor) -> None:
@@ -537,6 +544,9 @@ class CanvasJob:
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
         self.gap_canvas = self.sampler.renoise_canvas(accepted, remaining)
+        if self.anchor is not None:  # a rewrite's kept slots: the span's token where nothing was accepted
+            kept, ids = self.anchor
+            self.gap_canvas = torch.where(kept & ~self.sampler.accepted_token_mask, ids, self.gap_canvas)
         mode = self.params.settings.self_condition
         if mode == "processed":
             logits = self.temperature(None, logits, cur_step=remaining)
@@ -575,6 +585,7 @@ class CanvasJob:
         # No EOS: the gap is all answer and the answer goes on. Encode it and open the next canvas after it.
         encode(self.model, self.argmax, self.cache, start=self.cursor)
         self.cursor += self.gap
+        self.anchor = None
         self._open_canvas(self.sampler.initialize_canvas(1, self.device))
 
     def _close_gaps(self, stop: str) -> None:
@@ -612,6 +623,7 @@ class CanvasJob:
             return
         self.segments = grown
         self._lay_out()
+        self.anchor = None  # the re-run starts from the drafts; the slots moved
         flat = torch.tensor([t for start in starts for t in start], device=self.device)
         noise = torch.randint(0, self.vocab_size, (self.gap,), device=self.device, generator=self.generator)
         self._open_canvas(torch.where(flat >= 0, flat, noise)[None])

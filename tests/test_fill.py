@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from canvas_ls.engine import Engine, FillError, Hole, InfillCancelled
-from canvas_ls.engine.canvas import CanvasJob, GapSpec, StepView
+from canvas_ls.engine.canvas import CanvasJob, DenoisingBatch, GapSpec, StepView
 from canvas_ls.engine.engine import InfillRequest
 from tests.test_canvas import EOS, PREFIX, SUFFIX, confident, prefix_len
 
@@ -121,6 +121,32 @@ def test_rewrite_starts_from_the_span_with_a_share_renoised(tiny_engine: Engine)
     plain = tiny_engine.fill(PREFIX, [Hole()], SUFFIX, {**PLAIN, "seed": 9})
     full = tiny_engine.fill(PREFIX, [Hole("return total * 2", 1.0)], SUFFIX, {**PLAIN, "seed": 9})
     assert full.tokens == plain.tokens
+
+
+def test_a_rewrite_keeps_its_spans_tokens_where_a_step_accepts_none(tiny_engine: Engine) -> None:
+    """A rewrite's kept slots hold the span's text through the steps (not only the first forward): a step that
+    accepts no token there puts the span's token back instead of noise."""
+    span = tiny_engine.tokenizer.encode("return total * 2", add_special_tokens=False)
+    model = tiny_engine.loaded.model
+    params = tiny_engine.prepare(InfillRequest(PREFIX, SUFFIX, PLAIN)).params
+    job = CanvasJob(model, [2, 40, 41], [], params, tiny_engine.stop_ids, segments=[GapSpec(len(span) + 4,
+                    tuple(span), 0.5)])  # fmt: skip
+    assert job.anchor is not None
+    kept, ids = job.anchor
+    assert int(kept.sum()) == len(span) + 4 - round(0.5 * (len(span) + 4))
+    batch = DenoisingBatch(model, pad_id=tiny_engine.stop_ids[-1])
+    batch.add(job)
+    held = 0
+    while not job.done:
+        batch.step()
+        if job.done or job.anchor is None:  # done, or re-run from its drafts after the hole grew (anchors go)
+            break
+        unaccepted = kept & ~job.sampler.accepted_token_mask
+        assert torch.equal(job.gap_canvas[unaccepted], ids[unaccepted])
+        held += int(unaccepted.sum())
+    assert held > 0 and job.out.steps > 1
+    plain = CanvasJob(model, [2, 40, 41], [], params, tiny_engine.stop_ids, segments=[GapSpec(8)])
+    assert plain.anchor is None  # a hole has nothing to keep
 
 
 def test_a_confident_model_keeps_a_lightly_renoised_span(tiny_engine: Engine) -> None:
