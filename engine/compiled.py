@@ -37,6 +37,9 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -45,7 +48,7 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.paths import cache_dir
+from canvas_ls.engine.paths import cache_dir, lowest_priority
 
 log = logging.getLogger("canvas-ls.compiled")
 MODES = ("auto", "on", "off")
@@ -67,6 +70,11 @@ class CompiledDecoder:
         self.uncovered_steps = 0  # precompiled: steps whose inputs no saved graph's guards accept (run eager)
         self.graphs: dict[str, str] = {}  # precompiled: "1 row" / "rows" -> "loaded" | "compiled"
         self.backend = backend
+        # The command of a process that compiles and saves the graphs the warm-up lacks (`Engine.warm_up` sets it:
+        # this model, dtype and backend): compiling in the engine's own process held up its requests for seconds
+        # (dynamo's tracing beside them), a child at the lowest CPU priority does not. None: compile here.
+        self.compiler: list[str] | None = None
+        self.announce: Callable[[str, str], None] | None = None  # told (rows, loaded|compiled) per graph
         self._fn: Callable[..., Any] | None = None
         self._precompiled: dict[str, Any] = {}  # rows -> a loaded or ahead-of-time compiled graph
         self._graphs_at_ready = 0
@@ -148,6 +156,9 @@ class CompiledDecoder:
         started = time.perf_counter()
         try:
             if self._ahead:
+                saved = all(graph_path(self.model, rows, self.backend).exists() for rows in ROWS)
+                if self.compiler is not None and not saved:
+                    self._compile_elsewhere(started)
                 with torch.inference_mode():  # the examples' tensors made as a step makes them (inference tensors)
                     pending = iter(examples())
                 while True:
@@ -158,8 +169,7 @@ class CompiledDecoder:
                     rows = _rows(inputs)
                     if rows not in self._precompiled:
                         self._precompiled[rows], self.graphs[rows] = self._load_or_compile(inputs, rows)
-                        self.ready_seconds[rows] = time.perf_counter() - started
-                        log.info("decoder graph for %s %s in %.1f s", rows, self.graphs[rows], self.ready_seconds[rows])
+                        self._ready(rows, started)
             else:
                 self._compile_in_place(examples, started)
         except Exception as exc:
@@ -173,6 +183,33 @@ class CompiledDecoder:
         graphs = ", ".join(f"{rows}: {how}" for rows, how in self.graphs.items())
         self.detail = graphs or f"{self._graphs_at_ready} graphs"
         log.info("decoder compiled in %.1f s (%s); steps run compiled from now", self.warmup_seconds, self.detail)
+
+    def _ready(self, rows: str, started: float) -> None:
+        self.ready_seconds[rows] = time.perf_counter() - started
+        log.info("decoder graph for %s %s in %.1f s", rows, self.graphs[rows], self.ready_seconds[rows])
+        if self.announce is not None:
+            self.announce(rows, self.graphs[rows])
+
+    def _compile_elsewhere(self, started: float) -> None:
+        """Run `compiler` (`python -m canvas_ls.engine.compiled`) and load each graph as it says it saved it. If it
+        fails, the warm-up compiles what is missing here, and the log says why."""
+        assert self.compiler is not None
+        with tempfile.TemporaryFile("w+") as errors:
+            child = subprocess.Popen([*self.compiler, "--backend", self.backend], stdout=subprocess.PIPE,
+                                     stderr=errors, stdin=subprocess.DEVNULL, text=True)  # fmt: skip
+            assert child.stdout is not None
+            for line in child.stdout:  # one JSON line per graph saved, as it is saved (the one-row graph first)
+                said = json.loads(line)
+                rows = said["graph"]
+                if rows in ROWS and rows not in self._precompiled:
+                    self._precompiled[rows] = load_graph(graph_path(self.model, rows, self.backend))
+                    self.graphs[rows] = "compiled"
+                    self._ready(rows, started)
+            if child.wait() != 0:
+                errors.seek(0)
+                last = [line for line in errors.read().splitlines() if line.strip()][-1:] or ["no output"]
+                log.warning("the compiling process exited with status %d (%s); compiling here", child.returncode,
+                            last[0][:300])  # fmt: skip
 
     def _load_or_compile(self, inputs: dict[str, Any], rows: str) -> tuple[Any, str]:
         """The graph for these inputs' row count: loaded from the cache where an earlier start saved it, else
@@ -290,6 +327,9 @@ def load_graph(path: Path) -> Any:
     return graph
 
 
+ROWS = ("1 row", "rows")  # the graphs: a batch of one is its own (dynamo specialises it)
+
+
 def _rows(inputs: dict[str, Any]) -> str:
     """Which graph a forward needs: one row (specialised by dynamo) or several."""
     return "1 row" if inputs["decoder_input_ids"].shape[0] == 1 else "rows"
@@ -300,3 +340,32 @@ def _graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m canvas_ls.engine.compiled MODEL --dtype D --backend B`: compile and save the decoder graphs of an
+    engine of that model at the lowest CPU priority, one JSON line on stdout per graph saved (what
+    `CompiledDecoder` runs when its graphs are not saved yet)."""
+    import argparse
+
+    from canvas_ls.engine.engine import Engine
+
+    parser = argparse.ArgumentParser(prog="python -m canvas_ls.engine.compiled")
+    parser.add_argument("model")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--backend", default="inductor")
+    args = parser.parse_args(argv)
+    lowest_priority()
+    engine = Engine.load(args.model, "cpu", dtype=args.dtype)
+    decoder = CompiledDecoder(engine.loaded.model, "on", backend=args.backend)
+    decoder.announce = lambda rows, how: print(json.dumps({"graph": rows, "how": how}), flush=True)
+    engine.decoder = decoder
+    engine.warm_up(background=False, elsewhere=False)
+    if decoder.state != "ready":
+        print(f"compiling failed: {decoder.detail}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ the resident engine) use only this module's names; nothing outside `engine/` tou
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -222,13 +223,14 @@ class Engine:
         """An empty batch that requests can join between denoising steps (the resident engine's scheduler)."""
         return EngineBatch(self)
 
-    def warm_up(self, background: bool = True) -> None:
+    def warm_up(self, background: bool = True, elsewhere: bool = True) -> None:
         """Compile the batched step's decoder (when `compile` turned it on) on the inputs of made-up requests: one
         alone, then two together (a batch of one is its own graph). Requests meanwhile run eager.
 
         One prefix runs past the sliding window: there sliding and full layers hold caches of different lengths,
         and a graph compiled only on short prefixes assumed them equal (dynamo's duck sizing) and compiled again,
-        ~20 s on 2 cores, on the first long request."""
+        ~20 s on 2 cores, on the first long request. On the CPU, graphs not saved yet are compiled by a child
+        process at the lowest priority (unless `elsewhere` is False) and loaded as it saves them."""
 
         def examples() -> list[dict[str, Any]]:
             window = getattr(self.loaded.model.config.get_text_config(), "sliding_window", None) or 0
@@ -241,6 +243,9 @@ class Engine:
                 found.append(batch.decoder_inputs())
             return found
 
+        if elsewhere:
+            model = str(self.loaded.folder) if self.loaded.folder is not None else self.loaded.name.split(" + ")[0]
+            self.decoder.compiler = [sys.executable, "-m", "canvas_ls.engine.compiled", model, "--dtype", self.dtype]
         self.decoder.warm_up(examples, background)
 
     def prepare(self, request: InfillRequest) -> Prepared:

@@ -1,5 +1,5 @@
 """Where canvas-ls keeps things on this machine: the user's cache (runs, reports, workspace models) and a private
-runtime folder with the resident engine's socket, lock and log."""
+runtime folder with the resident engine's socket, lock and log; and how its background processes yield the CPU."""
 
 from __future__ import annotations
 
@@ -33,3 +33,12 @@ def default_socket(model: str | None = None, device: str | None = None, adapter:
     key = f"{where}\0{device}" + (f"\0{Path(adapter).expanduser().resolve()}" if adapter else "")
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return runtime_dir() / f"engine-{digest}.sock"
+
+
+def lowest_priority() -> None:
+    """SCHED_IDLE for this process and the threads it starts (torch's come later): it runs only on a core nothing
+    else wants. Where the platform has no SCHED_IDLE, the lowest nice value."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)

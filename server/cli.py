@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine.paths import cache_dir
+from canvas_ls.engine.paths import cache_dir, lowest_priority
 from canvas_ls.engine.workspaces import RECIPES as RECIPE_NAMES
 from canvas_ls.server.positions import PositionError, offset_at
 
@@ -494,7 +494,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.plan:
         return _train_plan(args)
     if args.low_priority:
-        _lowest_priority()
+        lowest_priority()
     from canvas_ls.engine import workspaces
     from canvas_ls.engine.loading import DEFAULT_MODEL_DIR
     from canvas_ls.engine.training import TrainingError, run
@@ -599,15 +599,6 @@ def _models(args: argparse.Namespace) -> int:
 
 def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
-
-
-def _lowest_priority() -> None:
-    """SCHED_IDLE for this process and the threads it starts (torch's come later): it runs only on a core nothing
-    else wants. Where the platform has no SCHED_IDLE, the lowest nice value."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
 
 
 def _emit(record: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.architecture import build_tiny_model
@@ -136,8 +137,10 @@ def test_a_graph_saved_by_one_start_serves_the_next_and_other_weights_of_the_arc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing saved yet (the second start inherits it)
     first = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
     first.decoder = CompiledDecoder(first.loaded.model, "on", backend="aot_eager")
+    traced = dynamo_counters["stats"]["unique_graphs"]
     first.warm_up(background=False)
     assert first.decoder.report()["graphs"] == {"1 row": "compiled", "rows": "compiled"}
+    assert dynamo_counters["stats"]["unique_graphs"] == traced  # compiled by a child process, not beside requests
     saved = {rows: graph_path(first.loaded.model, rows, "aot_eager") for rows in ("1 row", "rows")}
     assert all(path.is_file() for path in saved.values())
 
