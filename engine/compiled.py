@@ -8,8 +8,9 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
 - off: the model itself (eager).
 - on, on the CPU: each graph compiled ahead of time (`aot_compile` of the model with dynamic shapes: rows, canvas
   width, cached prefix length; one graph per row count, a batch of one being its own) on made-up inputs
-  (`Engine.warm_up`: one row, two rows, a prefix past the sliding window), in a background thread while requests
-  run eager, and saved under the user's cache (`graph_path`: keyed by the model's architecture and dtype, torch,
+  (`Engine.warm_up`: one row, two rows, a prefix past the sliding window) by a child process at the lowest CPU
+  priority (`python -m canvas_ls.engine.compiled`; compiling in the engine's own process stalled requests for up to
+  8.5 s), while requests run eager, and saved under the user's cache (`graph_path`: keyed by the model's architecture and dtype, torch,
   transformers, the CPU's kernels and this code). The next engine start loads the saved graphs instead of tracing
   and compiling: 2.5-2.8 s for both on 2 cores, where the first start takes ~29 s to the one-row graph and ~52 s to
   both (`canvas-ls bench warmup`; the in-place `torch.compile` warm-up this replaced took 39-46 s at every start,
