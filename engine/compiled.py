@@ -9,21 +9,21 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
 - on, on the CPU: each graph compiled ahead of time (`aot_compile` of the model with dynamic shapes: rows, canvas
   width, cached prefix length; one graph per row count, a batch of one being its own) on made-up inputs
   (`Engine.warm_up`: one row, two rows, a prefix past the sliding window) by a child process at the lowest CPU
-  priority (`python -m canvas_ls.engine.compiled`; compiling in the engine's own process stalled requests for up to
-  8.5 s), while requests run eager, and saved under the user's cache (`graph_path`: keyed by the model's architecture and dtype, torch,
-  transformers, the CPU's kernels and this code). The next engine start loads the saved graphs instead of tracing
-  and compiling: 2.5-2.8 s for both on 2 cores, where the first start takes ~29 s to the one-row graph and ~52 s to
-  both (`canvas-ls bench warmup`; the in-place `torch.compile` warm-up this replaced took 39-46 s at every start,
-  108-138 s on a new machine). The weights are the graph's inputs, so one saved graph serves every model of the
-  architecture (a workspace's fine-tune too). Each graph serves as soon as it is there, the one-row graph (an
-  editor's request alone) first. A step whose inputs its graph's guards refuse runs eager and is counted
-  (`uncovered_steps`): nothing compiles on the request path.
+  priority (`python -m canvas_ls.engine.compiled`; compiling in the engine's own process stalled requests for up
+  to 8.5 s), while requests run eager, and saved under the user's cache (`graph_path`: keyed by the model's
+  architecture and dtype, torch, transformers, the CPU's kernels and this code). The next engine start loads the
+  saved graphs instead of tracing and compiling: ~3 s for both on 2 cores, where a new machine's first start
+  takes ~39 s to the one-row graph and ~64 s to both (`canvas-ls bench warmup`; the in-place `torch.compile`
+  warm-up this replaced took 39-46 s at every start, 108-138 s on a new machine). The weights are the graph's
+  inputs, so one saved graph serves every model of the architecture (a workspace's fine-tune too). Each graph
+  serves as soon as it is there, the one-row graph (an editor's request alone) first. A step whose inputs its
+  graph's guards refuse runs eager and is counted (`uncovered_steps`): nothing compiles on the request path.
 - on, on a GPU: `torch.compile` with CUDA graphs, compiled in place on the same made-up inputs; all graphs are
   awaited (CUDA graphs are not recorded beside running ones). Compilations after the warm-up (a shape the guards
   did not cover) are counted.
   A compilation that fails leaves the engine eager and says why (`/health`, the log).
-- auto: on where there is a GPU, off on the CPU (where the gain is smaller and the first start's compilation holds
-  2 cores for a minute or two).
+- auto: on where there is a GPU, off on the CPU (where the gain is smaller and a new machine's first start
+  competes with the user's typing for about a minute).
 
 The compiled step always passes self-conditioning logits (zeros with a False mask where a row has none): the model
 zeroes masked rows' soft embeddings exactly as it does without logits, and one graph then serves every step.

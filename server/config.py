@@ -21,8 +21,8 @@ class EngineOptions:
     # A LoRA adapter folder (`canvas-ls train --lora`) applied to the model; None: the model as it is.
     adapter: str | None = None
     # The compiled denoising step (`canvas-ls engine --compile`): "auto" on with a GPU only; "on" on the CPU too
-    # (its graphs compiled once in the background, ~50 s on 2 cores, then loaded in ~2 s at every start). A resident
-    # engine already running keeps the mode it was started with.
+    # (its graphs compiled once by a background process, ~65 s on 2 cores, then loaded in ~3 s at every start). A
+    # resident engine already running keeps the mode it was started with.
     compile: Literal["auto", "on", "off"] = "auto"
     # "resident": the model runs in `canvas-ls engine`, one process per model shared by every editor of this user
     # (started when none runs, restarted if it dies, gone after `idle_exit_s` without requests). "local": inside
