@@ -31,6 +31,7 @@ zeroes masked rows' soft embeddings exactly as it does without logits, and one g
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import io
@@ -69,13 +70,13 @@ class CompiledDecoder:
         self.steps = {"compiled": 0, "eager": 0}
         self.compilations_after_warmup = 0
         self.uncovered_steps = 0  # precompiled: steps whose inputs no saved graph's guards accept (run eager)
-        self.graphs: dict[str, str] = {}  # precompiled: "1 row" / "rows" -> "loaded" | "compiled"
+        self.graphs: dict[str, str] = {}  # "1 row" / "rows" -> "loaded" | "compiled", as each comes to serve
         self.backend = backend
         # The command of a process that compiles and saves the graphs the warm-up lacks (`Engine.warm_up` sets it:
         # this model, dtype and backend): compiling in the engine's own process held up its requests for seconds
         # (dynamo's tracing beside them), a child at the lowest CPU priority does not. None: compile here.
         self.compiler: list[str] | None = None
-        self.announce: Callable[[str, str], None] | None = None  # told (rows, loaded|compiled) per graph
+        self.announce: Callable[[str], None] | None = None  # told each graph's rows as it serves
         self._fn: Callable[..., Any] | None = None
         self._precompiled: dict[str, Any] = {}  # rows -> a loaded or ahead-of-time compiled graph
         self._graphs_at_ready = 0
@@ -93,29 +94,31 @@ class CompiledDecoder:
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
         """The logits of one decoder forward: compiled once its graph is warm, eager before and after a failure."""
-        if self._ahead and self._serves(inputs):
-            logits = self._run_precompiled(inputs)
+        if self._serves(inputs):
+            logits = self._run_precompiled(inputs) if self._ahead else self._run_in_place(inputs)
             if logits is not None:
                 self.steps["compiled"] += 1
                 return logits
-        elif self._serves(inputs) and self._fn is not None:
-            try:
-                if self._graphs_on_cuda:  # a new iteration: the last replay's outputs were copied out
-                    torch.compiler.cudagraph_mark_step_begin()
-                logits = self._fn(**inputs).logits
-                if self._graphs_on_cuda:  # the next replay overwrites a graph's outputs; rows keep these logits
-                    logits = logits.clone()
-            except Exception as exc:  # a compiler failure costs the speed, never the request
-                self._fail(exc)
-            else:
-                self.steps["compiled"] += 1
-                graphs = _graphs()
-                if self.state == "ready" and graphs > self._graphs_at_ready + self.compilations_after_warmup:
-                    self.compilations_after_warmup = graphs - self._graphs_at_ready
-                    log.info("compiled a new graph after the warm-up (%d so far)", self.compilations_after_warmup)
-                return logits
         self.steps["eager"] += 1
         return self.model(**inputs).logits
+
+    def _run_in_place(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """torch.compile's logits (the GPU's CUDA graphs), or None after a compiler failure (then eager)."""
+        assert self._fn is not None
+        try:
+            if self._graphs_on_cuda:  # a new iteration: the last replay's outputs were copied out
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = self._fn(**inputs).logits
+            if self._graphs_on_cuda:  # the next replay overwrites a graph's outputs; rows keep these logits
+                logits = logits.clone()
+        except Exception as exc:  # a compiler failure costs the speed, never the request
+            self._fail(exc)
+            return None
+        graphs = _graphs()
+        if self.state == "ready" and graphs > self._graphs_at_ready + self.compilations_after_warmup:
+            self.compilations_after_warmup = graphs - self._graphs_at_ready
+            log.info("compiled a new graph after the warm-up (%d so far)", self.compilations_after_warmup)
+        return logits
 
     def _run_precompiled(self, inputs: dict[str, Any]) -> torch.Tensor | None:
         """A saved graph's logits, or None where its guards do not accept these inputs (the step then runs eager;
@@ -169,8 +172,7 @@ class CompiledDecoder:
                         break
                     rows = _rows(inputs)
                     if rows not in self._precompiled:
-                        self._precompiled[rows], self.graphs[rows] = self._load_or_compile(inputs, rows)
-                        self._ready(rows, started)
+                        self._ready(rows, *self._load_or_compile(inputs, rows), started)
             else:
                 self._compile_in_place(examples, started)
         except Exception as exc:
@@ -181,15 +183,18 @@ class CompiledDecoder:
             return  # stopped meanwhile (`stop`): the graph no longer matches the model
         self._graphs_at_ready = _graphs()
         self.state = "ready"
-        graphs = ", ".join(f"{rows}: {how}" for rows, how in self.graphs.items())
-        self.detail = graphs or f"{self._graphs_at_ready} graphs"
+        self.detail = ", ".join(f"{rows}: {how}" for rows, how in self.graphs.items())
         log.info("decoder compiled in %.1f s (%s); steps run compiled from now", self.warmup_seconds, self.detail)
 
-    def _ready(self, rows: str, started: float) -> None:
+    def _ready(self, rows: str, graph: Any, how: str, started: float) -> None:
+        """The graph for `rows` serves from now (a saved one; None for torch.compile's, which lives in `_fn`)."""
+        if graph is not None:
+            self._precompiled[rows] = graph
+        self.graphs[rows] = how
         self.ready_seconds[rows] = time.perf_counter() - started
-        log.info("decoder graph for %s %s in %.1f s", rows, self.graphs[rows], self.ready_seconds[rows])
+        log.info("decoder graph for %s %s in %.1f s", rows, how, self.ready_seconds[rows])
         if self.announce is not None:
-            self.announce(rows, self.graphs[rows])
+            self.announce(rows)
 
     def _compile_elsewhere(self, started: float) -> None:
         """Run `compiler` (`python -m canvas_ls.engine.compiled`) and load each graph as it says it saved it. If it
@@ -200,12 +205,9 @@ class CompiledDecoder:
                                      stderr=errors, stdin=subprocess.DEVNULL, text=True)  # fmt: skip
             assert child.stdout is not None
             for line in child.stdout:  # one JSON line per graph saved, as it is saved (the one-row graph first)
-                said = json.loads(line)
-                rows = said["graph"]
+                rows = _said_graph(line)
                 if rows in ROWS and rows not in self._precompiled:
-                    self._precompiled[rows] = load_graph(graph_path(self.model, rows, self.backend))
-                    self.graphs[rows] = "compiled"
-                    self._ready(rows, started)
+                    self._ready(rows, load_graph(graph_path(self.model, rows, self.backend)), "compiled", started)
             if child.wait() != 0:
                 errors.seek(0)
                 last = [line for line in errors.read().splitlines() if line.strip()][-1:] or ["no output"]
@@ -224,10 +226,7 @@ class CompiledDecoder:
             except Exception as exc:  # another torch, a damaged file: compile it anew
                 log.warning("the saved graph %s does not load (%s: %s); compiling it again", path.name,
                             type(exc).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
-        options: dict[str, Any] = {"guard_filter_fn": _serializable}
-        if self.backend == "inductor":
-            options["cpp_wrapper"] = True  # as compile_model
-        compiled = torch.compile(self.model, fullgraph=True, dynamic=True, backend=self.backend, options=options)
+        compiled = compile_model(self.model, torch.device("cpu"), self.backend, saved=True)
         with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
             graph = compiled.forward.aot_compile(((), inputs))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,8 +245,7 @@ class CompiledDecoder:
                     self._fn(**inputs)
                 rows = _rows(inputs)
                 if rows not in self.ready_seconds:
-                    self.ready_seconds[rows] = time.perf_counter() - started
-                    log.info("decoder compiled for %s in %.1f s", rows, self.ready_seconds[rows])
+                    self._ready(rows, None, "compiled", started)
 
     def stop(self, reason: str) -> None:
         """Eager from now on (the model changed under the graph), and why."""
@@ -268,17 +266,26 @@ class CompiledDecoder:
                 "compilations_after_warmup": self.compilations_after_warmup}  # fmt: skip
 
 
-def compile_model(model: Any, device: torch.device, backend: str = "inductor", dynamic: bool = True) -> Any:
+def keep_inductor_cache() -> None:
+    """Inductor's caches (compiled kernels) under the user's cache instead of /tmp: after a reboot too, a graph
+    compiled again reuses its kernels. To be set before inductor first asks for its folder, which it then fixes
+    for the process (loading a model asks: `Engine.load` sets it first); the compiling child inherits it."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
+
+
+def compile_model(model: Any, device: torch.device, backend: str = "inductor", dynamic: bool = True,
+                  saved: bool = False) -> Any:  # fmt: skip
     """`torch.compile` as the engine runs it: CUDA graphs on a GPU; on the CPU inductor with its C++ wrapper (the
     compiled forward 0.79-0.82x eager vs 0.89-0.92x with the Python wrapper: shipped model, fp32, 2-core Xeon, 1k
-    prefix, 1 and 4 rows)."""
-    # Inductor's caches (compiled kernels, graphs) under the user's cache instead of /tmp: an engine started again,
-    # after a reboot too, loads its graphs instead of compiling them (`Engine.warm_up`'s time, README).
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
+    prefix, 1 and 4 rows). `saved`: one whole graph (`fullgraph`) with only the guards a saved graph can carry, for
+    `aot_compile`."""
+    keep_inductor_cache()
     inductor = backend == "inductor"
     mode = "reduce-overhead" if device.type == "cuda" and inductor else None
-    options = {"cpp_wrapper": True} if device.type == "cpu" and inductor else None
-    return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options)
+    options: dict[str, Any] = {"cpp_wrapper": True} if device.type == "cpu" and inductor else {}
+    if saved:
+        options["guard_filter_fn"] = _serializable
+    return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options or None, fullgraph=saved)
 
 
 # Guards a saved graph cannot carry (identities of this process's objects: modules, functions, classes). The file's
@@ -296,13 +303,27 @@ def graph_path(model: Any, rows: str, backend: str) -> Path:
     """Where the graph for this model's architecture and row count is saved (under the user's cache)."""
     import transformers
 
-    here = Path(__file__).parent
-    code = hashlib.sha256(b"".join((here / name).read_bytes() for name in ("canvas.py", "compiled.py"))).hexdigest()
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # the architecture only
     versions = [torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability()]
-    key = json.dumps([config, str(model.dtype), *versions, backend, rows, code], sort_keys=True, default=str)
+    key = json.dumps([config, str(model.dtype), *versions, backend, rows, _code()], sort_keys=True, default=str)
     name = f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{rows.replace(' ', '-')}.pt2"
     return cache_dir() / "compiled" / name
+
+
+@functools.cache
+def _code() -> str:
+    """A digest of the code that lays out the decoder's inputs and compiles them (a saved graph's guards lean on it)."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("canvas.py", "compiled.py"))).hexdigest()
+
+
+def _said_graph(line: str) -> str | None:
+    """The graph a line of the compiling child's stdout says it saved (None for any other output)."""
+    try:
+        said = json.loads(line)
+    except ValueError:
+        return None
+    return said.get("graph") if isinstance(said, dict) else None
 
 
 KEPT_GRAPHS = 16  # ~3.6 MB each for the shipped model: older models, torch versions and canvas-ls releases go
@@ -357,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor")
     args = parser.parse_args(argv)
     lowest_priority()
+    keep_inductor_cache()
     engine = Engine.load(args.model, "cpu", dtype=args.dtype)
     decoder = CompiledDecoder(engine.loaded.model, "on", backend=args.backend)
-    decoder.announce = lambda rows, how: print(json.dumps({"graph": rows, "how": how}), flush=True)
+    decoder.announce = lambda rows: print(json.dumps({"graph": rows}), flush=True)
     engine.decoder = decoder
     engine.warm_up(background=False, elsewhere=False)
     if decoder.state != "ready":

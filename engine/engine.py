@@ -31,7 +31,7 @@ from canvas_ls.engine.canvas import (
     StepView,
     encode_prefixes,
 )
-from canvas_ls.engine.compiled import CompiledDecoder
+from canvas_ls.engine.compiled import CompiledDecoder, keep_inductor_cache
 from canvas_ls.engine.confidence import model_display, sequence_score
 from canvas_ls.engine.loading import LoadedModel, load_model
 from canvas_ls.engine.prefix_cache import PrefixCache
@@ -157,6 +157,8 @@ class Engine:
         compile: str = "off",
         adapter: str | None = None,
     ) -> Engine:
+        if compile != "off":
+            keep_inductor_cache()  # before the load, which fixes inductor's folder
         return cls(load_model(model, device, dtype, adapter), overrides, prefix_cache_mb, compile)
 
     @property
@@ -243,9 +245,9 @@ class Engine:
                 found.append(batch.decoder_inputs())
             return found
 
-        if elsewhere:
-            model = str(self.loaded.folder) if self.loaded.folder is not None else self.loaded.name.split(" + ")[0]
-            self.decoder.compiler = [sys.executable, "-m", "canvas_ls.engine.compiled", model, "--dtype", self.dtype]
+        if elsewhere and self.decoder.enabled and self.loaded.folder is not None:  # the child loads the same folder
+            folder = str(self.loaded.folder)
+            self.decoder.compiler = [sys.executable, "-m", "canvas_ls.engine.compiled", folder, "--dtype", self.dtype]
         self.decoder.warm_up(examples, background)
 
     def prepare(self, request: InfillRequest) -> Prepared:

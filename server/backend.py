@@ -237,12 +237,7 @@ class ResidentBackend:
         self._starter.submit(work)
 
     def _health(self) -> dict[str, Any] | None:
-        try:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), timeout=2.0) as client:
-                response = client.get("http://canvas-ls/health")
-                return response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return None
+        return engine_health(self.socket)
 
     def _ensure_engine(self, timeout_s: float = 300.0) -> dict[str, Any]:
         """Connect to the running engine, or start one; one starter at a time per user (flock)."""
@@ -415,3 +410,13 @@ class OpenAIBackend:
 
     def shutdown(self) -> None:
         pass
+
+
+def engine_health(socket: Path, timeout: float = 2.0) -> dict[str, Any] | None:
+    """The resident engine's /health at `socket`, or None where none answers."""
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), timeout=timeout) as client:
+            response = client.get("http://canvas-ls/health")
+            return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None

@@ -176,13 +176,8 @@ def format_neovim(report: dict[str, Any]) -> str:
 
 def _engine_compile(model: str | None) -> dict[str, Any] | None:
     """The resident engine's compiled-step report (its /health), after the run: which steps ran compiled."""
-    import httpx
-
     from canvas_ls.engine.paths import default_socket
+    from canvas_ls.server.backend import engine_health
 
-    try:
-        transport = httpx.HTTPTransport(uds=str(default_socket(model, None)))
-        with httpx.Client(transport=transport, timeout=5.0) as client:
-            return client.get("http://canvas-ls/health").json().get("compile")
-    except (httpx.HTTPError, ValueError):
-        return None
+    health = engine_health(default_socket(model, None), timeout=5.0)
+    return health.get("compile") if health else None

@@ -185,3 +185,15 @@ def test_a_graph_saved_by_one_start_serves_the_next_and_other_weights_of_the_arc
     report = again.report()
     assert report["state"] == "failed" and "kernel crashed" in report["detail"]
     assert report["eager_steps"] == answer.steps > 0
+
+
+def test_inductors_kernels_are_kept_under_the_users_cache(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Loading a model fixes inductor's folder (/tmp by default, gone at a reboot): a compiling engine sets the
+    user's cache first."""
+    code = ("import os, sys; from canvas_ls.engine import Engine; Engine.load(sys.argv[1], 'cpu', compile='on'); "
+            "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"XDG_CACHE_HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "canvas-ls" / "torchinductor")
