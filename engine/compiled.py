@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from canvas_ls.engine.loading import decoder_experts
 from canvas_ls.engine.paths import cache_dir, lowest_priority
 
 log = logging.getLogger("canvas-ls.compiled")
@@ -304,6 +305,7 @@ def graph_path(model: Any, rows: str, backend: str) -> Path:
     import transformers
 
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # the architecture only
+    config["experts"] = decoder_experts(model)  # not in to_dict
     versions = [torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability()]
     key = json.dumps([config, str(model.dtype), *versions, backend, rows, _code()], sort_keys=True, default=str)
     name = f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{rows.replace(' ', '-')}.pt2"

@@ -196,6 +196,40 @@ def test_a_bf16_model_on_a_cpu_attends_in_fp32(tiny_model_dir: Path) -> None:
     assert torch.equal(out, exact.transpose(1, 2).bfloat16())
 
 
+def test_the_decoders_few_experts_run_dense_with_the_same_answers(tiny_model_dir: Path) -> None:
+    """A model with few experts runs every decoder expert on every token (no sort or per-expert loop at a step's
+    few dozen tokens); the encoder keeps transformers' grouped experts. Outputs equal the grouped ones (fp32), and
+    so do the engine's answers."""
+    import torch
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from canvas_ls.engine import Engine
+    from canvas_ls.engine.compiled import graph_path
+    from canvas_ls.engine.loading import decoder_experts, dense_experts
+
+    dense = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    model = dense.loaded.model
+    assert decoder_experts(model) == dense_experts()
+    assert model.model.encoder.language_model.layers[0].experts.config._experts_implementation != dense_experts()
+
+    experts = model.model.decoder.layers[1].experts
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, experts.hidden_dim, generator=generator)
+    scores = torch.randn(37, experts.num_experts, generator=generator).softmax(-1)
+    weights, index = scores.topk(2, dim=-1)
+    expected = grouped_mm_experts_forward(experts, hidden, index, weights)
+    torch.testing.assert_close(experts(hidden, index, weights), expected, rtol=1e-6, atol=1e-6)
+
+    grouped = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    for layer in grouped.loaded.model.model.decoder.layers:
+        layer.experts.config = grouped.loaded.model.config.get_text_config()
+    assert decoder_experts(grouped.loaded.model) != dense_experts()
+    assert graph_path(grouped.loaded.model, "1 row", "inductor") != graph_path(model, "1 row", "inductor")
+    for prefix, suffix in (("def add(a, b):\n    return ", "\n"), ("import json\n\nvalue = json.", "(text)\n")):
+        ours, theirs = dense.infill(prefix, suffix, {"seed": 3}), grouped.infill(prefix, suffix, {"seed": 3})
+        assert ours.tokens == theirs.tokens and ours.steps == theirs.steps
+
+
 def test_complete_runs_in_the_dtype_asked_for(tiny_model_dir: Path) -> None:
     for dtype in ("float32", "bfloat16"):
         done = cli("complete", str(STATS), "--line", "19", "--character", "11",
