@@ -314,9 +314,10 @@ def graph_path(model: Any, rows: str, backend: str) -> Path:
 
 @functools.cache
 def _code() -> str:
-    """A digest of the code that lays out the decoder's inputs and compiles them (a saved graph's guards lean on it)."""
+    """A digest of the code that lays out the decoder's inputs, compiles them and replaces the model's attention and
+    experts (a saved graph traced it, and its guards lean on it)."""
     here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("canvas.py", "compiled.py"))).hexdigest()
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("canvas.py", "compiled.py", "loading.py"))).hexdigest()
 
 
 def _said_graph(line: str) -> str | None:
