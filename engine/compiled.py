@@ -317,7 +317,8 @@ def _code() -> str:
     """A digest of the code that lays out the decoder's inputs, compiles them and replaces the model's attention and
     experts (a saved graph traced it, and its guards lean on it)."""
     here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("canvas.py", "compiled.py", "loading.py"))).hexdigest()
+    names = ("canvas.py", "compiled.py", "loading.py")
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in names)).hexdigest()
 
 
 def _said_graph(line: str) -> str | None:

@@ -209,9 +209,9 @@ def dense_experts() -> str:
     For a model with few experts, such as the shipped one (4, top 2): twice the experts' arithmetic, but no sort,
     no per-expert loop or data-dependent shapes, which cost more than the arithmetic at a denoising step's few
     dozen tokens. The picked experts' outputs are summed in fp32 as transformers' grouped implementation sums them
-    (adding the others' zeros is exact). Measured 2026-12-02 (2-core Xeon with AMX, shipped model, bf16, 30
-    HumanEval multi-line holes, alternated with the code before): a step 9.5 -> 9.2 ms eager (the decoder forward
-    7.9 -> 6.9 ms), 6.3 -> 5.7 ms compiled; the same answers eager, 40 of 40."""
+    (adding the others' zeros is exact). Measured 2026-12-02 (2-core Xeon with AMX, shipped model, bf16, 40
+    HumanEval multi-line holes alternated over engines of the code before and after): a step 9.5 -> 9.2 ms eager,
+    6.3 -> 5.7 ms compiled, the same answers eager (40 of 40); the eager decoder forward alone 7.9 -> 6.9 ms."""
     from transformers.integrations.moe import ExpertsInterface
 
     def experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
