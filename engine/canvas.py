@@ -435,6 +435,8 @@ class CanvasJob:
         self.started = time.perf_counter()
         self.done = False
         self.error: InfillCancelled | None = None  # set by DenoisingBatch.step when this job was cancelled
+        # A rewrite's kept slots and their span's ids ([1, G] bool, [1, G] long), set by `_first_gap_canvas`
+        self.anchor: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lay_out()
         self._open_canvas(self._first_gap_canvas())
 
@@ -472,7 +474,6 @@ class CanvasJob:
         a token there puts the span's token back instead of noise, so the span's text stays in the canvas until the
         model is sure of a replacement, rather than shaping the first forward only."""
         noise = torch.randint(0, self.vocab_size, (1, self.gap), device=self.device, generator=self.generator)
-        self.anchor: tuple[torch.Tensor, torch.Tensor] | None = None  # (kept [1, G] bool, their ids [1, G])
         kept_all = torch.zeros((1, self.gap), dtype=torch.bool, device=self.device)
         gaps = [s for s in self.segments if isinstance(s, GapSpec)]
         for (start, end), spec in zip(self.gap_bounds, gaps, strict=True):

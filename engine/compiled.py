@@ -95,8 +95,9 @@ class CompiledDecoder:
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
         """The logits of one decoder forward: compiled once its graph is warm, eager before and after a failure."""
-        if self._serves(inputs):
-            logits = self._run_precompiled(inputs) if self._ahead else self._run_in_place(inputs)
+        rows = _rows(inputs)
+        if self._serves(rows):
+            logits = self._run_precompiled(inputs, rows) if self._ahead else self._run_in_place(inputs)
             if logits is not None:
                 self.steps["compiled"] += 1
                 return logits
@@ -121,10 +122,10 @@ class CompiledDecoder:
             log.info("compiled a new graph after the warm-up (%d so far)", self.compilations_after_warmup)
         return logits
 
-    def _run_precompiled(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+    def _run_precompiled(self, inputs: dict[str, Any], rows: str) -> torch.Tensor | None:
         """A saved graph's logits, or None where its guards do not accept these inputs (the step then runs eager;
         nothing is compiled on the request path)."""
-        graph = self._precompiled.get(_rows(inputs))
+        graph = self._precompiled.get(rows)
         if graph is None:
             return None
         # Traced and run outside inference mode on a step's inference tensors: a saved graph's guards then read the
@@ -141,11 +142,11 @@ class CompiledDecoder:
             log.info("a step's shapes are not covered by the precompiled graphs; such steps run eager")
         return None
 
-    def _serves(self, inputs: dict[str, Any]) -> bool:
-        """Whether the compiled graph for these inputs' row count is ready."""
+    def _serves(self, rows: str) -> bool:
+        """Whether the compiled graph for this row count (`_rows`) is ready."""
         if self.state == "ready":
             return True
-        return self.state == "warming" and _rows(inputs) in self.ready_seconds and not self._graphs_on_cuda
+        return self.state == "warming" and rows in self.ready_seconds and not self._graphs_on_cuda
 
     def warm_up(self, examples: Callable[[], Iterable[dict[str, Any]]], background: bool = True) -> None:
         """Compile on `examples()` (decoder inputs of the shapes to cover); in a thread unless `background` is False.
