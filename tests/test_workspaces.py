@@ -247,3 +247,16 @@ def test_a_base_too_big_to_tune_fully_learns_an_adapter(tiny_model_dir: Path, mo
     monkeypatch.setattr(plan, "available_bytes", lambda device: (1 << 20, "a 1 MiB device"))
     assert not cli._fits_fully(args)
     assert cli._fits_fully(cli._parser().parse_args(["train", "--workspace", "."]))
+
+
+def test_every_recipe_is_a_training_configuration() -> None:
+    """`train --recipe NAME` and `bench repo` build a TrainConfig from each recipe (plus the replay share): a
+    misspelt field would fail a user's run minutes in, not here."""
+    from canvas_ls.engine.training import TrainConfig
+
+    for name, recipe in workspaces.RECIPES.items():
+        fields = {k: v for k, v in recipe.items() if k != "replay"}
+        cfg = TrainConfig(**fields)
+        assert all(getattr(cfg, k) == v for k, v in fields.items()), name
+        assert 0.0 <= recipe.get("replay", 0.0) < 1.0, name
+    assert workspaces.WORKSPACE_RECIPE in workspaces.RECIPES
