@@ -24,10 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine import corpus, training
+from canvas_ls.engine import corpus, training, workspaces
 from canvas_ls.engine.bench import Task, answer_row, block_tasks, figure, line_tasks, load_tasks, machine, summarise
 from canvas_ls.engine.engine import Engine
-from canvas_ls.engine.workspaces import RECIPES
 
 # What the server asks for at a single-line and a multi-line hole (server.config.CompletionOptions).
 SETTINGS = {"lines": {"max_new_tokens": 48}, "blocks": {"gap_tokens": 32, "max_new_tokens": 128},
@@ -93,9 +92,8 @@ def run(
     progress(f"{described['root']}: {len(files)} files, {len(held)} held out; tasks {report['tasks']}")
     report["base_figures"] = evaluate(base, None, sets)
     progress(f"base: {_brief(report['base_figures'])}")
-    for name in recipes or list(RECIPES):
-        recipe = dict(RECIPES[name])
-        replay = recipe.pop("replay", 0.0)
+    for name in recipes or list(workspaces.RECIPES):
+        recipe, replay = workspaces.recipe(name)
         out = work / name
         shutil.rmtree(out, ignore_errors=True)  # a fresh run (an old one would resume with its budget spent)
         started = time.perf_counter()

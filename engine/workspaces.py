@@ -36,22 +36,30 @@ ENTRY_FILE = "workspace.json"
 
 # Ways to tune a model on one repository, compared by `canvas-ls bench repo` (its table says which wins where). Each
 # is TrainConfig overrides plus `replay`: the share of training bytes drawn from the general corpus.
+_SINGLE_GAPS_ONLY = {"multi_gap_share": 0.0, "rewrite_share": 0.0}  # no several-gap or rewrite examples
 RECIPES: dict[str, dict[str, Any]] = {
     "full": {"lr": 5e-4, "replay": 0.0},
     "full-editor": {"lr": 5e-4, "replay": 0.0, "editor_share": 0.5},
-    # the editor's cuts only: no several-gap or rewrite examples (what bench repo's line and block tasks ask)
-    "full-lines": {"lr": 5e-4, "replay": 0.0, "editor_share": 0.5, "multi_gap_share": 0.0, "rewrite_share": 0.0},
-    # every single-gap example cut where the editor asks (measured on marshmallow only; README)
-    "editor-only": {"lr": 5e-4, "replay": 0.0, "editor_share": 1.0, "multi_gap_share": 0.0, "rewrite_share": 0.0},
+    # full-editor's mix of single gaps (half of them cut where the editor asks) and nothing else
+    "full-lines": {"lr": 5e-4, "replay": 0.0, "editor_share": 0.5, **_SINGLE_GAPS_ONLY},
+    # every example a single gap cut where the editor asks (measured on marshmallow only; README)
+    "editor-only": {"lr": 5e-4, "replay": 0.0, "editor_share": 1.0, **_SINGLE_GAPS_ONLY},
     "full-replay": {"lr": 2e-4, "replay": 0.5, "patience": 2},
     "lora": {"lora_rank": 16, "lr": 2e-3, "replay": 0.25},
 }
 # What `train --workspace` and the editors' "Learn this workspace" use: the recipe with the best held-out line edit
-# similarity on both Python repositories `bench repo` ran on (README: "A model of your own code"; 2026-12-02:
+# similarity on both Python repositories `bench repo` ran it on (README: "A model of your own code"; 2026-12-02:
 # full-lines over full by +1.5 and +4.4 line points, HumanEval similarity up instead of down, holes and rewrites
-# on HumanEval not worse).
+# on HumanEval within a few points of the base).
 WORKSPACE_RECIPE = "full-lines"
 WORKSPACE_MINUTES = 10.0
+
+
+def recipe(name: str) -> tuple[dict[str, Any], float]:
+    """A recipe as training takes it: its TrainConfig overrides, and the share of general code replayed (an
+    argument of `training.run`, not a TrainConfig field)."""
+    overrides = dict(RECIPES[name])
+    return overrides, overrides.pop("replay", 0.0)
 
 
 def workspaces_dir() -> Path:

@@ -504,8 +504,8 @@ def _train(args: argparse.Namespace) -> int:
         name = "lora"  # a big base (DiffusionGemma): full tuning cannot fit on this device, an adapter can
         print(f"canvas-ls: training every weight of {args.start_from} cannot fit here: tuning a LoRA adapter "
               "(recipe lora)", file=sys.stderr)  # fmt: skip
-    recipe = dict(workspaces.RECIPES[name]) if name else {}
-    replay = recipe.pop("replay", 0.0) if args.replay is None else args.replay
+    recipe, replay = workspaces.recipe(name) if name else ({}, 0.0)
+    replay = replay if args.replay is None else args.replay
     overrides = {**recipe, **_train_overrides(args)}
     corpus, out, minutes, start_from = args.corpus, args.out, args.minutes, args.start_from
     root = None
