@@ -43,19 +43,25 @@ class StepStats:
 def step_stats_torch(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> StepStats:
     """Reference: logits [N, V] -> StepStats, with torch ops."""
     uniform = torch.rand((*logits.shape[:-1], 1), generator=generator, device=logits.device)
-    return _torch_stats(logits, logits.float() / temperature, uniform)
+    return _torch_stats(logits.float() / temperature, uniform)
 
 
-def _torch_stats(logits: torch.Tensor, scaled: torch.Tensor, uniform: torch.Tensor) -> StepStats:
-    """logits [..., V], scaled = logits / T in fp32, one uniform draw per position [..., 1] -> StepStats [...]."""
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    probs = (scaled - lse).exp_()
-    entropy = lse[..., 0] - (probs * scaled).sum(dim=-1)  # H = lse - E_p[x]
-    # Inverse CDF: the first token whose cumulative probability passes u (right=True: never a zero-probability
+def _torch_stats(scaled: torch.Tensor, uniform: torch.Tensor) -> StepStats:
+    """scaled = logits / T [..., V] in fp32, one uniform draw per position [..., 1] -> StepStats [...].
+
+    Five passes over the vocabulary (max with its index, subtract and exp, sum, dot, cumsum): the argmax of the
+    scaled logits is the raw logits' (T > 0 keeps their order; bf16 -> fp32 is exact). A separate argmax and
+    logsumexp made it 1.2-1.4 ms instead of 0.54 for a 32-slot gap of fp32 logits (2-core AMD EPYC)."""
+    top, argmax = scaled.max(dim=-1, keepdim=True)
+    weights = (scaled - top).exp_()  # probabilities times Z = sum(weights)
+    total = weights.sum(dim=-1, keepdim=True)
+    lse = top + total.log()
+    entropy = lse[..., 0] - torch.linalg.vecdot(weights, scaled) / total[..., 0]  # H = lse - E_p[x]
+    # Inverse CDF: the first token whose cumulative weight passes u * Z (right=True: never a zero-probability
     # token). An order of magnitude cheaper on the CPU than torch.multinomial or Gumbel noise over the vocabulary.
-    cdf = probs.cumsum(dim=-1)
+    cdf = weights.cumsum(dim=-1)
     sample = torch.searchsorted(cdf, uniform * cdf[..., -1:], right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-    return StepStats(sample, logits.argmax(dim=-1), entropy, lse[..., 0])
+    return StepStats(sample, argmax[..., 0], entropy, lse[..., 0])
 
 
 if triton is not None:
@@ -158,5 +164,5 @@ def step_stats_rows(logits: torch.Tensor, temperatures: Sequence[float], generat
     uniform = torch.full((*logits.shape[:-1], 1), 0.5, device=logits.device)
     for row, (generator, n) in enumerate(zip(generators, lengths, strict=True)):
         uniform[row, :n] = torch.rand((n, 1), generator=generator, device=logits.device)
-    stats = _torch_stats(logits, logits.float() * inverse, uniform)
+    stats = _torch_stats(logits * inverse, uniform)  # fp32 by type promotion, in one op
     return [stats.map(lambda t, row=row, n=n: t[row : row + 1, :n]) for row, n in enumerate(lengths)]
