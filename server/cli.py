@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--prefix-cache-mb", type=int, default=256, help="prefix KV cache bound (0: off)")
     engine.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="compile the batched step's decoder after start (requests run eager meanwhile); auto: "
-                             "on a GPU only (on 2 CPU cores the warm-up takes 40-100 s for 0.75x steps)")  # fmt: skip
+                             "on, on the CPU by a background process only (~60 s once, then loaded in ~3 s); "
+                             "CANVAS_LS_COMPILE=on|off stands in for auto")  # fmt: skip
 
     train = commands.add_parser("train", help="train the default model on source code already on this machine")
     train.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")

@@ -20,9 +20,10 @@ class EngineOptions:
     device: str = "auto"
     # A LoRA adapter folder (`canvas-ls train --lora`) applied to the model; None: the model as it is.
     adapter: str | None = None
-    # The compiled denoising step (`canvas-ls engine --compile`): "auto" on with a GPU only; "on" on the CPU too
-    # (its graphs compiled once by a background process, ~65 s on 2 cores, then loaded in ~3 s at every start). A
-    # resident engine already running keeps the mode it was started with.
+    # The compiled denoising step (`canvas-ls engine --compile`): "auto" on (on the CPU its graphs are compiled once
+    # by a background process at the lowest priority, ~50-75 s on 2 cores, then loaded in ~3 s at every start; a
+    # machine that cannot compile stays eager); "on" also compiles in the engine itself where that process cannot;
+    # "off" eager. A resident engine already running keeps the mode it was started with.
     compile: Literal["auto", "on", "off"] = "auto"
     # "resident": the model runs in `canvas-ls engine`, one process per model shared by every editor of this user
     # (started when none runs, restarted if it dies, gone after `idle_exit_s` without requests). "local": inside

@@ -6,6 +6,10 @@ import os
 
 # Triton kernels run in its interpreter, on the CPU, in tests (set before anything imports triton).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines started with `compile: auto` (every resident engine the tests start) stay eager: a compiled step would
+# spend a minute of the test machine's 2 cores compiling the tiny model's graphs per cache folder. The compiled
+# path has its own tests (test_compiled.py), which ask for it by name.
+os.environ.setdefault("CANVAS_LS_COMPILE", "off")
 
 import json
 from pathlib import Path

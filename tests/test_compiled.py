@@ -187,6 +187,79 @@ def test_a_graph_saved_by_one_start_serves_the_next_and_other_weights_of_the_arc
     assert report["eager_steps"] == answer.steps > 0
 
 
+def test_a_guard_check_serves_the_steps_of_one_batch_and_is_asked_again_when_the_batch_changes(
+        tiny_model_dir: Path) -> None:  # fmt: skip
+    """Checking a saved graph's guards walks every input tensor (~0.6 ms a step on 2 cores): the answer is kept
+    while the batch's cache object and the layout of its other inputs stay the same, and asked again when a job
+    joins or leaves or a canvas extends the cache. A refusal is kept the same way (those steps run eager)."""
+
+    class Recording:
+        def __init__(self, accept: bool):
+            self.accept, self.checks = accept, 0
+
+        def guard_check(self, model: Any, **inputs: Any) -> bool:
+            self.checks += 1
+            return self.accept
+
+        def __call__(self, model: Any, **inputs: Any) -> Any:
+            return model(**inputs)
+
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    eager = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    engine.decoder = decoder = CompiledDecoder(engine.loaded.model, "on", backend="aot_eager")
+    alone, together = Recording(True), Recording(False)
+    decoder._precompiled, decoder.state = {"1 row": alone, "rows": together}, "ready"
+    settings = {"gap_tokens": 4, "max_new_tokens": 12, "max_steps": 4}
+    requests = [InfillRequest(PREFIXES[i], SUFFIXES[i], settings) for i in range(2)]
+
+    first = engine.infill_batch(requests[:1])[0]
+    assert first.steps > first.canvases >= 2  # several steps per canvas, and a next canvas after the first
+    assert alone.checks == first.canvases  # once per batched cache, not once per step
+    assert decoder.report()["compiled_steps"] == first.steps
+    second = engine.infill_batch(requests[1:])[0]  # another request: another cache, asked again
+    assert alone.checks == first.canvases + second.canvases
+
+    both = engine.infill_batch(requests)
+    report = decoder.report()
+    steps = max(result.steps for result in both)
+    assert report["uncovered_steps"] == report["eager_steps"] == steps  # refused, and eager, at every step...
+    assert 1 <= together.checks < steps  # ...from checks kept across the steps of one batch
+    assert [r.tokens for r in both] == [r.tokens for r in eager.infill_batch(requests)]
+    assert [r.tokens for r in (first, second)] == [r.tokens for r in both]
+
+
+def test_auto_compiles_on_the_cpu_by_the_child_process_only(tiny_model_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`compile: auto` (the default) turns the compiled step on on the CPU too, but there only the child process
+    compiles: where it cannot, the engine stays eager and says why (never tracing the model beside requests).
+    CANVAS_LS_COMPILE stands in for auto (the test suite sets it off)."""
+    monkeypatch.delenv("CANVAS_LS_COMPILE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no saved graphs
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    engine.decoder = decoder = CompiledDecoder(engine.loaded.model, "auto", backend="aot_eager")
+    assert decoder.enabled and not decoder.compile_here and decoder.report()["state"] == "warming"
+    no_compiler = tmp_path / "python"  # the child's interpreter: a machine where the compilation fails
+    no_compiler.write_text("#!/bin/sh\necho 'error: no C++ compiler (g++) found' >&2\nexit 3\n")
+    no_compiler.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(no_compiler))
+    traced = dynamo_counters["stats"]["unique_graphs"]
+    engine.warm_up(background=False)
+    report = decoder.report()
+    assert report["state"] == "failed", report
+    assert "status 3" in report["detail"] and "no C++ compiler (g++) found" in report["detail"], report
+    assert dynamo_counters["stats"]["unique_graphs"] == traced  # nothing traced in the engine's process
+    answer = engine.infill(PREFIXES[0], SUFFIXES[0], {"max_steps": 3})
+    assert decoder.report()["eager_steps"] == answer.steps > 0
+
+    for value, enabled in (("off", False), ("on", True)):
+        monkeypatch.setenv("CANVAS_LS_COMPILE", value)
+        assert CompiledDecoder(engine.loaded.model, "auto").enabled is enabled
+        assert CompiledDecoder(engine.loaded.model, "on").enabled  # a mode given by name is kept
+    monkeypatch.setenv("CANVAS_LS_COMPILE", "fast")
+    with pytest.raises(ValueError, match="CANVAS_LS_COMPILE"):
+        CompiledDecoder(engine.loaded.model, "auto")
+
+
 def test_inductors_kernels_are_kept_under_the_users_cache(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Loading a model fixes inductor's folder (/tmp by default, gone at a reboot): a compiling engine sets the
     user's cache first."""
