@@ -518,17 +518,26 @@ def train(
     healing = TokenHealing(tokenizer, model.config.get_text_config().vocab_size) if cfg.token_healing else None
     stream = BatchStream(train_files, tokenizer, cfg.seed + state["step"], cfg, healing)
     batches = stream.batches(cfg.data_workers, pin_memory=device.type == "cuda")
-    eval_sampler = ExampleSampler(eval_files, tokenizer, 99, cfg.prefix_tokens, cfg.head_tokens)
-    eval_batches = [
-        collate([eval_sampler.example(g) for _ in range(cfg.batch_size)], tokenizer.pad_token_id).to(device)
-        for g in cfg.gap_choices
-        for _ in range(2)
-    ]
+    # Held-out examples: the general mix (random spans, lines, several lines: the loss every recipe is compared on),
+    # and the held-out lines cut where the editor asks (what the workspace recipe trains on, `editor_diffusion`).
+    samplers = {"": ExampleSampler(eval_files, tokenizer, 99, cfg.prefix_tokens, cfg.head_tokens),
+                "editor_": ExampleSampler(eval_files, tokenizer, 98, cfg.prefix_tokens, cfg.head_tokens, healing,
+                                          editor_share=1.0)}  # fmt: skip
+    eval_sets = {
+        name: [collate([sampler.example(g) for _ in range(cfg.batch_size)], tokenizer.pad_token_id).to(device)
+               for g in cfg.gap_choices for _ in range(2)]
+        for name, sampler in samplers.items()
+    }  # fmt: skip
+
+    def held_out_losses() -> dict[str, float]:
+        general = evaluate(model, eval_sets[""], cfg.bf16)
+        return {**general, "editor_diffusion": evaluate(model, eval_sets["editor_"], cfg.bf16)["diffusion"]}
+
     generator = torch.Generator(device=device).manual_seed(cfg.seed + state["step"])
     rng = random.Random(cfg.seed + state["step"])
     log = (out_dir / "log.jsonl").open("a")
     budget = cfg.minutes * 60
-    before = evaluate(model, eval_batches, cfg.bf16) if state["step"] == 0 else None  # the held-out start
+    before = held_out_losses() if state["step"] == 0 else None  # the held-out start
     started = time.perf_counter() - state["elapsed"]  # the budget is training time: it starts after that evaluation
     last_checkpoint = time.perf_counter()
     # Early stopping: the weights of the best held-out diffusion loss so far, and evaluations since it was set
@@ -569,7 +578,7 @@ def train(
                 }
                 data_seconds = 0.0
                 if state["step"] % cfg.eval_every == 0:
-                    held_out = evaluate(model, eval_batches, cfg.bf16)
+                    held_out = held_out_losses()
                     record.update({f"eval_{k}": round(v, 4) for k, v in held_out.items()})
                     if best is not None:
                         if held_out["diffusion"] < best[0]:
@@ -584,7 +593,7 @@ def train(
             if snapshot is not None and snapshots and state["elapsed"] >= snapshots[0] * 60:
                 paused = time.perf_counter()
                 minutes = snapshots.pop(0)
-                held_out = evaluate(model, eval_batches, cfg.bf16)
+                held_out = held_out_losses()
                 snapshot(out_dir / "snapshots" / f"{minutes:g}")
                 log.write(json.dumps({"snapshot": minutes, "step": state["step"],
                                       **{f"eval_{k}": round(v, 4) for k, v in held_out.items()}}) + "\n")  # fmt: skip
@@ -596,12 +605,12 @@ def train(
                 last_checkpoint = time.perf_counter()
     except KeyboardInterrupt:  # Ctrl-C: what was learnt so far is evaluated, saved and exported
         stopped = "interrupted"
-    final = evaluate(model, eval_batches, cfg.bf16)
+    final = held_out_losses()
     if best is not None and best[0] < final["diffusion"]:  # the best held-out weights, not the last
         with torch.no_grad():
             for (_, parameter), kept in zip(trained, best[1], strict=True):
                 parameter.copy_(kept)
-        final = evaluate(model, eval_batches, cfg.bf16)
+        final = held_out_losses()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
     summary = {**state, **{f"eval_{k}": v for k, v in final.items()}, "stopped": stopped, "config": asdict(cfg)}
     if before is not None:

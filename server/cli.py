@@ -587,7 +587,9 @@ def _models(args: argparse.Namespace) -> int:
           f" {'MB':>6}")  # fmt: skip
     for row in rows:
         held = row["held_out"] or {}
-        before, after = held.get("before", {}).get("diffusion"), held.get("after", {}).get("diffusion")
+        # the held-out lines cut where the editor asks (what the workspace recipe trains on); older entries: spans
+        key = "editor_diffusion" if "editor_diffusion" in held.get("after", {}) else "diffusion"
+        before, after = held.get("before", {}).get(key), held.get("after", {}).get(key)
         loss = f"{before:.3f} -> {after:.3f}" if before is not None and after is not None else "-"
         print(f"{row['workspace'][-40:]:<40} {row['kind']:<8} {(row['created'] or '-')[:19]:<20} "
               f"{row['files'] or '-':>6} {row['tokens'] or '-':>9} {row['steps'] or '-':>6} {loss:>15} "

@@ -196,6 +196,7 @@ async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
     message = next(m for m in raw_client.messages if "learn" in m.message)
     assert message.type == types.MessageType.Info and message.message.startswith("canvas-ls: learned project: ")
     assert "its files now use this model" in message.message
+    assert "held-out loss where the editor asks " in message.message and "on random spans " in message.message
     reports = [r for token, values in raw_client.progress_reports.items() if "learn" in str(token) for r in values]
     assert isinstance(reports[0], types.WorkDoneProgressBegin) and reports[0].cancellable
     assert isinstance(reports[-1], types.WorkDoneProgressEnd)
@@ -205,6 +206,8 @@ async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
     row = rows[str(repo.resolve())]
     assert row["kind"] == "model" and row["base"] == str(writing_model_dir) and row["steps"] >= 1
     assert row["files"] >= 2 and row["tokens"] > 0 and row["recipe"] == workspaces.WORKSPACE_RECIPE
+    for when in ("before", "after"):  # the loss of what the workspace recipe trains on, and the general one
+        assert {"editor_diffusion", "diffusion"} <= set(row["held_out"][when]), row["held_out"]
     inside = open_file(raw_client, repo / "pkg" / "m0.py", RETURN_DOC)
     await fill_at(raw_client, inside, AFTER_RETURN)
     stats = await request(raw_client, "canvas/stats", {})
