@@ -621,10 +621,10 @@ async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
     final = await ls.learner.learn(job, ls.config.engine.model, minutes, report)
     if "done" in final:
         done = final["done"]
+        labels = {"editor_diffusion": "held-out loss where the editor asks", "diffusion": "on random spans"}
         loss = "".join(f"{label} {done[f'eval_before_{key}']:.3f} -> {done[f'eval_{key}']:.3f}; "
-                       for key, label in (("editor_diffusion", "held-out loss where the editor asks"),
-                                          ("diffusion", "on random spans"))
-                       if done.get(f"eval_before_{key}") is not None and done.get(f"eval_{key}") is not None)  # fmt: skip
+                       for key, label in labels.items()
+                       if None not in (done.get(f"eval_before_{key}"), done.get(f"eval_{key}")))  # fmt: skip
         used = "its files now use this model" if ls.backend.enabled else "not used: engine.workspace_models is off"
         message = (f"learned {root.name}: {done.get('step')} steps in {done.get('elapsed', 0) / 60:.1f} min "
                    f"({done.get('stopped')}); {loss}{used}")  # fmt: skip
