@@ -26,8 +26,8 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
   compiler, no model folder to hand it) the engine stays eager and says why, instead of tracing beside requests.
   `CANVAS_LS_COMPILE=on|off` in the environment stands in for `auto` (the test suite runs with it off).
   On by default on the CPU since 2026-12-02: with the graphs saved (~3 s from the second start on) and the
-  compilation at the lowest priority, a first start's ~50-75 s of compiling costs requests little (p50 112 vs
-  91 ms on a 2-core Xeon), and every later step is 0.6x eager.
+  compilation at the lowest priority, a new machine's first start's 1-2 minutes of compiling (2 cores) cost
+  requests little (p50 112 vs 91 ms on a 2-core Xeon), and every later step is 0.6x eager.
 
 The compiled step always passes self-conditioning logits (zeros with a False mask where a row has none): the model
 zeroes masked rows' soft embeddings exactly as it does without logits, and one graph then serves every step.

@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--prefix-cache-mb", type=int, default=256, help="prefix KV cache bound (0: off)")
     engine.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="compile the batched step's decoder after start (requests run eager meanwhile); auto: "
-                             "on, on the CPU by a background process only (~60 s once, then loaded in ~3 s); "
+                             "on, on the CPU by a background process only (1-2 min once, then loaded in ~3 s); "
                              "CANVAS_LS_COMPILE=on|off stands in for auto")  # fmt: skip
 
     train = commands.add_parser("train", help="train the default model on source code already on this machine")

@@ -21,7 +21,7 @@ class EngineOptions:
     # A LoRA adapter folder (`canvas-ls train --lora`) applied to the model; None: the model as it is.
     adapter: str | None = None
     # The compiled denoising step (`canvas-ls engine --compile`): "auto" on (on the CPU its graphs are compiled once
-    # by a background process at the lowest priority, ~50-75 s on 2 cores, then loaded in ~3 s at every start; a
+    # by a background process at the lowest priority, 1-2 minutes on 2 cores, then loaded in ~3 s at every start; a
     # machine that cannot compile stays eager); "on" also compiles in the engine itself where that process cannot;
     # "off" eager. A resident engine already running keeps the mode it was started with.
     compile: Literal["auto", "on", "off"] = "auto"
