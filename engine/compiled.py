@@ -146,7 +146,7 @@ class CompiledDecoder:
         # Traced and run outside inference mode on a step's inference tensors: a saved graph's guards then read the
         # inputs' dispatch keys as they were when it was traced.
         with torch.inference_mode(False), torch.no_grad():
-            if self._accepts(graph, rows, inputs):
+            if self._accepts(graph, inputs):
                 try:
                     return graph(self.model, **inputs).logits  # its guards checked just now (disabled inside)
                 except Exception as exc:  # a graph that fails costs the speed, never the request
@@ -157,12 +157,13 @@ class CompiledDecoder:
             log.info("a step's shapes are not covered by the precompiled graphs; such steps run eager")
         return None
 
-    def _accepts(self, graph: Any, rows: str, inputs: dict[str, Any]) -> bool:
+    def _accepts(self, graph: Any, inputs: dict[str, Any]) -> bool:
         """Whether `graph`'s guards accept these inputs. Checking them walks every input tensor, ~0.6 ms a step on 2
         cores (its caches cold after the forward), so the answer is kept for the next steps of the same batch: the
         same batched cache object (rebuilt whenever a job joins, leaves or extends its cache) and the same shapes
-        and strides of the other inputs, which the step lays out by the same code every time."""
-        signature = (rows, _signature(inputs))
+        and strides of the other inputs (the row count, and so the graph, among them), which the step lays out by the
+        same code every time."""
+        signature = _signature(inputs)
         kept = self._accepted
         if kept is not None and kept[0]() is inputs["cache"] and kept[1] == signature:
             return kept[2]
@@ -202,7 +203,7 @@ class CompiledDecoder:
                         break
                     rows = _rows(inputs)
                     if rows not in self._precompiled:
-                        self._ready(rows, *self._load_or_compile(inputs, rows, self.compile_here), started)
+                        self._ready(rows, *self._load_or_compile(inputs, rows), started)
             else:
                 self._compile_in_place(examples, started)
         except Exception as exc:
@@ -244,10 +245,10 @@ class CompiledDecoder:
                 self.child_error = f"the compiling process exited with status {child.returncode}: {last[0][:300]}"
                 log.warning("%s; %s", self.child_error, "compiling here" if self.compile_here else "staying eager")
 
-    def _load_or_compile(self, inputs: dict[str, Any], rows: str, compile_here: bool = True) -> tuple[Any, str]:
+    def _load_or_compile(self, inputs: dict[str, Any], rows: str) -> tuple[Any, str]:
         """The graph for these inputs' row count: loaded from the cache where an earlier start saved it, else
-        compiled ahead of time (dynamic shapes, one graph) and saved there, unless `compile_here` is False (then an
-        error saying why there is none)."""
+        compiled ahead of time (dynamic shapes, one graph) and saved there, where this process may compile
+        (`compile_here`; else an error saying why there is none)."""
         path = graph_path(self.model, rows, self.backend)
         if path.exists():
             try:
@@ -257,7 +258,7 @@ class CompiledDecoder:
             except Exception as exc:  # another torch, a damaged file: compile it anew
                 log.warning("the saved graph %s does not load (%s: %s); compiling it again", path.name,
                             type(exc).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
-        if not compile_here:
+        if not self.compile_here:
             why = self.child_error or "no model folder for a compiling process"
             raise RuntimeError(f"no compiled graph for {rows} ({why}); the step runs eager")
         compiled = compile_model(self.model, torch.device("cpu"), self.backend, saved=True)

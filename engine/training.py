@@ -518,20 +518,21 @@ def train(
     healing = TokenHealing(tokenizer, model.config.get_text_config().vocab_size) if cfg.token_healing else None
     stream = BatchStream(train_files, tokenizer, cfg.seed + state["step"], cfg, healing)
     batches = stream.batches(cfg.data_workers, pin_memory=device.type == "cuda")
-    # Held-out examples: the general mix (random spans, lines, several lines: the loss every recipe is compared on),
-    # and the held-out lines cut where the editor asks (what the workspace recipe trains on, `editor_diffusion`).
+    # Held-out examples, by the prefix of their figures' names: the general mix (random spans, lines, several lines:
+    # what every recipe is compared on), and "editor_": the held-out lines cut where the editor asks (what the
+    # workspace recipe trains on).
     samplers = {"": ExampleSampler(eval_files, tokenizer, 99, cfg.prefix_tokens, cfg.head_tokens),
                 "editor_": ExampleSampler(eval_files, tokenizer, 98, cfg.prefix_tokens, cfg.head_tokens, healing,
                                           editor_share=1.0)}  # fmt: skip
     eval_sets = {
-        name: [collate([sampler.example(g) for _ in range(cfg.batch_size)], tokenizer.pad_token_id).to(device)
-               for g in cfg.gap_choices for _ in range(2)]
-        for name, sampler in samplers.items()
+        prefix: [collate([sampler.example(g) for _ in range(cfg.batch_size)], tokenizer.pad_token_id).to(device)
+                 for g in cfg.gap_choices for _ in range(2)]
+        for prefix, sampler in samplers.items()
     }  # fmt: skip
 
     def held_out_losses() -> dict[str, float]:
-        general = evaluate(model, eval_sets[""], cfg.bf16)
-        return {**general, "editor_diffusion": evaluate(model, eval_sets["editor_"], cfg.bf16)["diffusion"]}
+        return {prefix + name: value for prefix, batches in eval_sets.items()
+                for name, value in evaluate(model, batches, cfg.bf16).items()}  # fmt: skip
 
     generator = torch.Generator(device=device).manual_seed(cfg.seed + state["step"])
     rng = random.Random(cfg.seed + state["step"])
