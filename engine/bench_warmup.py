@@ -52,7 +52,9 @@ print(json.dumps(out))
 def run(model: str | None, dtype: str, starts: int, dataset: Path | None, limit: int,
         progress: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     scratch = Path(tempfile.mkdtemp(prefix="canvas-warmup-"))
-    env = {**os.environ, "XDG_CACHE_HOME": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor")}
+    (scratch / "tmp").mkdir()  # inductor's precompiled headers live under the temporary folder: none there either
+    env = {**os.environ, "XDG_CACHE_HOME": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
+           "TMPDIR": str(scratch / "tmp")}  # fmt: skip
     plan = ["nothing cached", "inductor's cache only"] + ["graphs saved"] * starts
     rows = []
     try:

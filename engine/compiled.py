@@ -13,8 +13,9 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
   to 8.5 s), while requests run eager, and saved under the user's cache (`graph_path`: keyed by the model's
   architecture and dtype, torch, transformers, the CPU's kernels and this code). The next engine start loads the
   saved graphs instead of tracing and compiling: ~3 s for both on 2 cores, where a new machine's first start
-  takes ~39 s to the one-row graph and ~64 s to both (`canvas-ls bench warmup`; the in-place `torch.compile`
-  warm-up this replaced took 39-46 s at every start, 108-138 s on a new machine). The weights are the graph's
+  takes ~25 s to the one-row graph and ~45 s to both (2-core Xeon, `canvas-ls bench warmup`; the C++ compiler is
+  set up on the second core meanwhile, `warm_compiler_caches`; the in-place `torch.compile` warm-up this replaced
+  took 39-46 s at every start, 108-138 s on a new machine). The weights are the graph's
   inputs, so one saved graph serves every model of the architecture (a workspace's fine-tune too). Each graph
   serves as soon as it is there, the one-row graph (an editor's request alone) first. A step whose inputs its
   graph's guards refuse runs eager and is counted (`uncovered_steps`): nothing compiles on the request path.
@@ -426,6 +427,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def warm_compiler_caches() -> threading.Thread:
+    """Start, in a thread, inductor's one-time C++ set-up of a new machine: probing which vector instruction sets the
+    compiler and CPU support (a dozen small compilations, each loaded by a probe process) and precompiling the
+    C++ wrapper's header (under the system's temporary folder, shared by every later compilation). Inductor would
+    do both, one after the other, in the middle of the first graph's compilation; started with the process they run
+    on the second core while the model loads and dynamo traces it (2-core Xeon, nothing cached: the one-row graph
+    ready 31.8-33.1 -> 22.7-23.3 s from the start of the compiling process). Private to inductor: where its call
+    differs (another torch), the thread does nothing and inductor does the work itself, as before."""
+
+    def warm() -> None:
+        try:
+            from torch._inductor.codecache import CppWrapperCodeCache
+
+            # What inductor's C++ wrapper asks for (`CppWrapperCpu`): the same flags, so the same precompiled header;
+            # the returned loader is never called, so nothing else is compiled
+            CppWrapperCodeCache.load_pybinding_async(argtypes=["std::vector<AtenTensorHandle>"], main_code="\n",
+                                                     device_type="cpu", needs_vec_isa=True, num_outputs=1)  # fmt: skip
+        except Exception as exc:  # another torch's internals: inductor does it when it gets there
+            log.info("no head start for the C++ compiler's set-up (%s: %s)", type(exc).__name__, exc)
+
+    thread = threading.Thread(target=warm, name="canvas-compiler-setup", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m canvas_ls.engine.compiled MODEL --dtype D --backend B`: compile and save the decoder graphs of an
     engine of that model at the lowest CPU priority, one JSON line on stdout per graph saved (what
@@ -442,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     lowest_priority()
     keep_inductor_cache()
+    warm_compiler_caches()  # on the other core while the model loads and is traced
     engine = Engine.load(args.model, "cpu", dtype=args.dtype)
     decoder = CompiledDecoder(engine.loaded.model, "on", backend=args.backend)
     decoder.announce = lambda rows: print(json.dumps({"graph": rows}), flush=True)

@@ -270,3 +270,26 @@ def test_inductors_kernels_are_kept_under_the_users_cache(tiny_model_dir: Path, 
                          timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "canvas-ls" / "torchinductor")
+
+
+HEAD_START = """
+import torch
+from canvas_ls.engine.compiled import compile_model, warm_compiler_caches
+
+warm_compiler_caches().join()
+fn = compile_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), torch.device("cpu"), dynamic=False)
+with torch.no_grad():
+    fn(torch.randn(4, 8))
+"""
+
+
+def test_the_compiling_process_sets_up_the_c_compiler_ahead_for_the_graphs(tmp_path: Path) -> None:
+    """The compiling child's head start (`warm_compiler_caches`, on the second core while the model is traced)
+    precompiles the very header inductor's C++ wrapper then compiles with: a compilation after it builds no other
+    (a mismatch would cost both cores the work twice). It leans on inductor's internals, so this pins them."""
+    env = os.environ | {"TMPDIR": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    run = subprocess.run([sys.executable, "-c", HEAD_START], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "no head start" not in run.stderr
+    headers = list(tmp_path.glob("torchinductor_*/precompiled_headers/*.gch"))
+    assert len(headers) == 1, headers
