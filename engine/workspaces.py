@@ -44,6 +44,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "full-lines": {"lr": 5e-4, "replay": 0.0, "editor_share": 0.5, **_SINGLE_GAPS_ONLY},
     # every example a single gap cut where the editor asks (the workspace recipe; README)
     "editor-only": {"lr": 5e-4, "replay": 0.0, "editor_share": 1.0, **_SINGLE_GAPS_ONLY},
+    # editor-only at twice the learning rate: more of the repository in the same minutes
+    "editor-hot": {"lr": 1e-3, "replay": 0.0, "editor_share": 1.0, **_SINGLE_GAPS_ONLY},
     "full-replay": {"lr": 2e-4, "replay": 0.5, "patience": 2},
     "lora": {"lora_rank": 16, "lr": 2e-3, "replay": 0.25},
 }
