@@ -273,8 +273,11 @@ def test_inductors_kernels_are_kept_under_the_users_cache(tiny_model_dir: Path, 
 
 
 HEAD_START = """
+import logging
 import torch
 from canvas_ls.engine.compiled import compile_model, warm_compiler_caches
+
+logging.basicConfig(level=logging.INFO)  # a head start that could not run says so at INFO
 
 warm_compiler_caches().join()
 fn = compile_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), torch.device("cpu"), dynamic=False)
