@@ -210,6 +210,18 @@ def _kill_group(child: subprocess.Popen) -> None:
     child.wait()
 
 
+def paired_interval(before: list[float], after: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of mean(after - before) over the same tasks (resampled together): how far a gain
+    measured on this many tasks could be from the gain on the population they were drawn from. It does not hold the
+    spread between two training runs of one recipe."""
+    diffs = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
+    if len(diffs) == 0:
+        raise ValueError("no tasks to compare")
+    picks = torch.randint(len(diffs), (draws, len(diffs)), generator=torch.Generator().manual_seed(seed))
+    low, high = torch.quantile(diffs[picks].mean(dim=1), torch.tensor([0.025, 0.975], dtype=torch.float64))
+    return float(low), float(high)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")

@@ -25,7 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from canvas_ls.engine import corpus, training, workspaces
-from canvas_ls.engine.bench import Task, answer_row, block_tasks, figure, line_tasks, load_tasks, machine, summarise
+from canvas_ls.engine.bench import (
+    Task,
+    answer_row,
+    block_tasks,
+    figure,
+    line_tasks,
+    load_tasks,
+    machine,
+    paired_interval,
+    summarise,
+)
 from canvas_ls.engine.engine import Engine
 
 # What the server asks for at a single-line and a multi-line hole (server.config.CompletionOptions).
@@ -40,7 +50,8 @@ def measure(engine: Engine, tasks: list[Task], overrides: dict[str, Any]) -> dic
         started = time.perf_counter()
         result = engine.infill(task.prompt, task.suffix, overrides)
         rows.append(answer_row(task, result, (time.perf_counter() - started) * 1000))
-    return summarise(rows)
+    # each task's edit similarity, in the tasks' order: gains are compared task by task (`line_gain`)
+    return {**summarise(rows), "similarities": [row["edit_similarity"] for row in rows]}
 
 
 def evaluate(model: str | None, adapter: str | None, sets: dict[str, list[Task]]) -> dict[str, Any]:
@@ -125,6 +136,17 @@ def _brief(figures: dict[str, Any]) -> str:
                      for name, f in figures.items() if isinstance(f, dict) and "exact_match" in f)  # fmt: skip
 
 
+def line_gain(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    """A point's held-out line edit similarity against the base's, in points, with its 95% interval over the lines
+    (paired: the same lines; None for reports written before the per-task figures were kept)."""
+    before, after = base["lines"], point["lines"]
+    gain = {"gain": 100 * (after["edit_similarity"] - before["edit_similarity"]), "interval": None}
+    if before.get("similarities") and after.get("similarities"):
+        low, high = paired_interval(before["similarities"], after["similarities"])
+        gain["interval"] = [100 * low, 100 * high]
+    return gain
+
+
 def best_recipe(report: dict[str, Any]) -> dict[str, Any] | None:
     """The recipe whose final held-out line edit similarity is highest among those that keep line exact match at
     least the base's (the issue's rule), with its gains in points."""
@@ -132,12 +154,13 @@ def best_recipe(report: dict[str, Any]) -> dict[str, Any] | None:
     scored = []
     for name, result in report["recipes"].items():
         last = result["curve"][-1]
-        gain = 100 * (last["lines"]["edit_similarity"] - base["lines"]["edit_similarity"])
+        lines = line_gain(base, last)
         exact = 100 * (last["lines"]["exact_match"] - base["lines"]["exact_match"])
         general = 100 * (last["humaneval"]["exact_match"] - base["humaneval"]["exact_match"]) if "humaneval" in last \
             else None  # fmt: skip
-        scored.append({"recipe": name, "lines_similarity_gain": gain, "lines_exact_gain": exact,
-                       "humaneval_exact_change": general, "keeps_exact": exact >= 0})  # fmt: skip
+        scored.append({"recipe": name, "lines_similarity_gain": lines["gain"], "lines_similarity_interval":
+                       lines["interval"], "lines_exact_gain": exact, "humaneval_exact_change": general,
+                       "keeps_exact": exact >= 0})  # fmt: skip
     kept = [s for s in scored if s["keeps_exact"]] or scored
     return max(kept, key=lambda s: s["lines_similarity_gain"], default=None)
 
@@ -167,14 +190,25 @@ def format_repo(report: dict[str, Any]) -> str:
     for name, result in report["recipes"].items():
         for point in result["curve"][1:]:
             lines.append(row(name, point))
-        lines.append(f"{'':<12} ({result['steps']} steps, stopped: {result['stopped']}, recipe {result['recipe']})")
+        final = line_gain(report["base_figures"], result["curve"][-1])
+        lines.append(f"{'':<12} ({result['steps']} steps, stopped: {result['stopped']}, line similarity "
+                     f"{_gain(final['gain'], final['interval'])}, recipe {result['recipe']})")  # fmt: skip
     best = report.get("best")
     if best:
         general = best["humaneval_exact_change"]
-        lines.append(f"best: {best['recipe']}: held-out line similarity {best['lines_similarity_gain']:+.1f} points, "
+        lines.append(f"best: {best['recipe']}: held-out line similarity "
+                     f"{_gain(best['lines_similarity_gain'], best.get('lines_similarity_interval'))}, "
                      f"exact {best['lines_exact_gain']:+.1f}, HumanEval exact "
                      f"{'n/a' if general is None else f'{general:+.1f}'} points")  # fmt: skip
+        if best.get("lines_similarity_interval"):
+            lines.append("(intervals: 95% over the held-out lines, paired with the base; the spread between two "
+                         "training runs of one recipe comes on top: 4 points on marshmallow)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _gain(gain: float, interval: list[float] | None) -> str:
+    shown = f"{gain:+.1f} points"
+    return shown if interval is None else f"{shown} (95% {interval[0]:+.1f} to {interval[1]:+.1f})"
 
 
 def plot_repo(report: dict[str, Any], path: Path) -> Path:

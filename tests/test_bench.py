@@ -189,3 +189,17 @@ def test_repository_tasks_are_the_held_out_files_lines(tmp_path: Path) -> None:
     second = tasks[1]
     assert (second.prompt, second.solution, second.suffix) == ("def f(x):\n    ", "return x + 1", "\n\n\nok=2\n")
     assert all(t.prompt + t.solution + t.suffix == (tmp_path / "pkg" / "a.py").read_text() for t in tasks)
+
+
+def test_a_paired_interval_holds_the_gain_and_narrows_with_agreement() -> None:
+    """`bench repo`'s interval of a gain: resampling tasks together, a shift every task shares has no spread; gains
+    that differ task by task spread around their mean."""
+    from canvas_ls.engine.bench import paired_interval
+
+    assert paired_interval([0.2, 0.4, 0.6], [0.3, 0.5, 0.7]) == pytest.approx((0.1, 0.1))
+    before, after = [0.1 * (i % 7) for i in range(60)], [0.1 * (i % 5) for i in range(60)]
+    low, high = paired_interval(before, after)
+    mean = sum(a - b for a, b in zip(after, before, strict=True)) / 60
+    assert low < mean < high and high - low > 0.05
+    with pytest.raises(ValueError):
+        paired_interval([], [])

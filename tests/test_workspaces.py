@@ -236,6 +236,10 @@ def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, t
     assert (tmp_path / "work" / "full" / "snapshots" / "0.03" / "model" / "config.json").is_file()
     table = bench_repo.format_repo(report)
     assert table.count("\nfull ") == 2 and table.count("\nlora ") == 2 and "best: " in table
+    # the best's gain comes with its interval over the same held-out lines, paired with the base's answers
+    best = report["best"]
+    low, high = best["lines_similarity_interval"]
+    assert low <= best["lines_similarity_gain"] <= high and "95% " in table
     assert bench_repo.plot_repo(report, tmp_path / "repo.png").stat().st_size > 1000
 
 
