@@ -35,6 +35,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -409,6 +410,10 @@ class TrainConfig:
     # Stop after this many evaluations (every eval_every steps) without a better held-out diffusion loss, and keep
     # the best weights (0: run the whole budget)
     patience: int = 0
+    # Decay of an exponential moving average of the trained weights, started from the weights the run starts from
+    # (0: none). With it the held-out evaluations, early stopping, snapshots and the exported model use the average,
+    # which leans towards the base early in a run and smooths the last steps' noise later on.
+    ema: float = 0.0
     device: str = "auto"  # "auto": CUDA when there is a GPU, else the CPU
     threads: int = 0  # 0: torch's default
     data_workers: int = 0  # processes cutting batches ahead of the steps (0: in the training loop)
@@ -423,6 +428,38 @@ class TrainConfig:
 
 def _snapshot(parameters: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     return [p.detach().clone() for _, p in parameters]
+
+
+def _load_into(parameters: list[tuple[str, torch.Tensor]], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for (_, parameter), value in zip(parameters, values, strict=True):
+            parameter.copy_(value)
+
+
+class WeightAverage:
+    """An exponential moving average of the trained weights (torch's EMA update, `swa_utils`), kept beside them and
+    swapped in wherever the run evaluates or exports its model."""
+
+    def __init__(self, parameters: list[tuple[str, torch.Tensor]], decay: float,
+                 saved: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+        from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+        self.parameters = parameters
+        self.values = saved if saved is not None else _snapshot(parameters)
+        self._update = get_ema_multi_avg_fn(decay)
+
+    def update(self) -> None:
+        self._update(self.values, [p.detach() for _, p in self.parameters], None)
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The average in the model's parameters for the block, the trained weights back after it."""
+        trained = _snapshot(self.parameters)
+        _load_into(self.parameters, self.values)
+        try:
+            yield
+        finally:
+            _load_into(self.parameters, trained)
 
 
 def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
@@ -510,11 +547,27 @@ def train(
     )
     state = {"step": 0, "elapsed": 0.0, "examples": 0}
     checkpoint = out_dir / "checkpoint.pt"
+    saved: dict[str, Any] = {}
     if checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=False, map_location=device)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         state = saved["state"]
+    average = WeightAverage(trained, cfg.ema, saved.get("average")) if cfg.ema else None
+
+    def save_checkpoint() -> None:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
+                    "average": average.values if average is not None else None}, checkpoint)  # fmt: skip
+
+    @contextmanager
+    def evaluated_weights() -> Iterator[None]:
+        """The weights the run evaluates and exports: the average where there is one."""
+        if average is None:
+            yield
+        else:
+            with average.swapped_in():
+                yield
+
     healing = TokenHealing(tokenizer, model.config.get_text_config().vocab_size) if cfg.token_healing else None
     stream = BatchStream(train_files, tokenizer, cfg.seed + state["step"], cfg, healing)
     batches = stream.batches(cfg.data_workers, pin_memory=device.type == "cuda")
@@ -531,8 +584,12 @@ def train(
     }  # fmt: skip
 
     def held_out_losses() -> dict[str, float]:
-        return {prefix + name: value for prefix, batches in eval_sets.items()
-                for name, value in evaluate(model, batches, cfg.bf16).items()}  # fmt: skip
+        with evaluated_weights():
+            return {prefix + name: value for prefix, batches in eval_sets.items()
+                    for name, value in evaluate(model, batches, cfg.bf16).items()}  # fmt: skip
+
+    def evaluated_snapshot() -> list[torch.Tensor]:
+        return [v.detach().clone() for v in average.values] if average is not None else _snapshot(trained)
 
     generator = torch.Generator(device=device).manual_seed(cfg.seed + state["step"])
     rng = random.Random(cfg.seed + state["step"])
@@ -542,7 +599,7 @@ def train(
     started = time.perf_counter() - state["elapsed"]  # the budget is training time: it starts after that evaluation
     last_checkpoint = time.perf_counter()
     # Early stopping: the weights of the best held-out diffusion loss so far, and evaluations since it was set
-    best = (before["diffusion"], _snapshot(trained)) if before is not None and cfg.patience else None
+    best = (before["diffusion"], evaluated_snapshot()) if before is not None and cfg.patience else None
     worse = 0
     model.train()
     record: dict[str, Any] = {}
@@ -562,6 +619,8 @@ def train(
             batch = next(batches).to(device)
             data_seconds += time.perf_counter() - waited
             parts = train_step(model, optimizer, batch, generator, cfg, rng.random() < cfg.self_condition_prob)
+            if average is not None:
+                average.update()
             state["step"] += 1
             state["examples"] += cfg.batch_size
             state["elapsed"] = time.perf_counter() - started
@@ -583,7 +642,7 @@ def train(
                     record.update({f"eval_{k}": round(v, 4) for k, v in held_out.items()})
                     if best is not None:
                         if held_out["diffusion"] < best[0]:
-                            best, worse = (held_out["diffusion"], _snapshot(trained)), 0
+                            best, worse = (held_out["diffusion"], evaluated_snapshot()), 0
                         else:
                             worse += 1
                 log.write(json.dumps(record) + "\n")
@@ -595,24 +654,25 @@ def train(
                 paused = time.perf_counter()
                 minutes = snapshots.pop(0)
                 held_out = held_out_losses()
-                snapshot(out_dir / "snapshots" / f"{minutes:g}")
+                with evaluated_weights():
+                    snapshot(out_dir / "snapshots" / f"{minutes:g}")
                 log.write(json.dumps({"snapshot": minutes, "step": state["step"],
                                       **{f"eval_{k}": round(v, 4) for k, v in held_out.items()}}) + "\n")  # fmt: skip
                 log.flush()
                 started += time.perf_counter() - paused  # the snapshot's time is not training time
             if time.perf_counter() - last_checkpoint > cfg.checkpoint_minutes * 60:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state},
-                           checkpoint)  # fmt: skip
+                save_checkpoint()
                 last_checkpoint = time.perf_counter()
     except KeyboardInterrupt:  # Ctrl-C: what was learnt so far is evaluated, saved and exported
         stopped = "interrupted"
     final = held_out_losses()
+    if average is not None:  # from here on the model holds the average: what is evaluated and exported
+        _load_into(trained, average.values)
+        average = None
     if best is not None and best[0] < final["diffusion"]:  # the best held-out weights, not the last
-        with torch.no_grad():
-            for (_, parameter), kept in zip(trained, best[1], strict=True):
-                parameter.copy_(kept)
+        _load_into(trained, best[1])
         final = held_out_losses()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
+    save_checkpoint()
     summary = {**state, **{f"eval_{k}": v for k, v in final.items()}, "stopped": stopped, "config": asdict(cfg)}
     if before is not None:
         summary.update({f"eval_before_{k}": v for k, v in before.items()})

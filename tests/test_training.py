@@ -141,6 +141,27 @@ def test_a_short_run_lowers_the_loss(tmp_path: Path) -> None:
     assert all(r["data_s_per_step"] >= 0 for r in records if "step" in r)
 
 
+def test_a_run_with_a_moving_average_exports_the_average_of_its_weights(tmp_path: Path) -> None:
+    """`ema`: the model a run leaves is the moving average of the weights after each step, started from the weights
+    it started from; evaluating it in between (swapping the average in and out) does not disturb the training."""
+    tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path / "tok")
+
+    def weights_after(steps: int, **config: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer)))
+        if steps:
+            short_run(model, tokenizer, tmp_path / f"run-{steps}-{len(config)}", max_steps=steps, **config)
+        return [p.detach().clone() for p in model.parameters()]
+
+    w0, w1, w2 = weights_after(0), weights_after(1), weights_after(2)
+    averaged = weights_after(2, ema=0.5, eval_every=1, log_every=1)  # a held-out evaluation after each step
+    # decay 0.5: 0.5 * (0.5 * w0 + 0.5 * w1) + 0.5 * w2
+    expected = [0.25 * a + 0.25 * b + 0.5 * c for a, b, c in zip(w0, w1, w2, strict=True)]
+    assert any(not torch.equal(a, c) for a, c in zip(averaged, w2, strict=True))
+    for got, want in zip(averaged, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_data_workers_cut_batches_of_their_own(tmp_path: Path) -> None:
     """On a GPU, batches come from DataLoader workers: each worker cuts different examples, in the loop's format."""
     tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path / "tok")
