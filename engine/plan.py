@@ -7,6 +7,7 @@ The model is built on the meta device from its config, so the counts are exact f
                  on: the frozen base in bf16 (2 bytes) and the adapter in fp32; with --fp32: the base in fp32.
     gradients    fp32, for the trainable parameters only.
     optimizer    AdamW's two moments, fp32, for the trainable parameters.
+    average      with a moving average of the weights (a recipe's `ema`): one more fp32 copy of the trainable ones.
     activations  an estimate: per layer and token, the stored tensors of a transformer layer under bf16 autocast
                  without recomputation (Korthikanti et al. 2022: 34 bytes x hidden, the MLP's 19 of them scaled to
                  this model's experts and dense MLP), attention scores (5 bytes x heads x key length), over the
@@ -46,7 +47,7 @@ def model_config(start_from: str | None, preset: str, vocab_size: int) -> Any:
 
 
 def training_plan(config: Any, batch_size: int, prefix_tokens: int, canvas_tokens: int, lora_rank: int = 0,
-                  lora_experts: bool = False, bf16: bool = True) -> dict[str, Any]:  # fmt: skip
+                  lora_experts: bool = False, bf16: bool = True, ema: bool = False) -> dict[str, Any]:  # fmt: skip
     """Parameters and bytes of one run (see the module's docstring for what each line counts)."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -73,6 +74,7 @@ def training_plan(config: Any, batch_size: int, prefix_tokens: int, canvas_token
         "weights": weights,
         "gradients": trainable * 4,
         "optimizer": trainable * 8,
+        **({"average": trainable * 4} if ema else {}),
         "activations": activations + logits,
     }
     return {
@@ -102,9 +104,10 @@ def format_plan(plans: list[dict[str, Any]], where: str, name: str) -> str:
     lines = [f"{name}; {where}", "", f"{'':<24}" + "".join(f"{p['mode']:>28}" for p in plans)]
     lines.append(f"{'parameters':<24}" + "".join(f"{p['parameters'] / 1e6:>26.1f} M" for p in plans))
     lines.append(f"{'trainable':<24}" + "".join(f"{p['trainable'] / 1e6:>26.2f} M" for p in plans))
-    for key in ("weights", "gradients", "optimizer", "activations"):
+    keys = ("weights", "gradients", "optimizer", "average", "activations")
+    for key in [k for k in keys if any(k in p["bytes"] for p in plans)]:
         label = key + (" (estimate)" if key == "activations" else "")
-        lines.append(f"{label:<24}" + "".join(f"{p['bytes'][key] / GIB:>24.2f} GiB" for p in plans))
+        lines.append(f"{label:<24}" + "".join(f"{p['bytes'].get(key, 0) / GIB:>24.2f} GiB" for p in plans))
     lines.append(f"{'total':<24}" + "".join(f"{p['total_bytes'] / GIB:>24.2f} GiB" for p in plans))
     return "\n".join(lines)
 

@@ -720,7 +720,7 @@ def run_plan(cfg: TrainConfig, start_from: str | None, preset: str, vocab_size: 
     gap = max(cfg.gap_choices)
     canvas = gap + cfg.head_tokens + (gap if cfg.multi_gap_share > 0 else 0)  # several gaps: up to twice the slots
     return training_plan(model_config(start_from, preset, vocab_size), cfg.batch_size, cfg.prefix_tokens, canvas,
-                         cfg.lora_rank, cfg.lora_experts, cfg.bf16)  # fmt: skip
+                         cfg.lora_rank, cfg.lora_experts, cfg.bf16, cfg.ema > 0)  # fmt: skip
 
 
 def preset_model(preset: str, vocab_size: int) -> Any:

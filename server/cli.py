@@ -500,7 +500,7 @@ def _train(args: argparse.Namespace) -> int:
     from canvas_ls.engine.loading import DEFAULT_MODEL_DIR
     from canvas_ls.engine.training import TrainingError, run
 
-    name = args.recipe or (workspaces.WORKSPACE_RECIPE if args.workspace else None)
+    name = _recipe_name(args)
     if args.workspace and not args.recipe and args.lora is None and not _fits_fully(args):
         name = "lora"  # a big base (DiffusionGemma): full tuning cannot fit on this device, an adapter can
         print(f"canvas-ls: training every weight of {args.start_from} cannot fit here: tuning a LoRA adapter "
@@ -659,11 +659,22 @@ def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if v is not None}
 
 
+def _recipe_name(args: argparse.Namespace) -> str | None:
+    """The tuning recipe a `train` command runs: `--recipe`, or the workspace recipe with `--workspace`."""
+    from canvas_ls.engine import workspaces
+
+    return args.recipe or (workspaces.WORKSPACE_RECIPE if args.workspace else None)
+
+
 def _plan_config(args: argparse.Namespace) -> Any:
-    """The TrainConfig a `train` command would run (its preset with the flags over it), for the memory plan."""
+    """The TrainConfig a `train` command would run (its preset, its recipe and the flags over them), for the memory
+    plan."""
+    from canvas_ls.engine import workspaces
     from canvas_ls.engine.training import PRESETS, TrainConfig
 
-    return TrainConfig(**{**PRESETS[args.preset]["train"], **_train_overrides(args)})
+    name = _recipe_name(args)
+    recipe = workspaces.recipe(name)[0] if name else {}
+    return TrainConfig(**{**PRESETS[args.preset]["train"], **recipe, **_train_overrides(args)})
 
 
 def _run_plan(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:

@@ -164,6 +164,11 @@ def test_the_training_plan_counts_the_model_and_refuses_what_cannot_fit(monkeypa
     frozen = lora["parameters"] - lora["trainable"]
     assert lora["bytes"]["weights"] == 2 * frozen + 4 * lora["trainable"]  # bf16 base, fp32 adapter
     assert lora["bytes"]["activations"] == full["bytes"]["activations"] > 0
+    averaged = plan.training_plan(config, batch_size=4, prefix_tokens=64, canvas_tokens=48, lora_rank=4, ema=True)
+    assert averaged["bytes"]["average"] == 4 * lora["trainable"]  # the moving average: an fp32 copy of the adapter
+    assert averaged["total_bytes"] == lora["total_bytes"] + averaged["bytes"]["average"]
+    assert "average" not in lora["bytes"]
+    assert "average" in plan.format_plan([full, averaged], "here", "small")
     monkeypatch.setattr(plan, "available_bytes", lambda device: (full["total_bytes"] - 1, "a small card"))
     refused = plan.check(full, torch.device("cpu"))
     assert refused is not None and "a small card" in refused and "--lora" in refused

@@ -267,3 +267,19 @@ def test_every_recipe_is_a_training_configuration() -> None:
         assert all(getattr(cfg, k) == v for k, v in fields.items()), name
         assert 0.0 <= replay < 1.0, name
     assert workspaces.WORKSPACE_RECIPE in workspaces.RECIPES
+
+
+def test_the_training_plan_is_the_recipes() -> None:
+    """`train --plan --recipe NAME` counts the run that recipe makes: a moving average's copy of the weights, a LoRA
+    recipe's adapter."""
+    from canvas_ls.server import cli
+
+    def plan_of(*argv: str) -> Any:
+        return cli._plan_config(cli._parser().parse_args(["train", "--plan", *argv]))
+
+    assert plan_of("--recipe", "editor-ema").ema == workspaces.RECIPES["editor-ema"]["ema"] > 0
+    assert plan_of("--recipe", "lora").lora_rank == workspaces.RECIPES["lora"]["lora_rank"]
+    assert plan_of("--recipe", "lora", "--lora", "4").lora_rank == 4  # the flags over the recipe
+    assert plan_of().ema == 0.0  # no recipe: the preset's
+    workspace = workspaces.recipe(workspaces.WORKSPACE_RECIPE)[0]
+    assert all(getattr(plan_of("--workspace", "."), k) == v for k, v in workspace.items())
