@@ -666,13 +666,13 @@ def train(
     except KeyboardInterrupt:  # Ctrl-C: what was learnt so far is evaluated, saved and exported
         stopped = "interrupted"
     final = held_out_losses()
+    save_checkpoint()  # the training as it stands (trained weights, optimizer, average): what a longer run resumes
     if average is not None:  # from here on the model holds the average: what is evaluated and exported
         _load_into(trained, average.values)
         average = None
     if best is not None and best[0] < final["diffusion"]:  # the best held-out weights, not the last
         _load_into(trained, best[1])
         final = held_out_losses()
-    save_checkpoint()
     summary = {**state, **{f"eval_{k}": v for k, v in final.items()}, "stopped": stopped, "config": asdict(cfg)}
     if before is not None:
         summary.update({f"eval_before_{k}": v for k, v in before.items()})
