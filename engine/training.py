@@ -35,7 +35,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -559,14 +559,9 @@ def train(
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
                     "average": average.values if average is not None else None}, checkpoint)  # fmt: skip
 
-    @contextmanager
-    def evaluated_weights() -> Iterator[None]:
+    def evaluated_weights() -> AbstractContextManager[None]:
         """The weights the run evaluates and exports: the average where there is one."""
-        if average is None:
-            yield
-        else:
-            with average.swapped_in():
-                yield
+        return average.swapped_in() if average is not None else nullcontext()
 
     healing = TokenHealing(tokenizer, model.config.get_text_config().vocab_size) if cfg.token_healing else None
     stream = BatchStream(train_files, tokenizer, cfg.seed + state["step"], cfg, healing)

@@ -505,9 +505,7 @@ def _train(args: argparse.Namespace) -> int:
         name = "lora"  # a big base (DiffusionGemma): full tuning cannot fit on this device, an adapter can
         print(f"canvas-ls: training every weight of {args.start_from} cannot fit here: tuning a LoRA adapter "
               "(recipe lora)", file=sys.stderr)  # fmt: skip
-    recipe, replay = workspaces.recipe(name) if name else ({}, 0.0)
-    replay = replay if args.replay is None else args.replay
-    overrides = {**recipe, **_train_overrides(args)}
+    overrides, replay = _recipe_settings(args, name)
     corpus, out, minutes, start_from = args.corpus, args.out, args.minutes, args.start_from
     root = None
     if args.workspace is not None:
@@ -666,15 +664,21 @@ def _recipe_name(args: argparse.Namespace) -> str | None:
     return args.recipe or (workspaces.WORKSPACE_RECIPE if args.workspace else None)
 
 
+def _recipe_settings(args: argparse.Namespace, name: str | None) -> tuple[dict[str, Any], float]:
+    """A `train` command's TrainConfig overrides (recipe `name`'s, the flags over them) and its general-code replay
+    share (the recipe's unless `--replay`)."""
+    from canvas_ls.engine import workspaces
+
+    recipe, replay = workspaces.recipe(name) if name else ({}, 0.0)
+    return {**recipe, **_train_overrides(args)}, replay if args.replay is None else args.replay
+
+
 def _plan_config(args: argparse.Namespace) -> Any:
     """The TrainConfig a `train` command would run (its preset, its recipe and the flags over them), for the memory
     plan."""
-    from canvas_ls.engine import workspaces
     from canvas_ls.engine.training import PRESETS, TrainConfig
 
-    name = _recipe_name(args)
-    recipe = workspaces.recipe(name)[0] if name else {}
-    return TrainConfig(**{**PRESETS[args.preset]["train"], **recipe, **_train_overrides(args)})
+    return TrainConfig(**{**PRESETS[args.preset]["train"], **_recipe_settings(args, _recipe_name(args))[0]})
 
 
 def _run_plan(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
