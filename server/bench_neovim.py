@@ -6,10 +6,11 @@ with a multi-line hole (one per problem, so that no document shares a prefix wit
 opened fresh (didOpen), the cursor moved to the hole and `i` pressed (`A` where the hole ends its line). The plugin
 tells the server where the cursor went (`canvas/prefetch`, unless `prefetch` is off); Neovim's own inline-completion
 client waits its fixed 200 ms debounce (`vim.lsp.inline_completion`, not configurable in 0.12) and sends the
-request. Measured in
-Neovim (`vim.uv.hrtime`, by wrapping the client's `request`): from the request to the answer (what canvas-ls
-decides), and from entering insert mode to the answer (what the user waits: the debounce included). Two documents
-warm the engine first and are not counted.
+request, unless the plugin asked it to sooner (`show_early`: as soon as the server has the prefetched suggestion for
+the place where the cursor still is). Measured in Neovim (`vim.uv.hrtime`, by wrapping the client's `request`):
+from the request to the answer (what canvas-ls decides), and from entering insert mode to the answer (what the user
+waits: the debounce included, unless the plugin asked early). Two documents warm the engine first and are not
+counted.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from typing import Any
 from canvas_ls.engine.bench import machine, percentile
 
 SETUP = """
-local root, python, init, prefetch = ...
+local root, python, init, prefetch, show_early = ...
 vim.opt.rtp:prepend(root .. '/editors/neovim')
-require('canvas_ls').setup({ prefetch = prefetch, config = { cmd = { python, '-m', 'canvas_ls.server.cli', 'serve',
-  '--log-level', 'WARNING' }, init_options = vim.json.decode(init) } })
+require('canvas_ls').setup({ prefetch = prefetch, show_early = show_early, config = {
+  cmd = { python, '-m', 'canvas_ls.server.cli', 'serve', '--log-level', 'WARNING' },
+  init_options = vim.json.decode(init) } })
 _G.canvas_bench = { entered = 0, answers = {} }
 vim.api.nvim_create_autocmd({ 'InsertEnter', 'CursorMovedI' }, { callback = function()
   _G.canvas_bench.entered = vim.uv.hrtime()
@@ -99,7 +101,8 @@ def wait_for(predicate: Any, timeout: float = 90.0, what: str = "condition") -> 
 
 
 def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, warmup: int = 2,
-        speculate: bool = True, prefetch: bool = True, compile: str = "auto") -> dict[str, Any]:  # fmt: skip
+        speculate: bool = True, prefetch: bool = True, show_early: bool = True,
+        compile: str = "auto") -> dict[str, Any]:  # fmt: skip
     import pynvim
 
     binary = nvim or find_nvim()
@@ -112,8 +115,9 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     editor = pynvim.attach("child", argv=[binary, "--embed", "--headless", "--clean", "-n"])
     rows: list[dict[str, Any]] = []
     counters: dict[str, Any] = {}  # the server's, after the last task
+    shown_early = 0  # the plugin's count of requests it made as soon as the prefetch was ready
     try:
-        editor.exec_lua(SETUP, str(root), sys.executable, json.dumps(init), prefetch)
+        editor.exec_lua(SETUP, str(root), sys.executable, json.dumps(init), prefetch, show_early)
         for index, task in enumerate(tasks):
             path = work / f"task{index}.py"
             prompt = task["prompt"]
@@ -137,6 +141,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
                              "wait_ms": (answer["done"] - answer["entered"]) / 1e6, "items": answer["items"],
                              "error": answer["error"]})  # fmt: skip
             counters = editor.exec_lua("return require('canvas_ls').stats(0)") or {}
+            shown_early = editor.exec_lua("return require('canvas_ls').shown_early")
             editor.input("<Esc>")
             editor.command("bwipeout!")
         version = editor.exec_lua("return tostring(vim.version())")
@@ -149,9 +154,11 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     requests, waits = [r["request_ms"] for r in rows], [r["wait_ms"] for r in rows]
     return {
         "neovim": version, "dataset": str(dataset), "tasks": len(rows), "model": model or "(default)",
-        "machine": machine(), "speculate": speculate, "prefetch": prefetch, "compile": compile,
+        "machine": machine(), "speculate": speculate, "prefetch": prefetch,
+        "show_early": show_early, "compile": compile,
         "engine_compile": compiled,
-        "prefetches": counters.get("prefetch"),
+        "prefetches": counters.get("prefetch"), "asked_early": shown_early,
+        "model_call": _call_split(counters.get("modelCallMs") or []),
         "request": {"p50_ms": statistics.median(requests), "p95_ms": percentile(requests, 0.95)},
         "wait": {"p50_ms": statistics.median(waits), "p95_ms": percentile(waits, 0.95)},
         "shown_share": sum(r["items"] > 0 for r in rows) / max(len(rows), 1),
@@ -166,12 +173,23 @@ def format_neovim(report: dict[str, Any]) -> str:
         f"multi-line holes ({Path(report['dataset']).name})",
         report["machine"],
         f"request -> answer (canvas-ls)          p50 {request['p50_ms']:7.1f} ms   p95 {request['p95_ms']:7.1f} ms",
-        f"insert -> answer (the user's wait, with Neovim's 200 ms debounce)   p50 {wait['p50_ms']:7.1f} ms   "
+        f"insert -> answer (the user's wait)      p50 {wait['p50_ms']:7.1f} ms   "
         f"p95 {wait['p95_ms']:7.1f} ms",
         f"answers with a suggestion: {100 * report['shown_share']:.0f}%; errors: {len(report['errors'])}",
-        f"prefetch ({'on' if report['prefetch'] else 'off'}): {report['prefetches']}",
+        f"prefetch ({'on' if report['prefetch'] else 'off'}): {report['prefetches']}; asked as soon as ready "
+        f"({'on' if report['show_early'] else 'off'}): {report['asked_early']} requests",
+        f"model calls (warm-up documents included): the server's call p50 {report['model_call']['call_p50_ms']} ms, "
+        f"of which the engine computed p50 {report['model_call']['engine_p50_ms']} ms",
         f"engine compile={report['compile']}: {report['engine_compile']}",
     ])  # fmt: skip
+
+
+def _call_split(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The server's model calls (`canvas/stats` modelCallMs): p50 of the whole call and of the engine's own time."""
+    whole = [c["call"] for c in calls]
+    engine = [c["engine"] for c in calls if c["engine"] is not None]
+    return {"calls": len(whole), "call_p50_ms": round(statistics.median(whole), 1) if whole else None,
+            "engine_p50_ms": round(statistics.median(engine), 1) if engine else None}  # fmt: skip
 
 
 def _engine_compile(model: str | None) -> dict[str, Any] | None:

@@ -218,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     neovim.add_argument("--no-speculate", action="store_true", help="turn off computing the next suggestion ahead")
     neovim.add_argument("--no-prefetch", action="store_true",
                         help="the plugin does not say where the cursor went (nothing starts early)")  # fmt: skip
+    neovim.add_argument("--no-show-early", action="store_true",
+                        help="the plugin leaves asking to Neovim's 200 ms debounce, even when the prefetch is "
+                        "ready before it")  # fmt: skip
     neovim.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="the engine's compiled step (engine.compile); stop a running engine first")  # fmt: skip
     neovim.add_argument("--out", type=Path, help="JSON report path")
@@ -746,6 +749,7 @@ def _bench_neovim(args: argparse.Namespace) -> int:
             args.nvim,
             speculate=not args.no_speculate,
             prefetch=not args.no_prefetch,
+            show_early=not args.no_show_early,
             compile=args.compile,
         )
     except (ImportError, RuntimeError, TimeoutError) as exc:

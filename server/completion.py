@@ -44,6 +44,8 @@ from canvas_ls.server.positions import PositionError
 from canvas_ls.server.workspaces import RoutedBackend
 
 log = logging.getLogger(__name__)
+# A prefetch's outcomes after which the request for its place is answered at once (from the cache, or typed through).
+PREFETCH_READY = frozenset({"prefetched", "cache", "typing"})
 # What the cache keeps of an engine result: enough to decide again what to show.
 _ANSWER_KEYS = ("text", "token_texts", "confidence", "score_kind", "min_confidence", "healed")
 
@@ -146,11 +148,13 @@ class Completer:
                       outcome.edit.start, outcome.edit.end)  # fmt: skip
         return outcome
 
-    def prefetch(self, document: Document, line: int, character: int) -> None:
+    def prefetch(self, document: Document, line: int, character: int) -> asyncio.Task[Outcome]:
         """Start the completion at (line, character) now, before the editor asks for it there (as it will while
-        typing): the answer goes to the cache, for the request to find or join."""
+        typing): the answer goes to the cache, for the request to find or join. The task's outcome says whether that
+        request would now be answered at once (`PREFETCH_READY`)."""
         task = asyncio.get_running_loop().create_task(self._complete(document, line, character, 0, False, True))
         task.add_done_callback(_log_failure)
+        return task
 
     async def _complete(self, document: Document | None, line: int, character: int, request_id: int,
                         invoked: bool, prefetch: bool = False) -> Outcome:  # fmt: skip
@@ -184,7 +188,7 @@ class Completer:
         overrides = self._overrides(context, invoked)
         key = self._key(document, context, overrides)
         if prefetch and not self._claim_prefetch(document.uri, key):
-            return nothing("cache")  # answered already, or being answered
+            return nothing("cache" if key in self.cache else "running")  # answered already, or being answered
         early = None if prefetch else self._early(document.uri, key)
         if early is not None and not early[1].done():
             version = document.version

@@ -24,7 +24,7 @@ from pygls.lsp.server import LanguageServer
 from canvas_ls.engine.regions import Region
 from canvas_ls.engine.workspaces import WORKSPACE_MINUTES, repository_root
 from canvas_ls.server.backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
-from canvas_ls.server.completion import Completer, Outcome
+from canvas_ls.server.completion import PREFETCH_READY, Completer, Outcome
 from canvas_ls.server.config import ServerConfig, layered, parse_config
 from canvas_ls.server.documents import Document, DocumentStore
 from canvas_ls.server.fill import FillOutcome, Lead, fill_regions
@@ -316,20 +316,29 @@ async def fill(ls: CanvasServer, params: Any) -> dict[str, Any]:
 
 
 @server.feature(PREFETCH_METHOD)
-def prefetch(ls: CanvasServer, params: Any) -> None:
-    """`canvas/prefetch` {textDocument: {uri, version?}, position}: the cursor went there (the editor will ask for
-    a completion there once its debounce ends); start that completion now. Answers at once. A request rather than a
-    notification so that the editor sends its pending changes first; for another version of the document (changes
-    still on their way) nothing starts."""
+async def prefetch(ls: CanvasServer, params: Any) -> dict[str, bool] | None:
+    """`canvas/prefetch` {textDocument: {uri, version?}, position, wait?}: the cursor went there (the editor will ask
+    for a completion there once its debounce ends); start that completion now. A request rather than a notification
+    so that the editor sends its pending changes first; for another version of the document (changes still on their
+    way) nothing starts. Answers at once (null), or with `wait: true` once the completion is done: {ready: true} when
+    the request for that place would now be answered at once, so that the editor can ask without waiting out the
+    rest of its debounce."""
     document_id, position = _get(params, "textDocument"), _get(params, "position")
     uri, version = _get(document_id, "uri"), _get(document_id, "version")
     line, character = _get(position, "line"), _get(position, "character")
     if not isinstance(uri, str) or not isinstance(line, int) or not isinstance(character, int):
-        raise JsonRpcInvalidParams(f"{PREFETCH_METHOD} wants {{textDocument: {{uri}}, position: {{line, character}}}}")
+        raise JsonRpcInvalidParams(
+            f"{PREFETCH_METHOD} wants {{textDocument: {{uri}}, position: {{line, character}}, wait?}}"
+        )
+    wait = _get(params, "wait") is True
     document = ls.documents.get(uri)
     if document is None or (isinstance(version, int) and version != document.version):
-        return
-    ls.completer.prefetch(document, line, character)
+        return {"ready": False} if wait else None
+    task = ls.completer.prefetch(document, line, character)
+    if not wait:
+        return None
+    outcome = await asyncio.shield(task)  # a cancelled wait leaves the completion running for the request
+    return {"ready": outcome.source in PREFETCH_READY}
 
 
 @server.feature(STATS_METHOD)

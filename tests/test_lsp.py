@@ -291,16 +291,14 @@ async def test_the_next_suggestion_is_ready_when_one_is_accepted(
     assert counts["running"] == counts["ready"] == 0
 
 
-async def prefetch(client: LanguageClient, name: str, at: types.Position, version: int | None = 1) -> None:
+async def prefetch(client: LanguageClient, name: str, at: types.Position, version: int | None = 1,
+                   wait: bool = False) -> Any:  # fmt: skip
+    """`canvas/prefetch`; without `wait` it must answer at once, with null."""
     document = {"uri": uri(name)} | ({"version": version} if version is not None else {})
-    assert (
-        await request(
-            client,
-            "canvas/prefetch",
-            {"textDocument": document, "position": {"line": at.line, "character": at.character}},
-        )
-        is None
-    )
+    params = {"textDocument": document, "position": {"line": at.line, "character": at.character}}
+    answer = await request(client, "canvas/prefetch", params | ({"wait": True} if wait else {}))
+    assert wait or answer is None
+    return answer
 
 
 async def test_a_prefetch_answers_the_request_that_follows(client: LanguageClient) -> None:
@@ -333,6 +331,23 @@ async def test_a_prefetch_answers_the_request_that_follows(client: LanguageClien
     assert stats["prefetch"] == {"started": 2, "used": 1} and stats["modelCalls"] == 4  # none for the race
     with pytest.raises(Exception, match="canvas/prefetch wants"):
         await request(client, "canvas/prefetch", {"position": {"line": 0}})
+
+
+async def test_a_prefetch_that_waits_says_when_the_request_would_be_answered_at_once(client: LanguageClient) -> None:
+    """With `wait: true` the prefetch answers once its completion is computed, {ready: true}, and the request there
+    is then answered from it with no model call of its own (the editor can ask without waiting out its
+    debounce). Ready again where the answer is cached; not ready for a version the server has not seen."""
+    await wait_ready(client)
+    open_doc(client, "a.py", COMMENT_DOC)
+    assert await prefetch(client, "a.py", COMMENT_POS, wait=True) == {"ready": True}
+    stats = await request(client, "canvas/stats", {})
+    assert stats["modelCalls"] == 1 and stats["prefetch"] == {"started": 1, "used": 0}
+    answered = await fill(client, "a.py", COMMENT_POS)
+    assert answered["source"] == "prefetched" and answered["result"] is None, answered
+    assert await prefetch(client, "a.py", COMMENT_POS, wait=True) == {"ready": True}  # cached
+    assert await prefetch(client, "a.py", COMMENT_POS, version=5, wait=True) == {"ready": False}
+    stats = await request(client, "canvas/stats", {})
+    assert stats["modelCalls"] == 1 and stats["prefetch"] == {"started": 1, "used": 1}
 
 
 async def test_completion_fallback_returns_one_text_edit(client: LanguageClient) -> None:

@@ -121,6 +121,30 @@ def test_the_suggestion_starts_where_the_cursor_went_before_neovim_asks(
     assert stats["modelCalls"] == stats["prefetch"]["started"] >= 1, stats  # every model call was a prefetch
 
 
+# Neovim's inline completion asks 200 ms after the cursor moved (a vim.defer_fn); here it would wait ten minutes.
+STRETCHED_DEBOUNCE = """
+local defer = vim.defer_fn
+vim.defer_fn = function(fn, ms)
+  return defer(fn, ms == 200 and 600000 or ms)
+end
+"""
+
+
+def test_the_suggestion_is_shown_as_soon_as_the_server_has_it(nvim, fixed_model_dir: Path, tmp_path: Path) -> None:
+    """The plugin's `show_early` (on by default): once the prefetch for the cursor's place is computed, the plugin
+    has Neovim ask at once, instead of when its debounce ends. With the debounce stretched to ten minutes, the
+    ghost text still comes, answered from the prefetch; Neovim's own pending request is called off."""
+    nvim.exec_lua(STRETCHED_DEBOUNCE)
+    open_area(nvim, fixed_model_dir, tmp_path, speculate=False, prefetch=True)
+    assert wait_for(lambda: nvim.exec_lua(GHOSTS), 30, "the ghost text") == [[1, 11, "Nonecodecodecode"]]
+    assert nvim.exec_lua("return require('canvas_ls').shown_early") >= 1
+    stats = nvim.exec_lua("return require('canvas_ls').stats(0)")
+    assert stats["last"]["source"] == "prefetched" and stats["prefetch"]["used"] >= 1, stats
+    assert stats["modelCalls"] == stats["prefetch"]["started"], stats
+    nvim.input("<Tab>")
+    wait_for(lambda: nvim.current.buffer[1] == "    return Nonecodecodecode", what="the accepted suggestion")
+
+
 def test_neovim_011_offers_the_suggestion_in_the_completion_menu(
     nvim_011, fixed_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -10,6 +10,8 @@ local M = {}
 ---  suggestion as you type (default true); false: only on <C-x><C-o> or vim.lsp.completion.get()
 ---@field prefetch? boolean  Neovim 0.12: tell the server where the cursor went in insert mode, so that it starts
 ---  the suggestion there while Neovim's inline completion waits out its fixed 200 ms debounce (default true)
+---@field show_early? boolean  Neovim 0.12, with prefetch: show the suggestion as soon as the server has it for the
+---  place where the cursor still is, instead of when Neovim's debounce ends (default true)
 
 ---@param opts? canvas_ls.Opts
 function M.setup(opts)
@@ -43,7 +45,7 @@ function M.setup(opts)
             group = vim.api.nvim_create_augroup('canvas_ls_prefetch_' .. args.buf, { clear = true }),
             buffer = args.buf,
             callback = function()
-              M.prefetch(args.buf)
+              M.prefetch(args.buf, opts.show_early ~= false)
             end,
           })
         end
@@ -142,17 +144,57 @@ function M.learn_workspace(folder, bufnr, on_done)
   end, bufnr)
 end
 
+-- Ask Neovim's inline completion for the suggestion now rather than when its debounce ends, if the cursor is still
+-- where the server computed it (same buffer, version and place, insert mode) and the debounce is still running.
+-- Neovim 0.12 has no public call for this: its per-buffer inline-completion object is reached through
+-- vim.lsp._capability, and where that is not as expected (another Neovim) nothing happens: the debounce asks.
+local function show_now(client, bufnr, version, position)
+  if
+    vim.api.nvim_get_current_buf() ~= bufnr
+    or not vim.api.nvim_get_mode().mode:match('^i')
+    or vim.lsp.util.buf_versions[bufnr] ~= version
+  then
+    return false
+  end
+  local here = vim.lsp.util.make_position_params(0, client.offset_encoding).position
+  if here.line ~= position.line or here.character ~= position.character then
+    return false
+  end
+  local ok, capability = pcall(require, 'vim.lsp._capability')
+  local kind = ok and type(capability.all) == 'table' and capability.all.inline_completion
+  local completor = kind and kind.active and kind.active[bufnr]
+  local timer = completor and completor.timer
+  if not (timer and not timer:is_closing() and completor.reset_timer and completor.request) then
+    return false -- Neovim has asked already (or nothing is pending)
+  end
+  completor:reset_timer()
+  completor:request(vim.lsp.protocol.InlineCompletionTriggerKind.Automatic)
+  M.shown_early = M.shown_early + 1
+  return true
+end
+
+--- How many suggestions were asked for as soon as the server had them (not after Neovim's debounce).
+M.shown_early = 0
+
 --- Tell the server the cursor's place in `bufnr` (default: current), where Neovim will ask for a suggestion once
---- its debounce ends: the server starts computing it now. A request, so that pending changes go out first.
-function M.prefetch(bufnr)
+--- its debounce ends: the server starts computing it now. A request, so that pending changes go out first. With
+--- `show_early`, the server answers once the suggestion is computed, and Neovim is asked for it at once if the
+--- cursor is still there.
+function M.prefetch(bufnr, show_early)
   bufnr = bufnr or vim.api.nvim_get_current_buf()
   local client = client_for(bufnr, true)
   if not client then
     return
   end
   local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
-  params.textDocument.version = vim.lsp.util.buf_versions[bufnr]
-  client:request('canvas/prefetch', params, function() end, bufnr)
+  local version = vim.lsp.util.buf_versions[bufnr]
+  params.textDocument.version = version
+  params.wait = show_early or nil
+  client:request('canvas/prefetch', params, function(err, result)
+    if show_early and not err and result and result.ready then
+      show_now(client, bufnr, version, params.position)
+    end
+  end, bufnr)
 end
 
 --- The server's counters and engine state (`canvas/stats`), for :CanvasLsStats and tests.
