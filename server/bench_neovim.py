@@ -112,6 +112,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     init = {"engine": {"model": model, "compile": compile}, "completion": {"speculate": speculate}}
     tasks = multi_line_tasks(dataset, limit + warmup)
     work = Path(tempfile.mkdtemp(prefix="canvas-bench-nvim-"))
+    speed = [_machine_speed()]  # before and after: a machine that slowed down meanwhile shows here
     editor = pynvim.attach("child", argv=[binary, "--embed", "--headless", "--clean", "-n"])
     rows: list[dict[str, Any]] = []
     counters: dict[str, Any] = {}  # the server's, after the last task
@@ -151,10 +152,11 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
             editor.command("qa!", async_=True)
             editor.close()
         shutil.rmtree(work, ignore_errors=True)
+    speed.append(_machine_speed())
     requests, waits = [r["request_ms"] for r in rows], [r["wait_ms"] for r in rows]
     return {
         "neovim": version, "dataset": str(dataset), "tasks": len(rows), "model": model or "(default)",
-        "machine": machine(), "speculate": speculate, "prefetch": prefetch,
+        "machine": machine(), "fp32_matmul_tflops": speed, "speculate": speculate, "prefetch": prefetch,
         "show_early": show_early, "compile": compile,
         "engine_compile": compiled,
         "prefetches": counters.get("prefetch"), "asked_early": shown_early,
@@ -171,7 +173,8 @@ def format_neovim(report: dict[str, Any]) -> str:
     return "\n".join([
         f"Neovim {report['neovim']}, model {report['model']}, {report['tasks']} freshly opened documents at "
         f"multi-line holes ({Path(report['dataset']).name})",
-        report["machine"],
+        f"{report['machine']}; fp32 matmul {report['fp32_matmul_tflops'][0]} TFLOP/s before the run, "
+        f"{report['fp32_matmul_tflops'][1]} after",
         f"request -> answer (canvas-ls)          p50 {request['p50_ms']:7.1f} ms   p95 {request['p95_ms']:7.1f} ms",
         f"insert -> answer (the user's wait)      p50 {wait['p50_ms']:7.1f} ms   "
         f"p95 {wait['p95_ms']:7.1f} ms",
@@ -182,6 +185,15 @@ def format_neovim(report: dict[str, Any]) -> str:
         f"of which the engine computed p50 {report['model_call']['engine_p50_ms']} ms",
         f"engine compile={report['compile']}: {report['engine_compile']}",
     ])  # fmt: skip
+
+
+def _machine_speed() -> float:
+    """TFLOP/s of an fp32 matmul on this CPU now (a second's work)."""
+    import torch
+
+    from canvas_ls.engine.bench_step import matmul_peak
+
+    return matmul_peak(torch.device("cpu"), torch.float32)["tflops"]
 
 
 def _call_split(calls: list[dict[str, Any]]) -> dict[str, Any]:

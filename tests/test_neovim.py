@@ -6,6 +6,8 @@ client ask the server (inline completion on 0.12, the completion menu on 0.11), 
 
 from __future__ import annotations
 
+import gzip
+import json
 import sys
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pynvim
 import pytest
 
+from canvas_ls.server import bench_neovim
 from canvas_ls.server.bench_neovim import find_nvim, wait_for
 from tests.conftest import FIXTURES, REPO
 
@@ -264,3 +267,25 @@ def test_rewrite_command_edits_the_buffer_in_one_undo_step(nvim, writing_model_d
         assert nvim.current.buffer[:] == before  # the whole fill was one edit
         return
     raise AssertionError("no line of the file was rewritten")
+
+
+def test_bench_neovim_times_freshly_opened_documents(fixed_model_dir: Path, tmp_path: Path) -> None:
+    """`canvas-ls bench neovim` on three made-up problems with holes over two lines (one warms up): real Neovim, the
+    plugin, the server and its resident engine. Each counted document gets an answer, timed from the request and
+    from entering insert mode (not before it), every request was prefetched, and the report says how fast the
+    machine was around the run."""
+    rows = [
+        {"task_id": f"Made/{n}/1", "prompt": f"def f{n}(x):\n    y = x + {n}\n", "suffix": "\n\nprint(1)\n",
+         "canonical_solution": f"    z = y * {n}\n    return z\n"}
+        for n in range(3)
+    ]  # fmt: skip
+    dataset = tmp_path / "made.jsonl.gz"
+    with gzip.open(dataset, "wt", encoding="utf-8") as sink:
+        sink.writelines(json.dumps(row) + "\n" for row in rows)
+    report = bench_neovim.run(dataset, 2, str(fixed_model_dir), NVIM, warmup=1, compile="off")
+    assert report["tasks"] == 2 and report["errors"] == [], report
+    assert all(0 < row["request_ms"] <= row["wait_ms"] for row in report["rows"]), report["rows"]
+    assert report["prefetches"]["started"] == report["prefetches"]["used"] == 3, report
+    assert report["model_call"]["calls"] == 3 and report["model_call"]["engine_p50_ms"] > 0, report
+    assert len(report["fp32_matmul_tflops"]) == 2 and min(report["fp32_matmul_tflops"]) > 0
+    assert "insert -> answer" in bench_neovim.format_neovim(report)
