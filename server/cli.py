@@ -221,6 +221,8 @@ def _parser() -> argparse.ArgumentParser:
     neovim.add_argument("--no-show-early", action="store_true",
                         help="the plugin leaves asking to Neovim's 200 ms debounce, even when the prefetch is "
                         "ready before it")  # fmt: skip
+    neovim.add_argument("--context-tokens", type=int, default=512,
+                        help="budget of the other files' snippets (0: off; closed documents count)")  # fmt: skip
     neovim.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="the engine's compiled step (engine.compile); stop a running engine first")  # fmt: skip
     neovim.add_argument("--out", type=Path, help="JSON report path")
@@ -750,6 +752,7 @@ def _bench_neovim(args: argparse.Namespace) -> int:
             speculate=not args.no_speculate,
             prefetch=not args.no_prefetch,
             show_early=not args.no_show_early,
+            context_tokens=args.context_tokens,
             compile=args.compile,
         )
     except (ImportError, RuntimeError, TimeoutError) as exc:
