@@ -198,8 +198,9 @@ def test_a_bf16_model_on_a_cpu_attends_in_fp32(tiny_model_dir: Path) -> None:
 
 def test_the_decoders_few_experts_run_dense_with_the_same_answers(tiny_model_dir: Path) -> None:
     """A model with few experts runs every decoder expert on every token (no sort or per-expert loop at a step's
-    few dozen tokens); the encoder keeps transformers' grouped experts. Outputs equal the grouped ones (fp32), and
-    so do the engine's answers."""
+    few dozen tokens); the encoder keeps transformers' grouped experts in fp32 and runs dense too in bf16 on a CPU
+    (transformers' grouped matmul is slow there). Outputs equal the grouped ones (fp32), and so do the engine's
+    answers."""
     import torch
     from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -211,6 +212,9 @@ def test_the_decoders_few_experts_run_dense_with_the_same_answers(tiny_model_dir
     model = dense.loaded.model
     assert decoder_experts(model) == dense_experts()
     assert model.model.encoder.language_model.layers[0].experts.config._experts_implementation != dense_experts()
+    encoder_bf16 = Engine.load(str(tiny_model_dir), "cpu", dtype="bfloat16").loaded.model.model.encoder
+    assert all(layer.experts.config._experts_implementation == dense_experts()
+               for layer in encoder_bf16.language_model.layers)  # fmt: skip
 
     experts = model.model.decoder.layers[1].experts
     generator = torch.Generator().manual_seed(0)
