@@ -146,15 +146,12 @@ def test_a_run_with_a_moving_average_exports_the_average_of_its_weights(tmp_path
     it started from; evaluating it in between (swapping the average in and out) does not disturb the training."""
     tokenizer = train_tokenizer(tokenizer_texts(), 400, tmp_path / "tok")
 
-    files = corpus_files()
-
     def weights_after(steps: int, **config: Any) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = DiffusionGemmaForBlockDiffusion(small_config(len(tokenizer)))
         if steps:
-            cfg = TrainConfig(minutes=5.0, max_steps=steps, batch_size=4, prefix_tokens=48, head_tokens=4,
-                              gap_choices=(8,), lr=3e-3, warmup_steps=5, **config)  # fmt: skip
-            train(model, tokenizer, files, files, cfg, tmp_path / f"run-{steps}-{len(config)}")
+            short_run(model, tokenizer, tmp_path / f"run-{steps}-{len(config)}", max_steps=steps, batch_size=4,
+                      prefix_tokens=48, head_tokens=4, gap_choices=(8,), **config)  # fmt: skip
         return [p.detach().clone() for p in model.parameters()]
 
     w0, w1, w2 = weights_after(0), weights_after(1), weights_after(2)
