@@ -9,8 +9,14 @@ Public names (everything else is internal), loaded on first use so that light mo
   DEFAULT_MODEL_DIR                     -- loading (engine.loading)
 """
 
+import logging
 from importlib import import_module
 from typing import Any
+
+# transformers imports torchao (the `quantize` extra) wherever it is installed, and torchao warns then about CUDA
+# extensions a CPU-only torch cannot load and about a deprecated torch call: nothing a user can act on.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 _PUBLIC = {
     "DEFAULT_MODEL_DIR": "canvas_ls.engine.loading",

@@ -130,7 +130,11 @@ class Engine:
                  compile: str = "off"):  # fmt: skip
         self.loaded = loaded
         # The batched step's decoder forward (the resident engine's): eager, or compiled once `warm_up` is done.
-        self.decoder = CompiledDecoder(loaded.model, compile)
+        # Quantised weights run eager: their experts loop over the experts the tokens picked (`engine.quantize`),
+        # which neither a whole-graph compilation nor CUDA graphs can hold.
+        self.decoder = CompiledDecoder(loaded.model, "off" if loaded.quantized != "none" else compile)
+        if loaded.quantized != "none" and compile != "off":
+            self.decoder.detail = f"off: {loaded.quantized} weights run eager"
         # Encoder KV of recent prefixes: a keystroke re-encodes only the tail. 0 turns it off.
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         # LoRA adapters that requests name, held apart from the weights; each has its own prefix cache (its KV).
@@ -156,10 +160,11 @@ class Engine:
         dtype: str | None = None,
         compile: str = "off",
         adapter: str | None = None,
+        quantize: str | None = None,
     ) -> Engine:
         if compile != "off":
             keep_inductor_cache()  # before the load, which fixes inductor's folder
-        return cls(load_model(model, device, dtype, adapter), overrides, prefix_cache_mb, compile)
+        return cls(load_model(model, device, dtype, adapter, quantize=quantize), overrides, prefix_cache_mb, compile)
 
     @property
     def name(self) -> str:

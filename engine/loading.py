@@ -34,6 +34,7 @@ class LoadedModel:
     name: str  # what the user asked for (path or hub id)
     folder: Path | None  # the local folder the files came from, when there is one
     device: torch.device
+    quantized: str = "none"  # the layers' weights: "none", "int8" or "int4" (engine.quantize)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -78,13 +79,18 @@ def _looks_like_path(name: str) -> bool:
 
 
 def load_model(name: str | None = None, device: str | None = None, dtype: str | None = None,
-               adapter: str | None = None, merge_adapter: bool = True) -> LoadedModel:  # fmt: skip
+               adapter: str | None = None, merge_adapter: bool = True,
+               quantize: str | None = None) -> LoadedModel:  # fmt: skip
     """Load `name` (a folder or a hub id; None: the shipped default model) onto `device` (None: best available),
-    in `dtype` (None: the fastest exact-enough one for that device, see `resolve_dtype`), with a LoRA `adapter`
-    folder applied (merged into the weights unless `merge_adapter` is False)."""
+    in `dtype` (None: the fastest exact-enough one for that device, see `resolve_dtype`), its layers' weights
+    quantised as `quantize` says (None: "auto", see `engine.quantize`), with a LoRA `adapter` folder applied (merged
+    into the weights unless `merge_adapter` is False; never merged into quantised weights)."""
     from transformers import AutoConfig, AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
+    from canvas_ls.engine import quantize as quantization
+
     quiet_libraries()
+    quantization.check_choice(quantize)
     target = resolve_device(device)
     weights_dtype = resolve_dtype(dtype, target)
     if target.type == "cpu":
@@ -126,7 +132,10 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
             "DiffusionGemmaForBlockDiffusion (model_type 'diffusion_gemma')"
         )
 
+    quantized = quantization.resolve(quantize, config, target)
     kwargs: dict[str, Any] = {"dtype": weights_dtype}
+    if quantized != "none":
+        kwargs["quantization_config"] = quantization.torchao_config(quantized)
     if target.type == "cuda":
         kwargs["device_map"] = "auto" if target.index is None else {"": target.index}
     try:
@@ -139,19 +148,31 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     if target.type == "cpu" and weights_dtype != torch.float32:
         model.set_attn_implementation(fp32_attention())
     text = model.config.get_text_config()
-    if text.num_experts <= DENSE_ARITHMETIC * text.top_k_experts:
+    if quantized != "none":
+        quantization.use_quantized_experts(model)
+    elif text.num_experts <= DENSE_ARITHMETIC * text.top_k_experts:
         use_dense_experts(model, encoder=target.type == "cpu" and weights_dtype == torch.bfloat16)
     model.eval()
     if adapter:
         from canvas_ls.engine.adapters import apply_adapter
+        from canvas_ls.engine.workspaces import holds_beside_others
 
-        model = apply_adapter(model, adapter, merge_adapter)
+        folder_of_adapter = Path(adapter).expanduser()
+        # peft's LoRA on a 3-D parameter (the experts') needs float weights
+        if (quantized != "none" and (folder_of_adapter / "adapter_config.json").is_file()
+                and not holds_beside_others(folder_of_adapter)):  # fmt: skip
+            raise ModelLoadError(
+                f"adapter '{adapter}' adapts the MoE experts' weights, which {quantized} weights cannot take: "
+                "load it with --quantize none, or tune one without --lora-experts"
+            )
+        model = apply_adapter(model, adapter, merge_adapter and quantized == "none")
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=f"{name} + {adapter}" if adapter else name,
         folder=folder,
         device=target,
+        quantized=quantized,
     )
 
 

@@ -22,15 +22,18 @@ def runtime_dir() -> Path:
     return folder
 
 
-def default_socket(model: str | None = None, device: str | None = None, adapter: str | None = None) -> Path:
-    """One engine per model, device and adapter: `engine.sock` serves the shipped default model on the automatic
-    device; any other choice gets its own socket, so an editor configured for another model never reaches the wrong
-    one."""
+def default_socket(model: str | None = None, device: str | None = None, adapter: str | None = None,
+                   quantize: str | None = None) -> Path:  # fmt: skip
+    """One engine per model, device, adapter and quantisation: `engine.sock` serves the shipped default model on the
+    automatic device; any other choice gets its own socket, so an editor configured for another model never reaches
+    the wrong one."""
     device = None if device in (None, "auto") else device
-    if model is None and device is None and not adapter:
+    quantize = None if quantize in (None, "auto") else quantize
+    if model is None and device is None and not adapter and quantize is None:
         return runtime_dir() / "engine.sock"
     where = str(Path(model).resolve()) if model and Path(model).exists() else str(model)
     key = f"{where}\0{device}" + (f"\0{Path(adapter).expanduser().resolve()}" if adapter else "")
+    key += f"\0quantize={quantize}" if quantize else ""
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return runtime_dir() / f"engine-{digest}.sock"
 

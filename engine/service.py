@@ -12,7 +12,8 @@ bearer token (loopback unless told otherwise, and never a non-loopback address w
     POST /v1/fill          several holes and span rewrites in one canvas: {segments: [{"text": ...} | {"hole": true}
                            | {"rewrite": current text, "strength": s}, ...], settings, document}; the text before
                            the first hole is the prefix, after the last the suffix; the answers are `gaps`
-    GET  /health           model, device, queue depth, the compiled decoder's state (warming, ready, failed, off)
+    GET  /health           model, device, quantised weights, queue depth, the compiled decoder's state (warming,
+                           ready, failed, off)
     GET  /metrics          Prometheus text: requests, latency, steps, tokens per forward, prefix-cache hits, queue,
                            batch rows and step time by rows
 
@@ -143,7 +144,8 @@ class EngineService:
     async def health(self, request: Request) -> JSONResponse:
         device = str(self.engine.loaded.device)
         return JSONResponse({"status": "ok", "model": self.engine.name, "device": device, "dtype": self.engine.dtype,
-                             "queue": self.queue, "pid": os.getpid(), "compile": self.engine.decoder.report(),
+                             "quantize": self.engine.loaded.quantized, "queue": self.queue, "pid": os.getpid(),
+                             "compile": self.engine.decoder.report(),
                              "adapters": list(self.engine.adapters.names)})  # fmt: skip
 
     async def metrics(self, request: Request) -> Response:

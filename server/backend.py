@@ -101,9 +101,10 @@ def _check_ready(state: str, error: str | None) -> None:
 class LocalBackend:
     adapters = True
 
-    def __init__(self, adapter: str | None = None, compile: str = "auto") -> None:
+    def __init__(self, adapter: str | None = None, compile: str = "auto", quantize: str = "auto") -> None:
         self.adapter = adapter  # a LoRA adapter folder applied to whatever model `load` is given
         self.compile = compile  # the compiled step (warmed up in the background after the load)
+        self.quantize = quantize  # the layers' weights (engine.quantize)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine")
         self._engine: Any = None
         self.state = "idle"  # idle -> loading -> ready | failed
@@ -122,7 +123,7 @@ class LocalBackend:
                 from canvas_ls.engine import Engine
 
                 self._engine = Engine.load(model, None if device == "auto" else device, adapter=self.adapter,
-                                           compile=self.compile)  # fmt: skip
+                                           compile=self.compile, quantize=self.quantize)  # fmt: skip
                 self._engine.warm_up()  # in the background when compiling; requests run eager meanwhile
                 self.model_name = self._engine.name
                 self.state = "ready"
@@ -194,12 +195,14 @@ class ResidentBackend:
     adapters = True
 
     def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0, model: str | None = None,
-                 device: str = "auto", adapter: str | None = None, compile: str = "auto"):  # fmt: skip
+                 device: str = "auto", adapter: str | None = None, compile: str = "auto",
+                 quantize: str = "auto"):  # fmt: skip
         from canvas_ls.engine.paths import default_socket
 
         self.adapter = adapter
         self.compile = compile  # the engine's --compile when this backend starts it
-        self.socket = Path(socket) if socket else default_socket(model, device, adapter)
+        self.quantize = quantize  # and its --quantize
+        self.socket = Path(socket) if socket else default_socket(model, device, adapter, quantize)
         self.lock_file = self.socket.with_suffix(".lock")  # one starter at a time per engine
         self.log_file = self.socket.with_suffix(".log")
         self.idle_exit_s = idle_exit_s
@@ -260,6 +263,8 @@ class ResidentBackend:
                 command += ["--adapter", self.adapter]
             if self.compile != "auto":
                 command += ["--compile", self.compile]
+            if self.quantize != "auto":
+                command += ["--quantize", self.quantize]
             with open(self.log_file, "ab") as sink:
                 logged = sink.tell()  # where this start's output begins in the log
                 process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,

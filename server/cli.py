@@ -319,6 +319,17 @@ def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> No
         parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: bf16 on GPUs and on CPUs with native bf16, else fp32")  # fmt: skip
+    parser.add_argument("--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
+                        help="the layers' weights (torchao): auto picks none, int8 or int4 to fit a GPU's free "
+                        "memory (none on a CPU); int4 needs an NVIDIA GPU of compute capability 8.0+")  # fmt: skip
+
+
+def _load_engine(args: argparse.Namespace, overrides: dict[str, Any] | None = None, **options: Any) -> Any:
+    """The engine of the command's model arguments (`_model_arguments`)."""
+    from canvas_ls.engine import Engine
+
+    return Engine.load(args.model, getattr(args, "device", None), overrides, dtype=args.dtype, adapter=args.adapter,
+                       quantize=args.quantize, **options)  # fmt: skip
 
 
 def _settings_argument(parser: argparse.ArgumentParser) -> None:
@@ -340,7 +351,6 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
 
 
 def _complete(args: argparse.Namespace) -> int:
-    from canvas_ls.engine import Engine
 
     text = _read(args.file)
     try:
@@ -355,7 +365,7 @@ def _complete(args: argparse.Namespace) -> int:
         "seed": args.seed,
         **_settings(args.settings),
     }
-    engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype, adapter=args.adapter)
+    engine = _load_engine(args, overrides)
     result = engine.infill(text[:offset], text[offset:])
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
@@ -374,7 +384,7 @@ def _span(value: str) -> tuple[int, int, int, int]:
 
 
 def _fill(args: argparse.Namespace) -> int:
-    from canvas_ls.engine import Engine, FillError
+    from canvas_ls.engine import FillError
     from canvas_ls.engine.regions import Region, regions_to_parts, split_parts
 
     text = _read(args.file)
@@ -386,8 +396,7 @@ def _fill(args: argparse.Namespace) -> int:
         prefix, middle, suffix = split_parts(regions_to_parts(text, regions))
     except (PositionError, FillError) as exc:
         raise CliError(f"{args.file}: {exc}") from exc
-    engine = Engine.load(args.model, args.device, {"seed": args.seed, **_settings(args.settings)}, dtype=args.dtype,
-                         adapter=args.adapter)  # fmt: skip
+    engine = _load_engine(args, {"seed": args.seed, **_settings(args.settings)})
     try:
         result = engine.fill(prefix, middle, suffix)
     except FillError as exc:
@@ -456,7 +465,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from canvas_ls.engine import Engine
     from canvas_ls.engine.service import EngineService, ServeError, check_address, check_socket, default_socket, serve
 
     token = _token(args)
@@ -466,7 +474,7 @@ def _engine(args: argparse.Namespace) -> int:
         if not host or not port_text.isdigit():
             raise CliError(f"--tcp wants HOST:PORT, got '{args.tcp}'")
         port = int(port_text)
-    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device, args.adapter))
+    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device, args.adapter, args.quantize))
     try:  # before the model loads: a refusal is immediate
         if socket is None:
             check_address(host or "", token, args.allow_remote)
@@ -474,8 +482,7 @@ def _engine(args: argparse.Namespace) -> int:
             check_socket(socket)
     except ServeError as exc:
         raise CliError(str(exc)) from exc
-    engine = Engine.load(args.model, args.device, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype,
-                         compile=args.compile, adapter=args.adapter)  # fmt: skip
+    engine = _load_engine(args, prefix_cache_mb=args.prefix_cache_mb, compile=args.compile)
     service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
     where = f"{engine.name} on {engine.loaded.device} ({engine.dtype})"
     print(f"canvas-ls engine: {where}, listening on {socket or args.tcp}", file=sys.stderr, flush=True)
@@ -773,7 +780,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     clients = tuple(int(x) for x in args.clients.split(","))
-    engine_args = ["--compile", args.compile] + (["--adapter", args.adapter] if args.adapter else [])
+    engine_args = ["--compile", args.compile, "--quantize", args.quantize]
+    engine_args += ["--adapter", args.adapter] if args.adapter else []
     report = run_engine_bench(
         args.model, prefixes, clients, args.runs, args.per_client, args.dtype, _settings(args.settings), engine_args
     )
@@ -832,13 +840,12 @@ def _bench_lsp(args: argparse.Namespace) -> int:
 
 
 def _bench_infill(args: argparse.Namespace) -> int:
-    from canvas_ls.engine import Engine
     from canvas_ls.engine.bench import filler_code, format_table, prefix_latency, run_infill
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
     overrides = {"max_new_tokens": args.max_new_tokens, **_settings(args.settings)}
-    engine = Engine.load(args.model, args.device, overrides, dtype=args.dtype, adapter=args.adapter)
+    engine = _load_engine(args, overrides)
 
     def progress(done: int, total: int) -> None:
         print(f"\r{done}/{total} tasks", end="", file=sys.stderr, flush=True)
@@ -851,7 +858,6 @@ def _bench_infill(args: argparse.Namespace) -> int:
 
 
 def _bench_holes(args: argparse.Namespace) -> int:
-    from canvas_ls.engine import Engine
     from canvas_ls.engine.bench_holes import format_holes, plot_holes, run_holes
 
     if not args.dataset.is_file():
@@ -863,13 +869,12 @@ def _bench_holes(args: argparse.Namespace) -> int:
     if any(c < 1 for c in counts):
         raise CliError("--holes counts must be >= 1")
     settings = {"max_new_tokens": args.max_new_tokens, **_settings(args.settings)}
-    engine = Engine.load(args.model, args.device, dtype=args.dtype, adapter=args.adapter)
+    engine = _load_engine(args)
     report = run_holes(engine, args.dataset, counts, args.limit, not args.no_tests, settings, args.rewrite_limit)
     return _report("holes", report, format_holes, args.out, plot_holes)
 
 
 def _bench_calibrate(args: argparse.Namespace) -> int:
-    from canvas_ls.engine import Engine
     from canvas_ls.engine.bench_calibrate import format_calibrate, plot_calibrate, run_calibrate, write_threshold
 
     for path in (args.calibration, args.dataset):
@@ -877,7 +882,7 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
             raise CliError(f"{path} does not exist")
     if not 0 < args.target <= 1:
         raise CliError(f"--target must be in (0, 1], got {args.target}")
-    engine = Engine.load(args.model, args.device, _settings(args.settings), dtype=args.dtype, adapter=args.adapter)
+    engine = _load_engine(args, _settings(args.settings))
 
     def progress(name: str, done: int, total: int) -> None:
         print(f"\r{name}: {done}/{total} tasks", end="" if done < total else "\n", file=sys.stderr, flush=True)
@@ -905,9 +910,7 @@ def _bench_crossfile(args: argparse.Namespace) -> int:
     budgets = _ints(args.budgets)
     engine = None
     if args.exact_limit > 0:
-        from canvas_ls.engine import Engine
-
-        engine = Engine.load(args.model, args.device, dtype=args.dtype, adapter=args.adapter)
+        engine = _load_engine(args)
     only = set(json.loads(args.held_out.read_text())["held_out_files"]) if args.held_out else None
     report = run_crossfile(args.repo, args.limit, budgets, args.open, engine, args.exact_limit, args.typing_tasks,
                            args.budget, only)  # fmt: skip

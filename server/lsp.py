@@ -56,8 +56,9 @@ def make_backend(config: ServerConfig, learner: Learner | None = None,
 
     def make(model: str | None, adapter: str | None, socket: str | None = None) -> Backend:
         if options.backend == "resident":
-            return ResidentBackend(socket, options.idle_exit_s, model, options.device, adapter, options.compile)
-        return LocalBackend(adapter, options.compile)
+            return ResidentBackend(socket, options.idle_exit_s, model, options.device, adapter, options.compile,
+                                   options.quantize)  # fmt: skip
+        return LocalBackend(adapter, options.compile, options.quantize)
 
     default = make(options.model, options.adapter, options.socket)
     # a workspace model applies to the configured model as it is, not to one with an adapter of the user's own

@@ -260,6 +260,8 @@ def test_one_engine_socket_per_model_and_device(tmp_path: Path) -> None:
     assert default_socket(str(tmp_path), "cpu") not in (default_socket(str(tmp_path), "cuda"), default_socket())
     adapted = default_socket(str(tmp_path), "cpu", str(tmp_path / "adapter"))  # an adapter is another engine
     assert adapted != default_socket(str(tmp_path), "cpu") and adapted != default_socket(None, None, "other")
+    assert default_socket(None, None, None, "auto").name == "engine.sock"  # int8 weights are another engine
+    assert default_socket(str(tmp_path), "cpu", None, "int8") != default_socket(str(tmp_path), "cpu", None, "none")
     assert oct(default_socket().parent.stat().st_mode & 0o777) == "0o700"
 
 
@@ -302,6 +304,32 @@ async def test_the_compile_option_reaches_the_engine_the_server_starts(tiny_mode
     finally:
         await close(client)
         os.kill(engine_health(path)["pid"], signal.SIGKILL)  # its compilation would hold the cores
+
+
+async def test_the_quantize_option_reaches_the_engine_the_server_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`engine.quantize: int8` starts the resident engine with int8 weights (eager: its compile is off, and says
+    why); one the machine cannot run reaches the editor as the engine's own error."""
+    path = tmp_path / "run" / "engine.sock"
+    client = await lsp_session({"engine": {**resident(tiny_model_dir, path)["engine"], "quantize": "int8"}})
+    try:
+        await wait_ready(client)
+        assert (await fill(client)).result is not None
+        health = engine_health(path)
+        assert health["quantize"] == "int8"
+        assert health["compile"]["state"] == "off" and health["compile"]["detail"] == "off: int8 weights run eager"
+    finally:
+        await close(client)
+        os.kill(engine_health(path)["pid"], signal.SIGKILL)
+    other = tmp_path / "run" / "int4.sock"
+    client = await lsp_session({"engine": {**resident(tiny_model_dir, other)["engine"], "quantize": "int4"}})
+    try:
+        deadline = time.monotonic() + 120
+        while (state := (await stats(client)).engine).state == "loading":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert state.state == "failed" and "int4 weights run on NVIDIA GPUs" in state.error
+    finally:
+        await close(client)
 
 
 async def test_two_editors_share_one_engine(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,181 @@
+"""Weight-only quantisation (torchao, applied by transformers while the checkpoint loads), so that DiffusionGemma
+26B-A4B fits the GPUs users have: its weights take 48 GiB in bf16, 25 in int8, 14 in int4.
+
+    none   the weights as the checkpoint has them (bf16 on a GPU)
+    int8   int8 weights, a scale per output row (torchao's `Int8WeightOnlyConfig`); CPU and GPU
+    int4   int4 weights, a bf16 scale and zero point per 128 inputs (torchao's tinygemm layout); NVIDIA GPUs of
+           compute capability 8.0 or more
+    auto   on a GPU, the first of none / int8 / int4 whose weights leave room (`HEADROOM`) in the memory it has
+           free; on a CPU, none (the shipped model is small, and int8 there computes no faster)
+
+What is quantised: the attention and dense MLP projections and the MoE experts' fused weights (three quarters of a
+layer's weights, and almost all of DiffusionGemma's). The embeddings (tied to the LM head), the routers and the
+norms stay as they are. transformers' expert implementations multiply the fused 3D weights in one grouped or
+batched matmul, which torchao's quantised tensors do not implement; a quantised model's experts therefore run
+`quantized_experts`: one matmul per expert the tokens picked, on per-expert views of the quantised weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+
+from canvas_ls.engine.errors import ModelLoadError
+
+QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
+# Bytes per weight of each kind, scales included (int8: one bf16 scale per row; int4: a bf16 scale and zero point
+# per 128 weights).
+WEIGHT_BYTES = {"none": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
+INT4_GROUP = 128
+# `auto` keeps this share of the free memory for what is not weights: the prefix caches, the canvases' activations,
+# CUDA's own workspace.
+HEADROOM = 0.25
+# The layers' weights that are quantised (module or parameter names, matched whole).
+QUANTIZED = (
+    r"re:.*\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)",
+    r"re:.*\.layers\.\d+\.experts\.(gate_up_proj|down_proj)",
+)
+
+
+def check_choice(kind: str | None) -> str:
+    """`kind` as a valid choice (None: auto), or a ModelLoadError naming the choices."""
+    kind = kind or "auto"
+    if kind not in QUANTIZE_CHOICES:
+        raise ModelLoadError(f"unknown quantisation '{kind}' (use {', '.join(QUANTIZE_CHOICES)})")
+    return kind
+
+
+def resolve(kind: str | None, config: Any, device: torch.device) -> str:
+    """The quantisation a model of `config` gets on `device`: `kind` itself unless "auto" (see the module's
+    docstring), with an error a user can act on for one this device cannot run."""
+    kind = check_choice(kind)
+    if kind == "int4" and not _int4_capable(device):
+        raise ModelLoadError(
+            "int4 weights run on NVIDIA GPUs of compute capability 8.0 or more (torchao's tinygemm kernel); "
+            "use --quantize int8 here"
+        )
+    if kind != "auto":
+        return kind
+    if device.type != "cuda":
+        return "none"
+    free, _ = torch.cuda.mem_get_info(device.index or 0)
+    budget = free * (1 - HEADROOM)
+    counts = weight_counts(config)
+    for choice in ("none", "int8", "int4"):
+        if choice == "int4" and not _int4_capable(device):
+            continue
+        if weight_bytes(counts, choice) <= budget:
+            return choice
+    # Nothing fits: load int4 (or int8) anyway, accelerate places what does not fit in the CPU's memory.
+    return "int4" if _int4_capable(device) else "int8"
+
+
+def _int4_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device.index or 0)[0] >= 8
+
+
+def weight_counts(config: Any) -> dict[str, int]:
+    """Parameters of a model of `config` that quantisation would cover ("quantized") and the others ("kept"),
+    counted on the meta device (no memory, any size). Tied weights count once, as the checkpoint holds them."""
+    import re
+
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    patterns = [re.compile(pattern.removeprefix("re:")) for pattern in QUANTIZED]
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = DiffusionGemmaForBlockDiffusion(config)
+    counts = {"quantized": 0, "kept": 0}
+    for name, parameter in model.named_parameters():  # each shared parameter once
+        module = name.rsplit(".", 1)[0]
+        covered = any(p.fullmatch(name) or p.fullmatch(module) for p in patterns) and "vision" not in name
+        counts["quantized" if covered else "kept"] += parameter.numel()
+    return counts
+
+
+def weight_bytes(counts: dict[str, int], kind: str) -> int:
+    """Bytes of a model's weights (`weight_counts`) under quantisation `kind`; what is kept stays in bf16."""
+    return int(counts["quantized"] * WEIGHT_BYTES[kind] + counts["kept"] * WEIGHT_BYTES["none"])
+
+
+def torchao_config(kind: str) -> Any:
+    """transformers' quantization_config for `kind` ("int8" or "int4")."""
+    try:
+        from torchao.quantization import FqnToConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"quantised weights ({kind}) need torchao: pip install 'canvas-ls[quantize]' (or torchao itself)"
+        ) from exc
+    from transformers import TorchAoConfig
+
+    if kind == "int8":
+        weights = Int8WeightOnlyConfig(set_inductor_config=False)
+    else:
+        from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
+
+        weights = Int4WeightOnlyConfig(group_size=INT4_GROUP, set_inductor_config=False,
+                                       int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)  # fmt: skip
+    # Named explicitly: transformers' default would skip every tied weight, and DiffusionGemma's decoder shares all
+    # of its layers' weights with the encoder.
+    return TorchAoConfig(quant_type=FqnToConfig(dict.fromkeys(QUANTIZED, weights)), modules_to_not_convert=["lm_head"])
+
+
+def is_quantized(model: Any) -> bool:
+    """Whether the model's decoder carries torchao's quantised weights."""
+    weight = model.model.decoder.layers[0].experts.gate_up_proj
+    return type(weight) not in (torch.Tensor, torch.nn.Parameter)
+
+
+@torch.no_grad()
+def use_quantized_experts(model: Any) -> None:
+    """Run every MoE layer's experts through `quantized_experts`, on per-expert views of its quantised weights made
+    here, once: outside inference mode, where torchao's quantised tensors can be indexed (they keep autograd's
+    aliasing records, which inference tensors refuse)."""
+    import copy
+
+    text = copy.copy(model.config.get_text_config())
+    text._experts_implementation = quantized_experts()
+    for layers in (model.model.decoder.layers, model.model.encoder.language_model.layers):
+        for layer in layers:
+            experts = layer.experts
+            experts.config = text
+            experts.canvas_ls_views = [
+                (experts.gate_up_proj[e], experts.down_proj[e]) for e in range(experts.num_experts)
+            ]
+
+
+@functools.cache
+def quantized_experts() -> str:
+    """Register (on the first call) and name an MoE experts implementation for quantised weights: tokens sorted by
+    the expert that picked them, then per expert with tokens, its gate/up and down projections (`F.linear` on the
+    views `use_quantized_experts` made, which torchao's tensors implement), weighed by the router and summed in
+    fp32 as transformers' grouped implementation sums them."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    def experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        tokens, top_k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=module.num_experts).tolist()
+        rows = order // top_k  # the token of each (token, pick) in expert order
+        weights = top_k_weights.reshape(-1)[order]
+        out = torch.zeros((tokens, hidden_states.shape[-1]), dtype=torch.float32, device=hidden_states.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            picked = rows[start : start + count]
+            gate_up, down = module.canvas_ls_views[expert]
+            hidden = module._apply_gate(torch.nn.functional.linear(hidden_states[picked], gate_up))
+            expert_out = torch.nn.functional.linear(hidden, down) * weights[start : start + count, None]
+            out.index_add_(0, picked, expert_out.float())
+            start += count
+        return out.to(hidden_states.dtype)
+
+    name = "canvas_ls_quantized"
+    ExpertsInterface.register(name, experts)
+    return name

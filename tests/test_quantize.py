@@ -1,0 +1,111 @@
+"""Quantised weights (`engine.quantize`, torchao through transformers): what loads, how the experts run, what `auto`
+picks for a GPU's memory, and the errors a user gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from canvas_ls.engine import Engine, ModelLoadError
+from canvas_ls.engine.bench_step import full_width_config
+from canvas_ls.engine.loading import load_model
+from canvas_ls.engine.quantize import (
+    is_quantized,
+    quantized_experts,
+    resolve,
+    weight_bytes,
+    weight_counts,
+)
+from tests.conftest import random_adapter
+from tests.test_adapters import PROMPTS
+from tests.test_cli import cli
+
+GIB = 1 << 30
+
+
+def test_int8_quantises_the_layers_and_experts_and_keeps_the_answers(fixed_model_dir: Path) -> None:
+    """Every layer's projections and the MoE experts' fused weights load as torchao int8 tensors; embeddings, routers
+    and norms stay float. The fixed model writes the same answer quantised, and its experts run per expert on views
+    of the int8 weights."""
+    loaded = load_model(str(fixed_model_dir), "cpu", "float32", quantize="int8")
+    assert loaded.quantized == "int8" and is_quantized(loaded.model) and loaded.name == str(fixed_model_dir)
+    layer = loaded.model.model.decoder.layers[0]
+    for weight in (layer.self_attn.q_proj.weight, layer.mlp.down_proj.weight, layer.experts.gate_up_proj):
+        assert type(weight).__name__ == "Int8Tensor"
+    assert type(layer.router.proj.weight) is torch.nn.Parameter
+    assert layer.experts.config._experts_implementation == quantized_experts()
+    quantized, plain = Engine(loaded, compile="auto"), Engine.load(str(fixed_model_dir), "cpu", quantize="none")
+    assert quantized.decoder.report()["state"] == "off"  # eager: the per-expert loop is no graph
+    for prefix, suffix in PROMPTS:
+        assert quantized.infill(prefix, suffix).text == plain.infill(prefix, suffix).text
+
+
+def test_the_quantised_experts_compute_what_transformers_computes(tiny_model_dir: Path) -> None:
+    """The per-expert implementation on float weights against transformers' grouped one: same routing, same sums."""
+    from canvas_ls.engine.quantize import use_quantized_experts
+
+    loaded = load_model(str(tiny_model_dir), "cpu", "float32", quantize="none")
+    experts = loaded.model.model.decoder.layers[0].experts
+    torch.manual_seed(0)
+    hidden = torch.randn(23, experts.hidden_dim)
+    picks = torch.stack([torch.randperm(experts.num_experts)[:2] for _ in range(23)])
+    weights = torch.softmax(torch.randn(23, 2), dim=-1)
+    expected = experts(hidden, picks, weights)
+    use_quantized_experts(loaded.model)
+    assert experts.config._experts_implementation == quantized_experts()
+    torch.testing.assert_close(experts(hidden, picks, weights), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_the_widest_weights_that_fit_the_gpus_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DiffusionGemma 26B-A4B's weights, counted on the meta device: 48 GiB in bf16, about 25 in int8 and 14 in
+    int4. `auto` keeps a quarter of the free memory for caches and activations."""
+    config = full_width_config()
+    counts = weight_counts(config)
+    assert 25e9 < counts["quantized"] + counts["kept"] < 27e9
+    sizes = {kind: weight_bytes(counts, kind) / GIB for kind in ("none", "int8", "int4")}
+    assert 47 < sizes["none"] < 50 and 24 < sizes["int8"] < 27 and 13 < sizes["int4"] < 16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 9))
+    cuda = torch.device("cuda")
+    for free_gib, expected in ((139, "none"), (78, "none"), (46, "int8"), (23, "int4"), (8, "int4")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=0, free=free_gib: (free * GIB, 141 * GIB))
+        assert resolve("auto", config, cuda) == expected, free_gib
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (7, 5))  # a T4: no tinygemm kernel
+    assert resolve("auto", config, cuda) == "int8"
+    assert resolve("auto", config, torch.device("cpu")) == "none"  # the CPU keeps its small model as it is
+
+
+def test_what_cannot_run_here_is_refused_with_the_way_out(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"int4 weights run on NVIDIA GPUs .* use --quantize int8 here"):
+        load_model(str(tiny_model_dir), "cpu", quantize="int4")
+    with pytest.raises(ModelLoadError, match=r"unknown quantisation 'int3' \(use auto, none, int8, int4\)"):
+        load_model(str(tiny_model_dir), "cpu", quantize="int3")
+    result = cli("complete", __file__, "--line", "0", "--character", "0", "--model", str(tiny_model_dir),
+                 "--device", "cpu", "--quantize", "int4")  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("canvas-ls: error: int4 weights run on NVIDIA GPUs")
+    experts = random_adapter(tiny_model_dir, tmp_path / "experts", experts=True)
+    with pytest.raises(ModelLoadError, match="adapts the MoE experts' weights, which int8 weights cannot take"):
+        load_model(str(tiny_model_dir), "cpu", adapter=str(experts), quantize="int8")
+
+
+def test_an_adapter_runs_unmerged_on_int8_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A LoRA adapter of the attention and dense MLP applies to int8 weights through peft's torchao layers, kept
+    apart (a merge would write float deltas into int8 weights): its logits stay within int8's rounding of the float
+    model with the same adapter, and move as far from the int8 base as the adapter moves the float one."""
+    adapter = random_adapter(tiny_model_dir, tmp_path / "adapter")
+    ids = torch.tensor([[5, 17, 40, 22, 9, 31]])
+
+    def logits(quantize: str, with_adapter: bool) -> torch.Tensor:
+        model = load_model(str(tiny_model_dir), "cpu", "float32", str(adapter) if with_adapter else None,
+                           quantize=quantize).model  # fmt: skip
+        with torch.no_grad():
+            return model(input_ids=ids, decoder_input_ids=ids).logits
+
+    adapted_int8, adapted_float = logits("int8", True), logits("none", True)
+    base_int8, base_float = logits("int8", False), logits("none", False)
+    moved = (adapted_float - base_float).abs().mean()
+    assert moved > 0.05
+    assert (adapted_int8 - adapted_float).abs().mean() < 0.1 * moved
+    torch.testing.assert_close((adapted_int8 - base_int8).abs().mean(), moved, rtol=0.1, atol=0)
