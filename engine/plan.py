@@ -47,19 +47,24 @@ def model_config(start_from: str | None, preset: str, vocab_size: int) -> Any:
 
 
 def training_plan(config: Any, batch_size: int, prefix_tokens: int, canvas_tokens: int, lora_rank: int = 0,
-                  lora_experts: bool = False, bf16: bool = True, ema: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Parameters and bytes of one run (see the module's docstring for what each line counts)."""
+                  lora_experts: bool = False, bf16: bool = True, ema: bool = False,
+                  quantize: str = "none") -> dict[str, Any]:  # fmt: skip
+    """Parameters and bytes of one run (see the module's docstring for what each line counts); `quantize`: the
+    frozen base's layers in int8 or int4 under a LoRA run (`engine.quantize`'s bytes per weight)."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from canvas_ls.engine.adapters import add_lora, trainable_parameters
+    from canvas_ls.engine.quantize import WEIGHT_BYTES, model_weight_counts
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft asks transformers about gradient checkpointing
         model = DiffusionGemmaForBlockDiffusion(config)
         total = sum(p.numel() for p in model.parameters())
+        covered = model_weight_counts(model)["quantized"] if lora_rank and quantize != "none" else 0
         trainable = trainable_parameters(add_lora(model, lora_rank, lora_experts)) if lora_rank else total
     base_bytes = 2 if (lora_rank and bf16) else 4
-    weights = (total - trainable) * base_bytes + trainable * 4 if lora_rank else total * 4
+    frozen = (total - trainable - covered) * base_bytes + covered * WEIGHT_BYTES.get(quantize, 2)
+    weights = frozen + trainable * 4 if lora_rank else total * 4
     text = config.get_text_config()
     tokens = batch_size * (prefix_tokens + canvas_tokens)
     mlp_width = text.intermediate_size + getattr(text, "top_k_experts", 0) * getattr(text, "moe_intermediate_size", 0)
@@ -77,8 +82,9 @@ def training_plan(config: Any, batch_size: int, prefix_tokens: int, canvas_token
         **({"average": trainable * 4} if ema else {}),
         "activations": activations + logits,
     }
+    mode = f"LoRA rank {lora_rank}" + (" + experts" if lora_experts else "") + (f", {quantize} base" if covered else "")
     return {
-        "mode": f"LoRA rank {lora_rank}" + (" + experts" if lora_experts else "") if lora_rank else "full",
+        "mode": mode if lora_rank else "full",
         "parameters": total,
         "trainable": trainable,
         "batch_size": batch_size,

@@ -52,7 +52,7 @@ def resolve(kind: str | None, config: Any, device: torch.device) -> str:
     """The quantisation a model of `config` gets on `device`: `kind` itself unless "auto" (see the module's
     docstring), with an error a user can act on for one this device cannot run."""
     kind = check_choice(kind)
-    if kind == "int4" and not _int4_capable(device):
+    if kind == "int4" and not int4_capable(device):
         raise ModelLoadError(
             "int4 weights run on NVIDIA GPUs of compute capability 8.0 or more (torchao's tinygemm kernel); "
             "use --quantize int8 here"
@@ -65,29 +65,33 @@ def resolve(kind: str | None, config: Any, device: torch.device) -> str:
     budget = free * (1 - HEADROOM)
     counts = weight_counts(config)
     for choice in ("none", "int8", "int4"):
-        if choice == "int4" and not _int4_capable(device):
+        if choice == "int4" and not int4_capable(device):
             continue
         if weight_bytes(counts, choice) <= budget:
             return choice
     # Nothing fits: load int4 (or int8) anyway, accelerate places what does not fit in the CPU's memory.
-    return "int4" if _int4_capable(device) else "int8"
+    return "int4" if int4_capable(device) else "int8"
 
 
-def _int4_capable(device: torch.device) -> bool:
+def int4_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device.index or 0)[0] >= 8
 
 
 def weight_counts(config: Any) -> dict[str, int]:
     """Parameters of a model of `config` that quantisation would cover ("quantized") and the others ("kept"),
     counted on the meta device (no memory, any size). Tied weights count once, as the checkpoint holds them."""
-    import re
-
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    patterns = [re.compile(pattern.removeprefix("re:")) for pattern in QUANTIZED]
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = DiffusionGemmaForBlockDiffusion(config)
+        return model_weight_counts(DiffusionGemmaForBlockDiffusion(config))
+
+
+def model_weight_counts(model: Any) -> dict[str, int]:
+    """`weight_counts` of a built model (on any device, the meta device included)."""
+    import re
+
+    patterns = [re.compile(pattern.removeprefix("re:")) for pattern in QUANTIZED]
     counts = {"quantized": 0, "kept": 0}
     for name, parameter in model.named_parameters():  # each shared parameter once
         module = name.rsplit(".", 1)[0]

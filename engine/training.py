@@ -407,6 +407,9 @@ class TrainConfig:
     # adapts the fused MoE expert weights
     lora_rank: int = 0
     lora_experts: bool = False
+    # A LoRA run's frozen base quantised ("int8", "int4": `engine.quantize`), so that DiffusionGemma's LoRA fits a
+    # 24 or 48 GB card; "none": the base in bf16 (fp32 with --fp32)
+    quantize: str = "none"
     # Stop after this many evaluations (every eval_every steps) without a better held-out diffusion loss, and keep
     # the best weights (0: run the whole budget)
     patience: int = 0
@@ -532,7 +535,11 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    model.to(device)
+    # Only a model elsewhere moves: a quantised one's experts hold views of its weights (`use_quantized_experts`),
+    # which torch's move of a torchao tensor refuses, and it loaded on its device.
+    elsewhere = (p.device for p in model.parameters())
+    if any(d.type != device.type or (device.index is not None and d.index != device.index) for d in elsewhere):
+        model.to(device)
     if device.type == "cuda":
         # cuDNN's attention backward returns NaN gradients with an explicit mask on H100/H200 (pytorch/pytorch#196678,
         # torch 2.11+); our padded batches always pass one. An H200 run trained NaN from its second step with it.
@@ -715,7 +722,7 @@ def run_plan(cfg: TrainConfig, start_from: str | None, preset: str, vocab_size: 
     gap = max(cfg.gap_choices)
     canvas = gap + cfg.head_tokens + (gap if cfg.multi_gap_share > 0 else 0)  # several gaps: up to twice the slots
     return training_plan(model_config(start_from, preset, vocab_size), cfg.batch_size, cfg.prefix_tokens, canvas,
-                         cfg.lora_rank, cfg.lora_experts, cfg.bf16, cfg.ema > 0)  # fmt: skip
+                         cfg.lora_rank, cfg.lora_experts, cfg.bf16, cfg.ema > 0, cfg.quantize)  # fmt: skip
 
 
 def preset_model(preset: str, vocab_size: int) -> Any:
@@ -817,16 +824,30 @@ def run(
     if problem is not None:  # refused before any weight is loaded
         raise TrainingError(problem)
     torch.manual_seed(0)
+    quantized = cfg.quantize != "none"
+    if quantized and not (start_from and cfg.lora_rank and not cfg.lora_experts):
+        raise TrainingError("a quantised base (--quantize) trains a LoRA adapter (--lora RANK, without "
+                            "--lora-experts) of a model given with --from")  # fmt: skip
     if start_from:
         from transformers import DiffusionGemmaForBlockDiffusion
 
         # LoRA keeps the frozen base in bf16 (under bf16 autocast): half the memory of fp32 master weights
         base_dtype = torch.bfloat16 if cfg.lora_rank and cfg.bf16 else torch.float32
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(start_from, dtype=base_dtype)
+        loading: dict[str, Any] = {"dtype": base_dtype}
+        if quantized:  # int8 / int4 while the checkpoint loads, on the device (int4's packing runs on the GPU)
+            from canvas_ls.engine import quantize
+
+            quantize.resolve(cfg.quantize, None, resolve_device(cfg.device))  # refuses what cannot run here
+            loading["quantization_config"] = quantize.torchao_config(cfg.quantize)
+            if resolve_device(cfg.device).type == "cuda":
+                loading["device_map"] = {"": resolve_device(cfg.device).index or 0}
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(start_from, **loading)
+        if quantized:
+            quantize.use_quantized_experts(model)
     else:
         model = preset_model(preset, len(tokenizer))
     model.set_attn_implementation(cfg.attention)
-    if cfg.experts is not None:
+    if cfg.experts is not None and not quantized:
         model.set_experts_implementation(cfg.experts)
     adapted = None
     if cfg.lora_rank:
@@ -870,7 +891,7 @@ def run(
         from canvas_ls.engine.adapters import merged, save_adapter
 
         save_adapter(adapted, out_dir / "adapter")
-        if not export_merged:
+        if not export_merged or quantized:  # a merge would write float deltas into int8 / int4 weights
             return summary
         model = merged(adapted)
     save_model(export, summary)

@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lora", type=int, metavar="RANK", help="train a LoRA adapter of this rank (peft) instead "
                        "of every weight; exports OUT/adapter and OUT/model (merged)")  # fmt: skip
     train.add_argument("--lora-experts", action="store_true", help="the adapter also adapts the MoE expert weights")
+    train.add_argument("--quantize", choices=("none", "int8", "int4"),
+                       help="with --lora: the frozen base's layers in int8 or int4 (QLoRA-style: DiffusionGemma's "
+                       "LoRA on a 24/48 GB card; int4 on NVIDIA GPUs of compute capability 8.0+); the adapter alone "
+                       "is exported, to load with --adapter (default: none; with --workspace, what fits)")  # fmt: skip
     train.add_argument("--multi-gap-share", type=float, help="share of examples with 2-4 gaps in one canvas")
     train.add_argument("--rewrite-share", type=float, help="share of examples whose gap shows a corrupted middle")
     train.add_argument(
@@ -518,6 +522,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"canvas-ls: training every weight of {args.start_from} cannot fit here: tuning a LoRA adapter "
               "(recipe lora)", file=sys.stderr)  # fmt: skip
     overrides, replay = _recipe_settings(args, name)
+    if args.workspace and name == "lora" and args.quantize is None:
+        overrides["quantize"] = _fitting_base(args)
+        if overrides["quantize"] != "none":
+            print(f"canvas-ls: the LoRA run's base is quantised to {overrides['quantize']} to fit here",
+                  file=sys.stderr)  # fmt: skip
     corpus, out, minutes, start_from = args.corpus, args.out, args.minutes, args.start_from
     root = None
     if args.workspace is not None:
@@ -563,6 +572,21 @@ def _fits_fully(args: argparse.Namespace) -> bool:
 
     cfg = replace(_plan_config(args), lora_rank=0)
     return check(_run_plan(cfg, args), resolve_device(cfg.device)) is None
+
+
+def _fitting_base(args: argparse.Namespace) -> str:
+    """The widest base (none, int8, int4) whose LoRA run fits the device (`train --plan`'s arithmetic); int4 only
+    where it runs. None fitting: "none", and the run's own check says why."""
+    from canvas_ls.engine.loading import resolve_device
+    from canvas_ls.engine.plan import check
+    from canvas_ls.engine.quantize import int4_capable
+
+    cfg = replace(_plan_config(args), lora_rank=_plan_config(args).lora_rank or 16)
+    device = resolve_device(cfg.device)
+    for kind in ("none", "int8", "int4") if int4_capable(device) else ("none", "int8"):
+        if check(_run_plan(replace(cfg, quantize=kind), args), device) is None:
+            return kind
+    return "none"
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -664,6 +688,7 @@ def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "bf16": False if args.fp32 else None,
         "lora_rank": args.lora,
         "lora_experts": True if args.lora_experts else None,
+        "quantize": args.quantize,
         "patience": args.patience,
     }
     return {k: v for k, v in overrides.items() if v is not None}
@@ -705,10 +730,10 @@ def _train_plan(args: argparse.Namespace) -> int:
     from canvas_ls.engine.plan import GIB, available_bytes, format_plan
 
     base = _plan_config(args)
-    plans = [
-        _run_plan(replace(base, lora_rank=0), args),
-        _run_plan(replace(base, lora_rank=base.lora_rank or 16), args),
-    ]
+    lora = replace(base, lora_rank=base.lora_rank or 16)
+    plans = [_run_plan(replace(base, lora_rank=0), args), _run_plan(replace(lora, quantize="none"), args)]
+    if not lora.lora_experts:  # quantised bases take adapters of the attention and dense MLP
+        plans += [_run_plan(replace(lora, quantize=kind), args) for kind in ("int8", "int4")]
     free, where = available_bytes(resolve_device(base.device))
     name = args.start_from or f"the {args.preset} preset's model"
     print(format_plan(plans, where, name))

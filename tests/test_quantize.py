@@ -109,3 +109,41 @@ def test_an_adapter_runs_unmerged_on_int8_weights(tiny_model_dir: Path, tmp_path
     assert moved > 0.05
     assert (adapted_int8 - adapted_float).abs().mean() < 0.1 * moved
     torch.testing.assert_close((adapted_int8 - base_int8).abs().mean(), moved, rtol=0.1, atol=0)
+
+
+def test_a_lora_run_trains_on_an_int8_base_and_its_adapter_loads(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`train --lora --quantize int8` (QLoRA-style): the frozen base loads in int8, the adapter trains in fp32 and is
+    exported alone (no merge into int8 weights); the engine loads it on the int8 base. The plan counts the base at
+    one byte a quantised weight."""
+    import json
+    import shutil
+
+    from canvas_ls.engine.plan import training_plan
+    from canvas_ls.engine.quantize import WEIGHT_BYTES
+
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    for index, (prefix, suffix) in enumerate(PROMPTS * 4):
+        (repo / "pkg" / f"m{index}.py").write_text(prefix + f"value_{index}" + suffix)
+    model = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, model)
+    out = tmp_path / "out"
+    done = cli("train", "--from", str(model), "--corpus", str(repo), "--lora", "4", "--quantize", "int8",
+               "--minutes", "0.05", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout[done.stdout.index("{") :])
+    assert summary["step"] >= 1 and "eval_diffusion" in summary
+    final = json.loads((out / "log.jsonl").read_text().splitlines()[-1])["final"]["config"]
+    assert (final["lora_rank"], final["quantize"]) == (4, "int8")
+    assert (out / "adapter" / "adapter_config.json").is_file() and not (out / "model").exists()
+    answer = cli("complete", str(repo / "pkg" / "m0.py"), "--line", "1", "--character", "11", "--model", str(model),
+                 "--adapter", str(out / "adapter"), "--quantize", "int8", "--json")  # fmt: skip
+    assert answer.returncode == 0, answer.stderr
+    refused = cli("train", "--from", str(model), "--corpus", str(repo), "--quantize", "int8", "--out", str(out))
+    assert refused.returncode == 2 and "a quantised base (--quantize) trains a LoRA adapter" in refused.stderr
+
+    config = full_width_config(layers=2)
+    plain, int8 = (training_plan(config, 1, 64, 48, lora_rank=4, quantize=kind) for kind in ("none", "int8"))
+    covered = weight_counts(config)["quantized"]
+    assert int8["mode"] == "LoRA rank 4, int8 base" and plain["mode"] == "LoRA rank 4"
+    assert plain["bytes"]["weights"] - int8["bytes"]["weights"] == covered * (2 - WEIGHT_BYTES["int8"])
