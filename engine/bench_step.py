@@ -9,7 +9,9 @@ it measures, in one run:
     (`step_stats_rows`, the sampler's vocabulary-sized work), eager and compiled (`torch.compile`; CUDA graphs on a
     GPU), with the compiled logits compared to the eager ones;
   - FLOPs per step counted by torch's FlopCounterMode (not estimated), hence GFLOP/s and the share of the peak;
-  - a torch.profiler table of one eager configuration: the ops a step spends its time in.
+  - a torch.profiler table of one eager configuration: the ops a step spends its time in;
+  - with `--quantize int8|int4` the same on quantised weights (`engine.quantize`; eager: the engine does not compile
+    them), and the bytes the weights hold (for DiffusionGemma: which card it fits).
 Figures, never pass/fail; the JSON holds every number the table prints.
 """
 
@@ -174,8 +176,12 @@ def run_step_bench(
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = model.config.text_config.vocab_size
+    from canvas_ls.engine.quantize import is_quantized, weights_bytes
+
     report: dict[str, Any] = {
         "model": name,
+        "weights_gib": round(weights_bytes(model) / 2**30, 3),
+        "quantized": is_quantized(model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
@@ -239,8 +245,8 @@ def format_step(report: dict[str, Any]) -> str:
     peak = report["peak"]
     lines = [
         f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads, "
-        f"{report['parameters'] / 1e6:.1f}M parameters); matmul peak {peak['tflops']} TFLOP/s "
-        f"({peak['size']}^3 {peak['dtype']})",
+        f"{report['parameters'] / 1e6:.1f}M parameters, weights {report['weights_gib']:.2f} GiB); "
+        f"matmul peak {peak['tflops']} TFLOP/s ({peak['size']}^3 {peak['dtype']})",
         f"encode {report['prefix_tokens']} tokens: {report['encode_ms']} ms ({report['encode_gflop'] or '?'} GFLOP)",
         f"{'canvas':>6} {'rows':>4} {'GFLOP':>8} | {'eager fwd':>9} {'step':>8} {'GFLOP/s':>9} {'peak':>6} | "
         f"{'compiled fwd':>12} {'step':>8} {'peak':>6} {'x eager':>7}",
@@ -277,18 +283,26 @@ def format_step(report: dict[str, Any]) -> str:
 def run(model_name: str | None, layers: int, device: str | None, dtype: str | None, prefix_tokens: int | None,
         canvases: tuple[int, ...], rows: tuple[int, ...], compile_canvases: tuple[int, ...], runs: int,
         progress: Callable[[str], None] = lambda _: None,
-        checkpoint: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
+        checkpoint: Callable[[dict[str, Any]], None] = lambda _: None,
+        quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """`bench step` for a model folder or hub id (None: the shipped one) or, with model_name "full-width", for
-    DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30)."""
+    DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30); its layers' weights quantised as
+    `quantize` says (then eager only)."""
     from canvas_ls.engine.loading import load_model, resolve_device, resolve_dtype
+    from canvas_ls.engine.quantize import quantize_model, resolve
 
     if model_name == "full-width":
         target = resolve_device(device)
-        model = random_model(full_width_config(layers), target, resolve_dtype(dtype, target))
+        config = full_width_config(layers)
+        model = random_model(config, target, resolve_dtype(dtype, target))
+        model = quantize_model(model, resolve(quantize, config, target))
         name = f"DiffusionGemma 26B-A4B geometry, {layers} of 30 layers, random weights"
     else:
-        loaded = load_model(model_name, device, dtype)
+        loaded = load_model(model_name, device, dtype, quantize=quantize)
         model, name = loaded.model, loaded.name
+    if quantize != "none":
+        name += f", {quantize} weights"
+        compile_canvases = ()
     default_prefix = 4096 if next(model.parameters()).device.type == "cuda" else 1024
     return run_step_bench(
         model, name, prefix_tokens or default_prefix, canvases, rows, compile_canvases, runs, progress, checkpoint

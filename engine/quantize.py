@@ -11,8 +11,14 @@
 What is quantised: the attention and dense MLP projections and the MoE experts' fused weights (three quarters of a
 layer's weights, and almost all of DiffusionGemma's). The embeddings (tied to the LM head), the routers and the
 norms stay as they are. transformers' expert implementations multiply the fused 3D weights in one grouped or
-batched matmul, which torchao's quantised tensors do not implement; a quantised model's experts therefore run
-`quantized_experts`: one matmul per expert the tokens picked, on per-expert views of the quantised weights.
+batched matmul, which torchao's quantised tensors do not implement. A quantised model's experts therefore run one of
+two implementations of our own:
+  - on a GPU, with weights torchao can dequantize (int8), `dequantized_experts`: each layer's experts dequantized
+    to bf16 as the layer runs (one layer's at a time: 1.6 GiB for DiffusionGemma), then transformers' grouped
+    matmul; a few kernels a layer, where a loop over 128 experts would launch ~8,000 small matmuls a step (each
+    quantised linear ~40 us of dispatch measured on the CPU: ~0.3 s a step in launches alone);
+  - elsewhere (the CPU; int4, whose tinygemm layout has no dequantize), `quantized_experts`: one matmul per expert
+    the tokens picked, on per-expert views of the quantised weights.
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ INT4_GROUP = 128
 # `auto` keeps this share of the free memory for what is not weights: the prefix caches, the canvases' activations,
 # CUDA's own workspace.
 HEADROOM = 0.25
-# The layers' weights that are quantised (module or parameter names, matched whole).
+# The text layers' weights that are quantised (module or parameter names, matched whole; never the vision tower's).
 QUANTIZED = (
-    r"re:.*\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)",
-    r"re:.*\.layers\.\d+\.experts\.(gate_up_proj|down_proj)",
+    r"re:.*(language_model|decoder)\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)",
+    r"re:.*(language_model|decoder)\.layers\.\d+\.experts\.(gate_up_proj|down_proj)",
 )
 
 
@@ -95,7 +101,7 @@ def model_weight_counts(model: Any) -> dict[str, int]:
     counts = {"quantized": 0, "kept": 0}
     for name, parameter in model.named_parameters():  # each shared parameter once
         module = name.rsplit(".", 1)[0]
-        covered = any(p.fullmatch(name) or p.fullmatch(module) for p in patterns) and "vision" not in name
+        covered = any(p.fullmatch(name) or p.fullmatch(module) for p in patterns)
         counts["quantized" if covered else "kept"] += parameter.numel()
     return counts
 
@@ -127,28 +133,69 @@ def torchao_config(kind: str) -> Any:
     return TorchAoConfig(quant_type=FqnToConfig(dict.fromkeys(QUANTIZED, weights)), modules_to_not_convert=["lm_head"])
 
 
+def quantize_model(model: Any, kind: str) -> Any:
+    """Quantise a model built in memory (`bench step`'s random full-width layers) as loading would (`torchao_config`),
+    its experts then run by `quantized_experts`; returns it. torchao quantises each module's weight apart, so the
+    weights the decoder shares with the encoder are shared again afterwards (else each would be held twice)."""
+    if kind == "none":
+        return model
+    from torchao.quantization import quantize_
+
+    holders: dict[int, list[tuple[Any, str]]] = {}
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            holders.setdefault(id(parameter), []).append((module, name))
+    quantize_(model, torchao_config(kind).quant_type, filter_fn=None)
+    for (first, name), *others in (group for group in holders.values() if len(group) > 1):
+        for module, other in others:
+            setattr(module, other, getattr(first, name))
+    use_quantized_experts(model)
+    return model
+
+
+def weights_bytes(model: Any) -> int:
+    """Bytes the model's parameters hold, quantised ones by their parts (torchao's int data, scales, zero points);
+    each shared parameter once."""
+    seen: set[int] = set()
+    total = 0
+    for parameter in model.parameters():
+        if id(parameter) in seen:
+            continue
+        seen.add(id(parameter))
+        if hasattr(parameter, "__tensor_flatten__"):
+            names, _ = parameter.__tensor_flatten__()
+            total += sum(getattr(parameter, name).nbytes for name in names if getattr(parameter, name) is not None)
+        else:
+            total += parameter.nbytes
+    return total
+
+
 def is_quantized(model: Any) -> bool:
     """Whether the model's decoder carries torchao's quantised weights."""
     weight = model.model.decoder.layers[0].experts.gate_up_proj
     return type(weight) not in (torch.Tensor, torch.nn.Parameter)
 
 
+@torch.inference_mode(False)
 @torch.no_grad()
-def use_quantized_experts(model: Any) -> None:
-    """Run every MoE layer's experts through `quantized_experts`, on per-expert views of its quantised weights made
-    here, once: outside inference mode, where torchao's quantised tensors can be indexed (they keep autograd's
-    aliasing records, which inference tensors refuse)."""
+def use_quantized_experts(model: Any, grouped: bool | None = None) -> None:
+    """Run every MoE layer's experts through `dequantized_experts` (`grouped`; None: on a GPU, where the weights can
+    be dequantized) or `quantized_experts`, the latter on per-expert views of the quantised weights made here, once:
+    outside inference mode, where torchao's quantised tensors can be indexed (they keep autograd's aliasing
+    records, which inference tensors refuse)."""
     import copy
 
+    weight = model.model.decoder.layers[0].experts.gate_up_proj
+    if grouped is None:
+        grouped = weight.device.type == "cuda" and hasattr(weight, "dequantize")
     text = copy.copy(model.config.get_text_config())
-    text._experts_implementation = quantized_experts()
+    text._experts_implementation = dequantized_experts() if grouped else quantized_experts()
     for layers in (model.model.decoder.layers, model.model.encoder.language_model.layers):
         for layer in layers:
             experts = layer.experts
             experts.config = text
-            experts.canvas_ls_views = [
-                (experts.gate_up_proj[e], experts.down_proj[e]) for e in range(experts.num_experts)
-            ]
+            count = 0 if grouped else experts.num_experts
+            experts.canvas_ls_views = [(experts.gate_up_proj[e], experts.down_proj[e]) for e in range(count)]
 
 
 @functools.cache
@@ -181,5 +228,33 @@ def quantized_experts() -> str:
         return out.to(hidden_states.dtype)
 
     name = "canvas_ls_quantized"
+    ExpertsInterface.register(name, experts)
+    return name
+
+
+class _Dequantized:
+    """An experts module as transformers' grouped implementation reads it, its fused weights dequantized."""
+
+    def __init__(self, module: Any, dtype: torch.dtype):
+        self._module = module
+        self.gate_up_proj = module.gate_up_proj.dequantize(dtype)
+        self.down_proj = module.down_proj.dequantize(dtype)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+@functools.cache
+def dequantized_experts() -> str:
+    """Register (on the first call) and name an MoE experts implementation for weights torchao can dequantize: the
+    layer's fused expert weights dequantized to the activations' dtype, then transformers' grouped implementation."""
+    from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+    def experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        dense = _Dequantized(module, hidden_states.dtype)
+        return grouped_mm_experts_forward(dense, hidden_states, top_k_index, top_k_weights)
+
+    name = "canvas_ls_dequantized"
     ExpertsInterface.register(name, experts)
     return name

@@ -283,6 +283,8 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--compile-canvases", help="compile only at these canvas sizes (default: all; each size and "
                                                  "row count is one compilation)")  # fmt: skip
     step.add_argument("--runs", type=int, default=10, help="timed calls per figure (median)")
+    step.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                      help="the layers' weights (engine.quantize; quantised weights run eager)")  # fmt: skip
     step.add_argument("--out", type=Path, help="JSON report path")
 
     warmup = benches.add_parser("warmup", help="the compiled CPU step's warm-up, start after start (fresh processes)")
@@ -822,7 +824,7 @@ def _bench_step(args: argparse.Namespace) -> int:
         _ints(args.canvases), _ints(args.rows),
         () if args.no_compile else _ints(args.compile_canvases or args.canvases), args.runs,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
-        checkpoint=lambda partial: out.write_text(json.dumps(partial, indent=2)),
+        checkpoint=lambda partial: out.write_text(json.dumps(partial, indent=2)), quantize=args.quantize,
     )  # fmt: skip
     return _report("step", report, bench_step.format_step, out)
 

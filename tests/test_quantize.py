@@ -43,19 +43,28 @@ def test_int8_quantises_the_layers_and_experts_and_keeps_the_answers(fixed_model
 
 
 def test_the_quantised_experts_compute_what_transformers_computes(tiny_model_dir: Path) -> None:
-    """The per-expert implementation on float weights against transformers' grouped one: same routing, same sums."""
-    from canvas_ls.engine.quantize import use_quantized_experts
+    """Both implementations for quantised experts against transformers' grouped one on the same int8 weights
+    (dequantized into a float model): the per-expert loop (CPU, int4) and the dequantize-then-grouped one (a GPU's
+    int8): same routing, same sums."""
+    from canvas_ls.engine.quantize import dequantized_experts, use_quantized_experts
 
-    loaded = load_model(str(tiny_model_dir), "cpu", "float32", quantize="none")
-    experts = loaded.model.model.decoder.layers[0].experts
+    quantized = load_model(str(tiny_model_dir), "cpu", "float32", quantize="int8").model
+    reference = load_model(str(tiny_model_dir), "cpu", "float32", quantize="none").model
+    experts, dense = quantized.model.decoder.layers[0].experts, reference.model.decoder.layers[0].experts
+    with torch.no_grad():
+        dense.gate_up_proj.copy_(experts.gate_up_proj.dequantize())
+        dense.down_proj.copy_(experts.down_proj.dequantize())
     torch.manual_seed(0)
     hidden = torch.randn(23, experts.hidden_dim)
     picks = torch.stack([torch.randperm(experts.num_experts)[:2] for _ in range(23)])
     weights = torch.softmax(torch.randn(23, 2), dim=-1)
-    expected = experts(hidden, picks, weights)
-    use_quantized_experts(loaded.model)
-    assert experts.config._experts_implementation == quantized_experts()
-    torch.testing.assert_close(experts(hidden, picks, weights), expected, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        expected = dense(hidden, picks, weights)
+        assert experts.config._experts_implementation == quantized_experts()  # the CPU's
+        torch.testing.assert_close(experts(hidden, picks, weights), expected, rtol=1e-5, atol=1e-5)
+        use_quantized_experts(quantized, grouped=True)
+        assert experts.config._experts_implementation == dequantized_experts()
+        torch.testing.assert_close(experts(hidden, picks, weights), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_picks_the_widest_weights_that_fit_the_gpus_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,3 +156,20 @@ def test_a_lora_run_trains_on_an_int8_base_and_its_adapter_loads(tiny_model_dir:
     covered = weight_counts(config)["quantized"]
     assert int8["mode"] == "LoRA rank 4, int8 base" and plain["mode"] == "LoRA rank 4"
     assert plain["bytes"]["weights"] - int8["bytes"]["weights"] == covered * (2 - WEIGHT_BYTES["int8"])
+
+
+def test_quantising_a_model_in_memory_matches_quantising_it_while_it_loads() -> None:
+    """`quantize_model` (what `bench step --quantize` runs on random full-width layers) makes the weights loading
+    makes, and keeps the decoder's weights shared with the encoder (the shipped model shares them): the same bytes,
+    the same logits."""
+    from canvas_ls.engine.quantize import quantize_model, weights_bytes
+
+    loaded = load_model(None, "cpu", "float32", quantize="int8").model
+    built = quantize_model(load_model(None, "cpu", "float32", quantize="none").model, "int8")
+    layer, encoder_layer = built.model.decoder.layers[1], built.model.encoder.language_model.layers[1]
+    assert layer.experts.down_proj is encoder_layer.experts.down_proj and is_quantized(built)
+    assert weights_bytes(built) == weights_bytes(loaded) < 0.7 * weights_bytes(load_model(None, "cpu", "float32").model)
+    ids = torch.tensor([[5, 17, 40, 22, 9, 31]])
+    with torch.no_grad():
+        torch.testing.assert_close(built(input_ids=ids, decoder_input_ids=ids).logits,
+                                   loaded(input_ids=ids, decoder_input_ids=ids).logits)  # fmt: skip
