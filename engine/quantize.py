@@ -24,6 +24,8 @@ two implementations of our own:
 from __future__ import annotations
 
 import functools
+import importlib.util
+import logging
 import warnings
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 
 from canvas_ls.engine.errors import ModelLoadError
 
+log = logging.getLogger("canvas-ls.quantize")
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
 # Bytes per weight of each kind, scales included (int8: one bf16 scale per row; int4: a bf16 scale and zero point
 # per 128 weights).
@@ -66,6 +69,9 @@ def resolve(kind: str | None, config: Any, device: torch.device) -> str:
     if kind != "auto":
         return kind
     if device.type != "cuda":
+        return "none"
+    if importlib.util.find_spec("torchao") is None:  # without the extra, accelerate places what does not fit
+        log.warning("torchao is not installed: the weights load unquantised (pip install 'canvas-ls[quantize]')")
         return "none"
     free, _ = torch.cuda.mem_get_info(device.index or 0)
     budget = free * (1 - HEADROOM)

@@ -3,6 +3,7 @@ picks for a GPU's memory, and the errors a user gets."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,9 +84,14 @@ def test_auto_picks_the_widest_weights_that_fit_the_gpus_free_memory(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (7, 5))  # a T4: no tinygemm kernel
     assert resolve("auto", config, cuda) == "int8"
     assert resolve("auto", config, torch.device("cpu")) == "none"  # the CPU keeps its small model as it is
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # no torchao: unquantised, said
+    assert resolve("auto", config, cuda) == "none"
 
 
-def test_what_cannot_run_here_is_refused_with_the_way_out(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_what_cannot_run_here_is_refused_with_the_way_out(tiny_model_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     with pytest.raises(ModelLoadError, match=r"int4 weights run on NVIDIA GPUs .* use --quantize int8 here"):
         load_model(str(tiny_model_dir), "cpu", quantize="int4")
     with pytest.raises(ModelLoadError, match=r"unknown quantisation 'int3' \(use auto, none, int8, int4\)"):
@@ -97,6 +103,9 @@ def test_what_cannot_run_here_is_refused_with_the_way_out(tiny_model_dir: Path, 
     experts = random_adapter(tiny_model_dir, tmp_path / "experts", experts=True)
     with pytest.raises(ModelLoadError, match="adapts the MoE experts' weights, which int8 weights cannot take"):
         load_model(str(tiny_model_dir), "cpu", adapter=str(experts), quantize="int8")
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # installed without the `quantize` extra
+    with pytest.raises(ModelLoadError, match=r"need torchao: pip install 'canvas-ls\[quantize\]'"):
+        load_model(str(tiny_model_dir), "cpu", quantize="int8")
 
 
 def test_an_adapter_runs_unmerged_on_int8_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
