@@ -254,6 +254,7 @@ def run_infill(
         "cursor": cursor,
         "model": engine.name,
         "dtype": engine.dtype,
+        "quantize": engine.loaded.quantized,
         "settings": engine.settings.to_dict(),
         "machine": machine(),
     }
