@@ -10,7 +10,8 @@ return {
   root_markers = { '.git', 'pyproject.toml', 'package.json', 'go.mod', 'Cargo.toml' },
   init_options = {
     -- model = '/path/to/model' to use another one than the shipped default; backend = 'local' to run the model
-    -- inside this server instead of the shared `canvas-ls engine` (the default, 'resident')
+    -- inside this server instead of the shared `canvas-ls engine` (the default, 'resident'); quantize = 'int4' (or
+    -- 'int8', 'none'; default 'auto': what fits the GPU) for DiffusionGemma on a 24 (48) GB card
     engine = { device = 'auto' },
   },
 }

@@ -6,6 +6,7 @@ export interface CanvasSettings {
   pythonPath: string;
   model: string;
   device: string;
+  quantize: string; // the model's weights: auto (what fits the GPU), none, int8, int4
   backend: string;
   enabledLanguages: string[];
   gapTokens: { singleLine?: number; multiLine?: number };
@@ -21,6 +22,7 @@ export const DEFAULT_SETTINGS: CanvasSettings = {
   pythonPath: "",
   model: "",
   device: "auto",
+  quantize: "auto",
   backend: "resident",
   enabledLanguages: [
     "python", "javascript", "javascriptreact", "typescript", "typescriptreact", "go", "rust", "c", "cpp", "java", "lua",
@@ -57,6 +59,7 @@ export function initializationOptions(settings: CanvasSettings): Record<string, 
   const engine: Record<string, unknown> = {
     model: settings.model || null,
     device: settings.device || "auto",
+    quantize: settings.quantize || "auto",
     backend: settings.backend || "resident",
     workspace_models: settings.workspaceModels,
   };

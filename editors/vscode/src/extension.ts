@@ -39,6 +39,7 @@ function readSettings(): CanvasSettings {
     pythonPath: c.get("pythonPath", DEFAULT_SETTINGS.pythonPath),
     model: c.get("model", DEFAULT_SETTINGS.model),
     device: c.get("device", DEFAULT_SETTINGS.device),
+    quantize: c.get("quantize", DEFAULT_SETTINGS.quantize),
     backend: c.get("backend", DEFAULT_SETTINGS.backend),
     enabledLanguages: c.get("enabledLanguages", DEFAULT_SETTINGS.enabledLanguages),
     gapTokens: c.get("gapTokens", DEFAULT_SETTINGS.gapTokens),

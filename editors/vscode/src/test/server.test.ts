@@ -74,14 +74,18 @@ test("settings become the server's option tree", () => {
     ...DEFAULT_SETTINGS, model: "/m", device: "cpu", gapTokens: { singleLine: 8 }, maxNewTokens: { singleLine: 4 },
   });
   assert.deepEqual(options, {
-    engine: { model: "/m", device: "cpu", backend: "resident", workspace_models: true },
+    engine: { model: "/m", device: "cpu", quantize: "auto", backend: "resident", workspace_models: true },
     completion: { gap_tokens_single_line: 8, max_new_tokens_single_line: 4 },
   });
   assert.deepEqual(initializationOptions(DEFAULT_SETTINGS).engine, {
-    model: null, device: "auto", backend: "resident", workspace_models: true,
+    model: null, device: "auto", quantize: "auto", backend: "resident", workspace_models: true,
   });
   const learning = initializationOptions({ ...DEFAULT_SETTINGS, workspaceModels: false, learnMinutes: 5 }).engine;
-  assert.deepEqual(learning, { model: null, device: "auto", backend: "resident", workspace_models: false, learn_minutes: 5 });
+  assert.deepEqual(learning, {
+    model: null, device: "auto", quantize: "auto", backend: "resident", workspace_models: false, learn_minutes: 5,
+  });
+  const small = initializationOptions({ ...DEFAULT_SETTINGS, device: "cuda", quantize: "int4" }).engine as { quantize: string };
+  assert.equal(small.quantize, "int4"); // DiffusionGemma on a 24 GB card
   const local = initializationOptions({ ...DEFAULT_SETTINGS, backend: "local" }).engine as { backend: string };
   assert.equal(local.backend, "local");
   const strict = initializationOptions({ ...DEFAULT_SETTINGS, minConfidence: 0 }).completion as Record<string, unknown>;
