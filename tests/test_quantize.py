@@ -182,3 +182,16 @@ def test_quantising_a_model_in_memory_matches_quantising_it_while_it_loads() -> 
     with torch.no_grad():
         torch.testing.assert_close(built(input_ids=ids, decoder_input_ids=ids).logits,
                                    loaded(input_ids=ids, decoder_input_ids=ids).logits)  # fmt: skip
+
+
+def test_workspace_adapters_switch_per_request_on_int8(tiny_model_dir: Path, linear_adapters: list[Path]) -> None:
+    """What a DiffusionGemma user on a 24/48 GB card gets from "Learn this workspace": one engine on the quantised
+    base answers each request with its workspace's adapter (held apart, switched per batch) or with the base alone,
+    and switching back and forth changes nothing."""
+    engine = Engine.load(str(tiny_model_dir), "cpu", quantize="int8")
+    prompt = PROMPTS[0]
+    base = engine.infill(*prompt, {"seed": 1}).tokens
+    adapted = [engine.infill(*prompt, {"seed": 1}, adapter=str(folder)).tokens for folder in linear_adapters]
+    assert adapted[0] != base and adapted[1] != base and adapted[0] != adapted[1]
+    assert engine.infill(*prompt, {"seed": 1}).tokens == base
+    assert engine.infill(*prompt, {"seed": 1}, adapter=str(linear_adapters[0])).tokens == adapted[0]
