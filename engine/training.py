@@ -824,6 +824,8 @@ def run(
     if problem is not None:  # refused before any weight is loaded
         raise TrainingError(problem)
     torch.manual_seed(0)
+    if cfg.quantize not in ("none", "int8", "int4"):
+        raise TrainingError(f"unknown base quantisation '{cfg.quantize}' (use none, int8 or int4)")
     quantized = cfg.quantize != "none"
     if quantized and not (start_from and cfg.lora_rank and not cfg.lora_experts):
         raise TrainingError("a quantised base (--quantize) trains a LoRA adapter (--lora RANK, without "
