@@ -615,6 +615,7 @@ def _models(args: argparse.Namespace) -> int:
                      "base": entry.base, "created": record.get("created"), "files": record.get("files"),
                      "tokens": record.get("tokens"), "steps": record.get("steps"), "minutes": record.get("minutes"),
                      "recipe": record.get("recipe", {}).get("name"), "held_out": record.get("held_out"),
+                     "base_weights": record.get("recipe", {}).get("quantize", "none"),  # a LoRA run's frozen base
                      "bytes": _folder_bytes(entry.weights)})  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
