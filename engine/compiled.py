@@ -44,9 +44,7 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -56,6 +54,7 @@ from typing import Any
 
 import torch
 
+from canvas_ls.engine.compile_child import CompilerProcess
 from canvas_ls.engine.loading import decoder_experts
 from canvas_ls.engine.paths import cache_dir, lowest_priority
 
@@ -86,10 +85,12 @@ class CompiledDecoder:
         self.uncovered_steps = 0  # precompiled: steps whose inputs no saved graph's guards accept (run eager)
         self.graphs: dict[str, str] = {}  # "1 row" / "rows" -> "loaded" | "compiled", as each comes to serve
         self.backend = backend
-        # The command of a process that compiles and saves the graphs the warm-up lacks (`Engine.warm_up` sets it:
-        # this model, dtype and backend): compiling in the engine's own process held up its requests for seconds
+        # The model folder and dtype of a process that compiles and saves the graphs the warm-up lacks
+        # (`Engine.warm_up` sets them): compiling in the engine's own process held up its requests for seconds
         # (dynamo's tracing beside them), a child at the lowest CPU priority does not. None: compile here.
-        self.compiler: list[str] | None = None
+        self.compiler: tuple[str, str] | None = None
+        # That process, when `canvas-ls engine` started it before loading the model (`compile_child.start_early`)
+        self.early: CompilerProcess | None = None
         self.child_error: str | None = None  # why the compiling process failed, when it did
         self.announce: Callable[[str], None] | None = None  # told each graph's rows as it serves
         self._fn: Callable[..., Any] | None = None
@@ -181,6 +182,9 @@ class CompiledDecoder:
     def warm_up(self, examples: Callable[[], Iterable[dict[str, Any]]], background: bool = True) -> None:
         """Compile on `examples()` (decoder inputs of the shapes to cover); in a thread unless `background` is False.
         Requests meanwhile run eager."""
+        if (not self.enabled or not self._ahead) and self.early is not None:  # started for a CPU compilation
+            self.early.stop()  # this engine does not do
+            self.early = None
         if not self.enabled:
             return
         if background:
@@ -193,8 +197,10 @@ class CompiledDecoder:
         try:
             if self._ahead:
                 saved = all(graph_path(self.model, rows, self.backend).exists() for rows in ROWS)
-                if self.compiler is not None and not saved:
-                    self._compile_elsewhere(started)
+                child = self._child(saved)
+                if child is not None:
+                    started = child.started  # the warm-up began with the child (earlier, when started early)
+                    self._compile_elsewhere(child, started)
                 with torch.inference_mode():  # the examples' tensors made as a step makes them (inference tensors)
                     pending = iter(examples())
                 while True:
@@ -228,23 +234,28 @@ class CompiledDecoder:
         if self.announce is not None:
             self.announce(rows)
 
-    def _compile_elsewhere(self, started: float) -> None:
-        """Run `compiler` (`python -m canvas_ls.engine.compiled`) and load each graph as it says it saved it. If it
-        fails, the warm-up compiles what is missing here (`compile: on`) or stays eager (`auto`), and says why."""
-        assert self.compiler is not None
-        with tempfile.TemporaryFile("w+") as errors:
-            child = subprocess.Popen([*self.compiler, "--backend", self.backend], stdout=subprocess.PIPE,
-                                     stderr=errors, stdin=subprocess.DEVNULL, text=True)  # fmt: skip
-            assert child.stdout is not None
-            for line in child.stdout:  # one JSON line per graph saved, as it is saved (the one-row graph first)
-                rows = _said_graph(line)
-                if rows in ROWS and rows not in self._precompiled:
-                    self._ready(rows, load_graph(graph_path(self.model, rows, self.backend)), "compiled", started)
-            if child.wait() != 0:
-                errors.seek(0)
-                last = [line for line in errors.read().splitlines() if line.strip()][-1:] or ["no output"]
-                self.child_error = f"the compiling process exited with status {child.returncode}: {last[0][:300]}"
-                log.warning("%s; %s", self.child_error, "compiling here" if self.compile_here else "staying eager")
+    def _child(self, saved: bool) -> CompilerProcess | None:
+        """The compiling process this warm-up reads: the one started early if it compiles for this engine, else a
+        new one for `compiler` when graphs are missing; None when every graph is saved (an early one is stopped)."""
+        early, self.early = self.early, None
+        if early is not None and (saved or self.compiler is None or not early.serves(*self.compiler, self.backend)):
+            early.stop()
+            early = None
+        if saved or early is not None or self.compiler is None:
+            return early
+        return CompilerProcess(*self.compiler, self.backend)
+
+    def _compile_elsewhere(self, child: CompilerProcess, started: float) -> None:
+        """Read the compiling process (`python -m canvas_ls.engine.compiled`) and load each graph as it says it saved
+        it. If it fails, the warm-up compiles what is missing here (`compile: on`) or stays eager (`auto`), and
+        says why."""
+        for line in child.lines():  # one JSON line per graph saved, as it is saved (the one-row graph first)
+            rows = _said_graph(line)
+            if rows in ROWS and rows not in self._precompiled:
+                self._ready(rows, load_graph(graph_path(self.model, rows, self.backend)), "compiled", started)
+        self.child_error = child.finish()
+        if self.child_error is not None:
+            log.warning("%s; %s", self.child_error, "compiling here" if self.compile_here else "staying eager")
 
     def _load_or_compile(self, inputs: dict[str, Any], rows: str) -> tuple[Any, str]:
         """The graph for these inputs' row count: loaded from the cache where an earlier start saved it, else

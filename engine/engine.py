@@ -9,7 +9,6 @@ the resident engine) use only this module's names; nothing outside `engine/` tou
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,6 +30,7 @@ from canvas_ls.engine.canvas import (
     StepView,
     encode_prefixes,
 )
+from canvas_ls.engine.compile_child import CompilerProcess
 from canvas_ls.engine.compiled import CompiledDecoder, keep_inductor_cache
 from canvas_ls.engine.confidence import model_display, sequence_score
 from canvas_ls.engine.loading import LoadedModel, load_model
@@ -129,6 +129,9 @@ class Engine:
     def __init__(self, loaded: LoadedModel, overrides: dict[str, Any] | None = None, prefix_cache_mb: int = 256,
                  compile: str = "off"):  # fmt: skip
         self.loaded = loaded
+        # The compiling process `canvas-ls engine` started before this engine loaded (`compile_child.start_early`):
+        # the warm-up reads it, or stops it where it is not needed.
+        self.early_compiler: CompilerProcess | None = None
         # The batched step's decoder forward (the resident engine's): eager, or compiled once `warm_up` is done.
         # Quantised weights run eager: their experts loop over the experts the tokens picked (`engine.quantize`),
         # which neither a whole-graph compilation nor CUDA graphs can hold.
@@ -251,8 +254,8 @@ class Engine:
             return found
 
         if elsewhere and self.decoder.enabled and self.loaded.folder is not None:  # the child loads the same folder
-            folder = str(self.loaded.folder)
-            self.decoder.compiler = [sys.executable, "-m", "canvas_ls.engine.compiled", folder, "--dtype", self.dtype]
+            self.decoder.compiler = (str(self.loaded.folder), self.dtype)
+        self.decoder.early, self.early_compiler = self.early_compiler, None
         self.decoder.warm_up(examples, background)
 
     def prepare(self, request: InfillRequest) -> Prepared:

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from canvas_ls.engine.errors import ModelLoadError
+from canvas_ls.engine.paths import DEFAULT_MODEL_DIR
 
-# The model a user gets when they name none: trained by `canvas-ls train`, shipped inside the package.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+__all__ = ["DEFAULT_MODEL_DIR", "LoadedModel", "load_model"]
 
 
 @dataclass

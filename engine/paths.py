@@ -7,6 +7,9 @@ import hashlib
 import os
 from pathlib import Path
 
+# The model a user gets when they name none: trained by `canvas-ls train`, shipped inside the package.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+
 
 def cache_dir() -> Path:
     """The user's cache folder for canvas-ls: training runs, benchmark reports, workspace models."""

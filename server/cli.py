@@ -471,7 +471,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from canvas_ls.engine.service import EngineService, ServeError, check_address, check_socket, default_socket, serve
+    from canvas_ls.engine.compile_child import start_early
 
     token = _token(args)
     host = port = None
@@ -480,15 +480,34 @@ def _engine(args: argparse.Namespace) -> int:
         if not host or not port_text.isdigit():
             raise CliError(f"--tcp wants HOST:PORT, got '{args.tcp}'")
         port = int(port_text)
-    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device, args.adapter, args.quantize))
-    try:  # before the model loads: a refusal is immediate
-        if socket is None:
-            check_address(host or "", token, args.allow_remote)
-        else:
-            check_socket(socket)
-    except ServeError as exc:
-        raise CliError(str(exc)) from exc
-    engine = _load_engine(args, prefix_cache_mb=args.prefix_cache_mb, compile=args.compile)
+    # On a new machine the CPU's compiled step comes from a child process: started before the engine's own imports
+    # (torch, transformers: seconds), which its own then overlap; the warm-up reads it, or stops it if not needed
+    early = start_early(args.model, args.device, args.dtype, args.compile, args.quantize)
+    try:
+        from canvas_ls.engine.service import (
+            EngineService,
+            ServeError,
+            check_address,
+            check_socket,
+            default_socket,
+            serve,
+        )
+
+        socket = None if args.tcp else (args.socket or default_socket(args.model, args.device, args.adapter,
+                                                                       args.quantize))  # fmt: skip
+        try:  # before the model loads: a refusal is immediate
+            if socket is None:
+                check_address(host or "", token, args.allow_remote)
+            else:
+                check_socket(socket)
+        except ServeError as exc:
+            raise CliError(str(exc)) from exc
+        engine = _load_engine(args, prefix_cache_mb=args.prefix_cache_mb, compile=args.compile)
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
+    engine.early_compiler = early
     service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
     where = f"{engine.name} on {engine.loaded.device} ({engine.dtype})"
     print(f"canvas-ls engine: {where}, listening on {socket or args.tcp}", file=sys.stderr, flush=True)

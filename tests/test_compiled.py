@@ -187,6 +187,38 @@ def test_a_graph_saved_by_one_start_serves_the_next_and_other_weights_of_the_arc
     assert report["eager_steps"] == answer.steps > 0
 
 
+def test_the_compiling_process_started_with_the_engine_serves_its_warm_up(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`canvas-ls engine` starts the compiling child before its own imports (`start_early`); the warm-up reads that
+    one instead of starting another, and stops it where the graphs are already saved."""
+    from canvas_ls.engine import compiled as compiled_module
+    from canvas_ls.engine.compile_child import CompilerProcess, start_early
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("CANVAS_LS_COMPILE")
+    for refused in (dict(compile="off"), dict(quantize="int8"), dict(device="cuda"), dict(model="org/hub-id")):
+        assert start_early(**{"model": str(tiny_model_dir), "device": "cpu", "dtype": "auto", "compile": "auto",
+                              "quantize": "auto", **refused}) is None, refused  # fmt: skip
+    monkeypatch.setenv("CANVAS_LS_COMPILE", "off")  # as the test suite runs: auto is off
+    assert start_early(str(tiny_model_dir), "cpu", "auto", "auto", "auto") is None
+
+    early = CompilerProcess(str(tiny_model_dir), "float32", "aot_eager")
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    engine.decoder = decoder = CompiledDecoder(engine.loaded.model, "on", backend="aot_eager")
+    engine.early_compiler = early
+    monkeypatch.setattr(compiled_module, "CompilerProcess", None)  # a second child would fail the warm-up
+    engine.warm_up(background=False)
+    assert decoder.report()["graphs"] == {"1 row": "compiled", "rows": "compiled"}, decoder.report()
+    assert decoder.report()["state"] == "ready" and decoder.ready_seconds["1 row"] > 0
+
+    late = CompilerProcess(str(tiny_model_dir), "float32", "aot_eager")  # the next start: graphs saved
+    engine.decoder = again = CompiledDecoder(engine.loaded.model, "on", backend="aot_eager")
+    engine.early_compiler = late
+    engine.warm_up(background=False)
+    assert again.report()["graphs"] == {"1 row": "loaded", "rows": "loaded"}
+    assert late._process.returncode is not None  # stopped, not left compiling
+
+
 def test_a_guard_check_serves_the_steps_of_one_batch_and_is_asked_again_when_the_batch_changes(
         tiny_model_dir: Path) -> None:  # fmt: skip
     """Checking a saved graph's guards walks every input tensor (~0.6 ms a step on 2 cores): the answer is kept
