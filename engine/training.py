@@ -763,6 +763,13 @@ def run(
 
     quiet_libraries()
     spec = PRESETS[preset]
+    cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
+    if cfg.quantize not in ("none", "int8", "int4"):
+        raise TrainingError(f"unknown base quantisation '{cfg.quantize}' (use none, int8 or int4)")
+    quantized = cfg.quantize != "none"
+    if quantized and not (start_from and cfg.lora_rank and not cfg.lora_experts):
+        raise TrainingError("a quantised base (--quantize) trains a LoRA adapter (--lora RANK, without "
+                            "--lora-experts) of a model given with --from")  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus_path = out_dir / "corpus.jsonl.gz"
 
@@ -819,17 +826,10 @@ def run(
         report["train_tokens"] = sum(len(ids) for ids in own)
         (out_dir / "repository_report.json").write_text(json.dumps(report, indent=2))
 
-    cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
     problem = plan.check(run_plan(cfg, start_from, preset, len(tokenizer)), resolve_device(cfg.device))
     if problem is not None:  # refused before any weight is loaded
         raise TrainingError(problem)
     torch.manual_seed(0)
-    if cfg.quantize not in ("none", "int8", "int4"):
-        raise TrainingError(f"unknown base quantisation '{cfg.quantize}' (use none, int8 or int4)")
-    quantized = cfg.quantize != "none"
-    if quantized and not (start_from and cfg.lora_rank and not cfg.lora_experts):
-        raise TrainingError("a quantised base (--quantize) trains a LoRA adapter (--lora RANK, without "
-                            "--lora-experts) of a model given with --from")  # fmt: skip
     if start_from:
         from transformers import DiffusionGemmaForBlockDiffusion
 
