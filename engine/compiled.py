@@ -249,10 +249,14 @@ class CompiledDecoder:
         """Read the compiling process (`python -m canvas_ls.engine.compiled`) and load each graph as it says it saved
         it. If it fails, the warm-up compiles what is missing here (`compile: on`) or stays eager (`auto`), and
         says why."""
-        for line in child.lines():  # one JSON line per graph saved, as it is saved (the one-row graph first)
-            rows = _said_graph(line)
-            if rows in ROWS and rows not in self._precompiled:
-                self._ready(rows, load_graph(graph_path(self.model, rows, self.backend)), "compiled", started)
+        try:
+            for line in child.lines():  # one JSON line per graph saved, as it is saved (the one-row graph first)
+                rows = _said_graph(line)
+                if rows in ROWS and rows not in self._precompiled:
+                    self._ready(rows, load_graph(graph_path(self.model, rows, self.backend)), "compiled", started)
+        except BaseException:  # a graph that does not load here: the warm-up fails, and the child goes with it
+            child.stop()
+            raise
         self.child_error = child.finish()
         if self.child_error is not None:
             log.warning("%s; %s", self.child_error, "compiling here" if self.compile_here else "staying eager")
