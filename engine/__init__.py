@@ -13,8 +13,12 @@ import logging
 from importlib import import_module
 from typing import Any
 
-# transformers imports torchao (the `quantize` extra) wherever it is installed, and torchao warns then about CUDA
-# extensions a CPU-only torch cannot load and about a deprecated torch call: nothing a user can act on.
+from canvas_ls.engine import lazy_torchao
+
+# transformers would import torchao (the `quantize` extra) in every process where it is installed: only where
+# quantised weights are asked for (`lazy_torchao`). torchao warns at import about CUDA extensions a CPU-only torch
+# cannot load and about a deprecated torch call: nothing a user can act on.
+lazy_torchao.install()
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 

@@ -119,6 +119,9 @@ def weight_bytes(counts: dict[str, int], kind: str) -> int:
 
 def torchao_config(kind: str) -> Any:
     """transformers' quantization_config for `kind` ("int8" or "int4")."""
+    from canvas_ls.engine.lazy_torchao import want_torchao
+
+    want_torchao()
     try:
         from torchao.quantization import FqnToConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
     except ImportError as exc:

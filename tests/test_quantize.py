@@ -195,3 +195,17 @@ def test_workspace_adapters_switch_per_request_on_int8(tiny_model_dir: Path, lin
     assert adapted[0] != base and adapted[1] != base and adapted[0] != adapted[1]
     assert engine.infill(*prompt, {"seed": 1}).tokens == base
     assert engine.infill(*prompt, {"seed": 1}, adapter=str(linear_adapters[0])).tokens == adapted[0]
+
+
+def test_torchao_is_imported_only_where_quantised_weights_are_asked_for(tiny_model_dir: Path) -> None:
+    """transformers would import torchao in every process where it is installed (+0.3 s a start, and a CPU engine
+    measured ~3% slower with it): a process that loads unquantised weights never imports it, one that asks for int8
+    does."""
+    import subprocess
+
+    code = ("import sys; from canvas_ls.engine import Engine; Engine.load(sys.argv[1], 'cpu'); "
+            "print('torchao' in sys.modules); Engine.load(sys.argv[1], 'cpu', quantize='int8'); "
+            "print('torchao' in sys.modules)")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "True"]
