@@ -176,11 +176,11 @@ def run_step_bench(
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = model.config.text_config.vocab_size
-    from canvas_ls.engine.quantize import is_quantized, weights_bytes
+    from canvas_ls.engine.quantize import held_bytes, is_quantized
 
     report: dict[str, Any] = {
         "model": name,
-        "weights_gib": round(weights_bytes(model) / 2**30, 3),
+        "weights_gib": round(held_bytes(model) / 2**30, 3),
         "quantized": is_quantized(model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),

@@ -22,6 +22,20 @@ from pathlib import Path
 
 from canvas_ls.engine.paths import DEFAULT_MODEL_DIR
 
+MODES = ("auto", "on", "off")
+
+
+def compile_mode(mode: str) -> str:
+    """The compiled step's mode: `mode` itself, or for "auto" what `CANVAS_LS_COMPILE` says (the test suite sets it
+    off); a ValueError naming the choices for any other value."""
+    if mode not in MODES:
+        raise ValueError(f"compile must be one of {', '.join(MODES)}, got '{mode}'")
+    if mode == "auto":
+        mode = os.environ.get("CANVAS_LS_COMPILE") or "auto"
+        if mode not in MODES:
+            raise ValueError(f"CANVAS_LS_COMPILE must be one of {', '.join(MODES)}, got '{mode}'")
+    return mode
+
 
 class CompilerProcess:
     """A running compiling child: its graph lines as they come, then how it ended."""
@@ -67,9 +81,7 @@ def start_early(model: str | None, device: str | None, dtype: str, compile: str,
     now; None where the engine will not want it: compile off, a hub id (the child loads a folder), explicitly
     quantised weights (eager), a GPU asked for or, under "auto", an NVIDIA driver present."""
     folder = DEFAULT_MODEL_DIR if model is None else Path(model).expanduser()
-    if compile == "auto":
-        compile = os.environ.get("CANVAS_LS_COMPILE") or "auto"  # as `CompiledDecoder` reads it
-    if compile == "off" or quantize not in ("auto", "none") or not (folder / "config.json").is_file():
+    if compile_mode(compile) == "off" or quantize not in ("auto", "none") or not (folder / "config.json").is_file():
         return None
     if device not in (None, "", "auto", "cpu") or (device != "cpu" and os.path.exists("/proc/driver/nvidia/version")):
         return None

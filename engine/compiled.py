@@ -54,30 +54,31 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.compile_child import CompilerProcess
+from canvas_ls.engine.compile_child import CompilerProcess, compile_mode
 from canvas_ls.engine.loading import decoder_experts
 from canvas_ls.engine.paths import cache_dir, lowest_priority
 
 log = logging.getLogger("canvas-ls.compiled")
-MODES = ("auto", "on", "off")
 
 
 class CompiledDecoder:
     def __init__(self, model: Any, mode: str = "auto", backend: str = "inductor"):
-        if mode not in MODES:
-            raise ValueError(f"compile must be one of {', '.join(MODES)}, got '{mode}'")
+        from canvas_ls.engine.quantize import quantized_kind
+
         self.model = model
         device = next(model.parameters()).device
-        if mode == "auto":
-            mode = os.environ.get("CANVAS_LS_COMPILE") or "auto"
-            if mode not in MODES:
-                raise ValueError(f"CANVAS_LS_COMPILE must be one of {', '.join(MODES)}, got '{mode}'")
-        self.enabled = mode != "off"
+        # Quantised weights run eager: their experts loop over the experts the tokens picked (`engine.quantize`),
+        # which neither a whole-graph compilation nor CUDA graphs can hold (said whenever compile was not asked off)
+        quantized = quantized_kind(model) if mode != "off" else "none"
+        mode = compile_mode(mode)
+        self.enabled = mode != "off" and quantized == "none"
         # On the CPU, whether the engine may compile in its own process where the child cannot ("on" only: under
         # "auto" a machine that cannot compile stays eager rather than trace the model beside the user's requests).
         self.compile_here = mode == "on"
         self.state = "warming" if self.enabled else "off"  # warming -> ready | failed
         self.detail = "" if self.enabled else f"compile={mode} on {device.type}"
+        if quantized != "none":
+            self.detail = f"off: {quantized} weights run eager"
         self.warmup_seconds: float | None = None
         self.ready_seconds: dict[str, float] = {}  # "1 row" / "rows": seconds from the warm-up's start to its graph
         self.steps = {"compiled": 0, "eager": 0}

@@ -133,11 +133,7 @@ class Engine:
         # the warm-up reads it, or stops it where it is not needed.
         self.early_compiler: CompilerProcess | None = None
         # The batched step's decoder forward (the resident engine's): eager, or compiled once `warm_up` is done.
-        # Quantised weights run eager: their experts loop over the experts the tokens picked (`engine.quantize`),
-        # which neither a whole-graph compilation nor CUDA graphs can hold.
-        self.decoder = CompiledDecoder(loaded.model, "off" if loaded.quantized != "none" else compile)
-        if loaded.quantized != "none" and compile != "off":
-            self.decoder.detail = f"off: {loaded.quantized} weights run eager"
+        self.decoder = CompiledDecoder(loaded.model, compile)
         # Encoder KV of recent prefixes: a keystroke re-encodes only the tail. 0 turns it off.
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         # LoRA adapters that requests name, held apart from the weights; each has its own prefix cache (its KV).

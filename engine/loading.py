@@ -90,7 +90,6 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     from canvas_ls.engine import quantize as quantization
 
     quiet_libraries()
-    quantization.check_choice(quantize)
     target = resolve_device(device)
     weights_dtype = resolve_dtype(dtype, target)
     if target.type == "cpu":

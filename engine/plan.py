@@ -63,7 +63,7 @@ def training_plan(config: Any, batch_size: int, prefix_tokens: int, canvas_token
         covered = model_weight_counts(model)["quantized"] if lora_rank and quantize != "none" else 0
         trainable = trainable_parameters(add_lora(model, lora_rank, lora_experts)) if lora_rank else total
     base_bytes = 2 if (lora_rank and bf16) else 4
-    frozen = (total - trainable - covered) * base_bytes + covered * WEIGHT_BYTES.get(quantize, 2)
+    frozen = (total - trainable - covered) * base_bytes + covered * WEIGHT_BYTES[quantize]
     weights = frozen + trainable * 4 if lora_rank else total * 4
     text = config.get_text_config()
     tokens = batch_size * (prefix_tokens + canvas_tokens)

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from canvas_ls.engine.errors import ModelLoadError
+from canvas_ls.engine.settings import QUANTIZE_CHOICES
 
 log = logging.getLogger("canvas-ls.quantize")
-QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
 # Bytes per weight of each kind, scales included (int8: one bf16 scale per row; int4: a bf16 scale and zero point
 # per 128 weights).
 WEIGHT_BYTES = {"none": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
@@ -61,13 +61,8 @@ def resolve(kind: str | None, config: Any, device: torch.device) -> str:
     """The quantisation a model of `config` gets on `device`: `kind` itself unless "auto" (see the module's
     docstring), with an error a user can act on for one this device cannot run."""
     kind = check_choice(kind)
-    if kind == "int4" and not int4_capable(device):
-        raise ModelLoadError(
-            "int4 weights run on NVIDIA GPUs of compute capability 8.0 or more (torchao's tinygemm kernel); "
-            "use --quantize int8 here"
-        )
     if kind != "auto":
-        return kind
+        return check_runs_here(kind, device)
     if device.type != "cuda":
         return "none"
     if importlib.util.find_spec("torchao") is None:  # without the extra, accelerate places what does not fit
@@ -83,6 +78,16 @@ def resolve(kind: str | None, config: Any, device: torch.device) -> str:
             return choice
     # Nothing fits: load int4 (or int8) anyway, accelerate places what does not fit in the CPU's memory.
     return "int4" if int4_capable(device) else "int8"
+
+
+def check_runs_here(kind: str, device: torch.device) -> str:
+    """`kind` ("none", "int8", "int4"), or a ModelLoadError with the way out where this device cannot run it."""
+    if kind == "int4" and not int4_capable(device):
+        raise ModelLoadError(
+            "int4 weights run on NVIDIA GPUs of compute capability 8.0 or more (torchao's tinygemm kernel); "
+            "use --quantize int8 here"
+        )
+    return kind
 
 
 def int4_capable(device: torch.device) -> bool:
@@ -162,7 +167,7 @@ def quantize_model(model: Any, kind: str) -> Any:
     return model
 
 
-def weights_bytes(model: Any) -> int:
+def held_bytes(model: Any) -> int:
     """Bytes the model's parameters hold, quantised ones by their parts (torchao's int data, scales, zero points);
     each shared parameter once."""
     seen: set[int] = set()
@@ -179,10 +184,15 @@ def weights_bytes(model: Any) -> int:
     return total
 
 
+def quantized_kind(model: Any) -> str:
+    """The kind of weights the model's layers hold: "int8" or "int4" (torchao's tensors), else "none"."""
+    name = type(model.model.decoder.layers[0].experts.gate_up_proj).__name__
+    return "int8" if name.startswith("Int8") else "int4" if name.startswith("Int4") else "none"
+
+
 def is_quantized(model: Any) -> bool:
-    """Whether the model's decoder carries torchao's quantised weights."""
-    weight = model.model.decoder.layers[0].experts.gate_up_proj
-    return type(weight) not in (torch.Tensor, torch.nn.Parameter)
+    """Whether the model's layers carry torchao's quantised weights."""
+    return quantized_kind(model) != "none"
 
 
 @torch.inference_mode(False)

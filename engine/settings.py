@@ -23,6 +23,8 @@ LAYOUTS: tuple[str, ...] = ("canvas", "prompt")
 
 # The file, inside a model folder, that holds the settings measured for that model.
 MODEL_SETTINGS_FILE = "canvas_ls.json"
+# How a model's layers' weights load (`engine.quantize`; `--quantize`): here, without torch, for the command line.
+QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
 
 
 class SettingsError(ValueError):

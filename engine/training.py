@@ -764,7 +764,9 @@ def run(
     quiet_libraries()
     spec = PRESETS[preset]
     cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
-    if cfg.quantize not in ("none", "int8", "int4"):
+    from canvas_ls.engine.quantize import WEIGHT_BYTES
+
+    if cfg.quantize not in WEIGHT_BYTES:  # none, int8, int4 (`auto` is the engine's, by free memory)
         raise TrainingError(f"unknown base quantisation '{cfg.quantize}' (use none, int8 or int4)")
     quantized = cfg.quantize != "none"
     if quantized and not (start_from and cfg.lora_rank and not cfg.lora_experts):
@@ -839,10 +841,10 @@ def run(
         if quantized:  # int8 / int4 while the checkpoint loads, on the device (int4's packing runs on the GPU)
             from canvas_ls.engine import quantize
 
-            quantize.resolve(cfg.quantize, None, resolve_device(cfg.device))  # refuses what cannot run here
-            loading["quantization_config"] = quantize.torchao_config(cfg.quantize)
-            if resolve_device(cfg.device).type == "cuda":
-                loading["device_map"] = {"": resolve_device(cfg.device).index or 0}
+            device = resolve_device(cfg.device)
+            loading["quantization_config"] = quantize.torchao_config(quantize.check_runs_here(cfg.quantize, device))
+            if device.type == "cuda":
+                loading["device_map"] = {"": device.index or 0}
         model = DiffusionGemmaForBlockDiffusion.from_pretrained(start_from, **loading)
         if quantized:
             quantize.use_quantized_experts(model)

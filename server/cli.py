@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from canvas_ls.engine.paths import cache_dir, lowest_priority
+from canvas_ls.engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from canvas_ls.engine.workspaces import RECIPES as RECIPE_NAMES
 from canvas_ls.server.positions import PositionError, offset_at
 
@@ -109,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lora", type=int, metavar="RANK", help="train a LoRA adapter of this rank (peft) instead "
                        "of every weight; exports OUT/adapter and OUT/model (merged)")  # fmt: skip
     train.add_argument("--lora-experts", action="store_true", help="the adapter also adapts the MoE expert weights")
-    train.add_argument("--quantize", choices=("none", "int8", "int4"),
+    train.add_argument("--quantize", choices=QUANTIZE[1:],
                        help="with --lora: the frozen base's layers in int8 or int4 (QLoRA-style: DiffusionGemma's "
                        "LoRA on a 24/48 GB card; int4 on NVIDIA GPUs of compute capability 8.0+); the adapter alone "
                        "is exported, to load with --adapter (default: none; with --workspace, what fits)")  # fmt: skip
@@ -283,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--compile-canvases", help="compile only at these canvas sizes (default: all; each size and "
                                                  "row count is one compilation)")  # fmt: skip
     step.add_argument("--runs", type=int, default=10, help="timed calls per figure (median)")
-    step.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+    step.add_argument("--quantize", choices=QUANTIZE[1:], default="none",
                       help="the layers' weights (engine.quantize; quantised weights run eager)")  # fmt: skip
     step.add_argument("--out", type=Path, help="JSON report path")
 
@@ -325,7 +326,7 @@ def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> No
         parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: bf16 on GPUs and on CPUs with native bf16, else fp32")  # fmt: skip
-    parser.add_argument("--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
+    parser.add_argument("--quantize", choices=QUANTIZE, default="auto",
                         help="the layers' weights (torchao): auto picks none, int8 or int4 to fit a GPU's free "
                         "memory (none on a CPU); int4 needs an NVIDIA GPU of compute capability 8.0+")  # fmt: skip
 
@@ -602,7 +603,7 @@ def _fitting_base(args: argparse.Namespace) -> str:
     from canvas_ls.engine.plan import check
     from canvas_ls.engine.quantize import int4_capable
 
-    cfg = replace(_plan_config(args), lora_rank=_plan_config(args).lora_rank or 16)
+    cfg = _lora_plan_config(_plan_config(args))
     device = resolve_device(cfg.device)
     for kind in ("none", "int8", "int4") if int4_capable(device) else ("none", "int8"):
         if check(_run_plan(replace(cfg, quantize=kind), args), device) is None:
@@ -740,6 +741,11 @@ def _plan_config(args: argparse.Namespace) -> Any:
     return TrainConfig(**{**PRESETS[args.preset]["train"], **_recipe_settings(args, _recipe_name(args))[0]})
 
 
+def _lora_plan_config(cfg: Any) -> Any:
+    """`cfg` as a LoRA run: its own rank, or 16."""
+    return replace(cfg, lora_rank=cfg.lora_rank or 16)
+
+
 def _run_plan(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     from canvas_ls.engine.training import PRESETS, run_plan
 
@@ -752,7 +758,7 @@ def _train_plan(args: argparse.Namespace) -> int:
     from canvas_ls.engine.plan import GIB, available_bytes, format_plan
 
     base = _plan_config(args)
-    lora = replace(base, lora_rank=base.lora_rank or 16)
+    lora = _lora_plan_config(base)
     plans = [_run_plan(replace(base, lora_rank=0), args), _run_plan(replace(lora, quantize="none"), args)]
     if not lora.lora_experts:  # quantised bases take adapters of the attention and dense MLP
         plans += [_run_plan(replace(lora, quantize=kind), args) for kind in ("int8", "int4")]

@@ -171,13 +171,13 @@ def test_quantising_a_model_in_memory_matches_quantising_it_while_it_loads() -> 
     """`quantize_model` (what `bench step --quantize` runs on random full-width layers) makes the weights loading
     makes, and keeps the decoder's weights shared with the encoder (the shipped model shares them): the same bytes,
     the same logits."""
-    from canvas_ls.engine.quantize import quantize_model, weights_bytes
+    from canvas_ls.engine.quantize import held_bytes, quantize_model
 
     loaded = load_model(None, "cpu", "float32", quantize="int8").model
     built = quantize_model(load_model(None, "cpu", "float32", quantize="none").model, "int8")
     layer, encoder_layer = built.model.decoder.layers[1], built.model.encoder.language_model.layers[1]
     assert layer.experts.down_proj is encoder_layer.experts.down_proj and is_quantized(built)
-    assert weights_bytes(built) == weights_bytes(loaded) < 0.7 * weights_bytes(load_model(None, "cpu", "float32").model)
+    assert held_bytes(built) == held_bytes(loaded) < 0.7 * held_bytes(load_model(None, "cpu", "float32").model)
     ids = torch.tensor([[5, 17, 40, 22, 9, 31]])
     with torch.no_grad():
         torch.testing.assert_close(built(input_ids=ids, decoder_input_ids=ids).logits,
