@@ -10,8 +10,8 @@ it measures, in one run:
     GPU), with the compiled logits compared to the eager ones;
   - FLOPs per step counted by torch's FlopCounterMode (not estimated), hence GFLOP/s and the share of the peak;
   - a torch.profiler table of one eager configuration: the ops a step spends its time in;
-  - with `--quantize int8|int4` the same on quantised weights (`engine.quantize`; eager: the engine does not compile
-    them), and the bytes the weights hold (for DiffusionGemma: which card it fits).
+  - with `--quantize int8|int4` the same on quantised weights (`engine.quantize`; compiled only where the experts run
+    the int8 kernel, a GPU's int8), and the bytes the weights hold (for DiffusionGemma: which card it fits).
 Figures, never pass/fail; the JSON holds every number the table prints.
 """
 
@@ -287,9 +287,9 @@ def run(model_name: str | None, layers: int, device: str | None, dtype: str | No
         quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """`bench step` for a model folder or hub id (None: the shipped one) or, with model_name "full-width", for
     DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30); its layers' weights quantised as
-    `quantize` says (then eager only)."""
+    `quantize` says (eager only unless their experts run the int8 kernel: `quantize.compiles`)."""
     from canvas_ls.engine.loading import load_model, resolve_device, resolve_dtype
-    from canvas_ls.engine.quantize import quantize_model, resolve
+    from canvas_ls.engine.quantize import compiles, quantize_model, resolve
 
     if model_name == "full-width":
         target = resolve_device(device)
@@ -301,8 +301,10 @@ def run(model_name: str | None, layers: int, device: str | None, dtype: str | No
         loaded = load_model(model_name, device, dtype, quantize=quantize)
         model, name = loaded.model, loaded.name
     if quantize != "none":
-        name += f", {quantize} weights"
-        compile_canvases = ()
+        experts = model.model.decoder.layers[0].experts.config._experts_implementation
+        name += f", {quantize} weights, experts {experts}"
+        if not compiles(model):  # the experts loop over what the tokens picked: no one graph
+            compile_canvases = ()
     default_prefix = 4096 if next(model.parameters()).device.type == "cuda" else 1024
     return run_step_bench(
         model, name, prefix_tokens or default_prefix, canvases, rows, compile_canvases, runs, progress, checkpoint

@@ -63,13 +63,14 @@ log = logging.getLogger("canvas-ls.compiled")
 
 class CompiledDecoder:
     def __init__(self, model: Any, mode: str = "auto", backend: str = "inductor"):
-        from canvas_ls.engine.quantize import quantized_kind
+        from canvas_ls.engine.quantize import compiles, quantized_kind
 
         self.model = model
         device = next(model.parameters()).device
-        # Quantised weights run eager: their experts loop over the experts the tokens picked (`engine.quantize`),
-        # which neither a whole-graph compilation nor CUDA graphs can hold (said whenever compile was not asked off)
-        quantized = quantized_kind(model) if mode != "off" else "none"
+        # Quantised weights run eager unless their experts run the int8 kernel (a GPU's int8): the other expert
+        # implementations loop over the experts the tokens picked (`engine.quantize`), which neither a whole-graph
+        # compilation nor CUDA graphs can hold (said whenever compile was not asked off)
+        quantized = quantized_kind(model) if mode != "off" and not compiles(model) else "none"
         mode = compile_mode(mode)
         self.enabled = mode != "off" and quantized == "none"
         # On the CPU, whether the engine may compile in its own process where the child cannot ("on" only: under

@@ -12,11 +12,15 @@ What is quantised: the attention and dense MLP projections and the MoE experts' 
 DiffusionGemma's parameters). The embeddings (tied to the LM head), the routers and the
 norms stay as they are. transformers' expert implementations multiply the fused 3D weights in one grouped or
 batched matmul, which torchao's quantised tensors do not implement. A quantised model's experts therefore run one of
-two implementations of our own:
-  - on a GPU, with weights torchao can dequantize (int8), `dequantized_experts`: each layer's experts dequantized
-    to bf16 as the layer runs (one layer's at a time: 1.6 GiB for DiffusionGemma), then transformers' grouped
-    matmul; a few kernels a layer, where a loop over 128 experts would make ~8,000 small quantised matmul calls a
-    step (one took 43 us on this project's CPU against 28 for a plain one: ~0.3 s a step in calls alone);
+three implementations of our own:
+  - on a GPU with int8 weights, `experts_kernel`: a Triton grouped matmul that reads the int8 experts once and
+    scales its accumulator (no host synchronisation, so such a model compiles whole, CUDA graphs included:
+    `compiles`);
+  - on a GPU with other weights torchao can dequantize (or where triton is missing), `dequantized_experts`: each
+    layer's experts dequantized to bf16 as the layer runs (one layer's at a time: 1.6 GiB for DiffusionGemma), then
+    transformers' grouped matmul; a few kernels a layer, where a loop over 128 experts would make ~8,000 small
+    quantised matmul calls a step (one took 43 us on this project's CPU against 28 for a plain one: ~0.3 s a step
+    in calls alone);
   - elsewhere (the CPU; int4, whose tinygemm layout has no dequantize), `quantized_experts`: one matmul per expert
     the tokens picked, on per-expert views of the quantised weights.
 """
@@ -190,6 +194,17 @@ def quantized_kind(model: Any) -> str:
     return "int8" if name.startswith("Int8") else "int4" if name.startswith("Int4") else "none"
 
 
+def compiles(model: Any) -> bool:
+    """Whether the model's forward can be compiled whole (one graph, CUDA graphs on a GPU): float weights, or int8
+    ones whose experts run `experts_kernel` (a custom op with no host synchronisation); the other quantised experts
+    loop in Python over the experts the tokens picked."""
+    if not is_quantized(model):
+        return True
+    from canvas_ls.engine.experts_kernel import kernel_experts
+
+    return model.model.decoder.layers[0].experts.config._experts_implementation == kernel_experts()
+
+
 def is_quantized(model: Any) -> bool:
     """Whether the model's layers carry torchao's quantised weights."""
     return quantized_kind(model) != "none"
@@ -197,18 +212,26 @@ def is_quantized(model: Any) -> bool:
 
 @torch.inference_mode(False)
 @torch.no_grad()
-def use_quantized_experts(model: Any, grouped: bool | None = None) -> None:
-    """Run every MoE layer's experts through `dequantized_experts` (`grouped`; None: on a GPU, where the weights can
-    be dequantized) or `quantized_experts`, the latter on per-expert views of the quantised weights made here, once:
-    outside inference mode, where torchao's quantised tensors can be indexed (they keep autograd's aliasing
-    records, which inference tensors refuse)."""
+def use_quantized_experts(model: Any, grouped: bool | None = None, kernel: bool | None = None) -> None:
+    """Run every MoE layer's experts through `experts_kernel` (`kernel`; None: on a GPU, with int8 weights it reads),
+    `dequantized_experts` (`grouped`; None: on a GPU, where the weights can be dequantized) or `quantized_experts`,
+    the latter on per-expert views of the quantised weights made here, once: outside inference mode, where
+    torchao's quantised tensors can be indexed (they keep autograd's aliasing records, which inference tensors
+    refuse)."""
     import copy
 
-    weight = model.model.decoder.layers[0].experts.gate_up_proj
+    from canvas_ls.engine import experts_kernel
+
+    experts = model.model.decoder.layers[0].experts
+    if kernel is None:
+        kernel = experts.gate_up_proj.device.type == "cuda" and experts_kernel.use_kernel(experts)
     if grouped is None:
-        grouped = weight.device.type == "cuda" and hasattr(weight, "dequantize")
+        grouped = experts.gate_up_proj.device.type == "cuda" and hasattr(experts.gate_up_proj, "dequantize")
     text = copy.copy(model.config.get_text_config())
-    text._experts_implementation = dequantized_experts() if grouped else quantized_experts()
+    if kernel:
+        text._experts_implementation, grouped = experts_kernel.kernel_experts(), True
+    else:
+        text._experts_implementation = dequantized_experts() if grouped else quantized_experts()
     for layers in (model.model.decoder.layers, model.model.encoder.language_model.layers):
         for layer in layers:
             experts = layer.experts

@@ -44,9 +44,10 @@ def test_int8_quantises_the_layers_and_experts_and_keeps_the_answers(fixed_model
 
 
 def test_the_quantised_experts_compute_what_transformers_computes(tiny_model_dir: Path) -> None:
-    """Both implementations for quantised experts against transformers' grouped one on the same int8 weights
-    (dequantized into a float model): the per-expert loop (CPU, int4) and the dequantize-then-grouped one (a GPU's
-    int8): same routing, same sums."""
+    """The implementations for quantised experts against transformers' grouped one on the same int8 weights
+    (dequantized into a float model): the per-expert loop (CPU, int4), the dequantize-then-grouped one and the Triton
+    kernel (a GPU's int8): same routing, same sums."""
+    from canvas_ls.engine.experts_kernel import kernel_experts
     from canvas_ls.engine.quantize import dequantized_experts, use_quantized_experts
 
     quantized = load_model(str(tiny_model_dir), "cpu", "float32", quantize="int8").model
@@ -63,8 +64,12 @@ def test_the_quantised_experts_compute_what_transformers_computes(tiny_model_dir
         expected = dense(hidden, picks, weights)
         assert experts.config._experts_implementation == quantized_experts()  # the CPU's
         torch.testing.assert_close(experts(hidden, picks, weights), expected, rtol=1e-5, atol=1e-5)
-        use_quantized_experts(quantized, grouped=True)
+        use_quantized_experts(quantized, grouped=True, kernel=False)
         assert experts.config._experts_implementation == dequantized_experts()
+        torch.testing.assert_close(experts(hidden, picks, weights), expected, rtol=1e-5, atol=1e-5)
+        # A GPU's int8 path: the Triton kernel (here in its interpreter), the weights read as int8 and scaled after
+        use_quantized_experts(quantized, kernel=True)
+        assert experts.config._experts_implementation == kernel_experts()
         torch.testing.assert_close(experts(hidden, picks, weights), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -209,3 +214,53 @@ def test_torchao_is_imported_only_where_quantised_weights_are_asked_for(tiny_mod
     run = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_int8_kernel_covers_ragged_experts_rows_and_widths(dtype: torch.dtype) -> None:
+    """The Triton grouped matmul (its interpreter here) on shapes no tile divides: 3 experts holding 0, 5 and 37 rows
+    (several row tiles), 40 outputs, 100 inputs, rows gathered out of order, and its gradient; in half precision too
+    (the interpreter computes through numpy, which has float16 but no bfloat16: a GPU's bf16 runs the same code)."""
+    from canvas_ls.engine.experts_kernel import grouped_int8_linear
+
+    generator = torch.Generator().manual_seed(0)
+    qdata = torch.randint(-127, 128, (3, 40, 100), dtype=torch.int8, generator=generator)
+    scale = torch.rand(3, 40, generator=generator) / 100
+    a = torch.randn(9, 100, generator=generator).to(dtype)
+    counts = torch.tensor([0, 5, 37], dtype=torch.int32)
+    starts = torch.tensor([0, 0, 5], dtype=torch.int32)
+    rows = torch.randint(0, 9, (42,), dtype=torch.int32, generator=generator)
+    a.requires_grad_(True)
+    out = grouped_int8_linear(a, rows, qdata, scale.to(dtype), starts, counts, 14)
+    experts = torch.repeat_interleave(torch.arange(3), counts.long())
+    reference = a.detach().float().requires_grad_(True)
+    expected = torch.einsum("sk,snk->sn", reference[rows.long()], qdata[experts].float()) * scale[experts]
+    assert out.dtype == dtype and out.shape == (42, 40)
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    # LoRA on an int8 base trains through the experts: the gradient reaches the activations (the weights are frozen)
+    grad = torch.randn(42, 40, generator=generator)
+    out.backward(grad.to(dtype))
+    expected.backward(grad)
+    torch.testing.assert_close(a.grad.float(), reference.grad, rtol=tolerance, atol=tolerance * 10)
+
+
+def test_int8_experts_in_the_kernel_trace_into_one_graph_and_let_the_model_compile(tiny_model_dir: Path) -> None:
+    """The kernel is a custom op without host synchronisation: dynamo captures a quantised experts layer whole
+    (fullgraph, token counts dynamic) and its answers are eager's; so a model whose experts run it compiles
+    (`quantize.compiles`: CUDA graphs on a GPU), while the per-expert loop keeps a quantised model eager."""
+    from canvas_ls.engine.quantize import compiles, use_quantized_experts
+
+    model = load_model(str(tiny_model_dir), "cpu", "float32", quantize="int8").model
+    assert not compiles(model)  # the CPU's per-expert loop
+    use_quantized_experts(model, kernel=True)
+    assert compiles(model)
+    experts = model.model.decoder.layers[0].experts
+    traced = torch.compile(experts, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for tokens in (23, 31):
+            hidden = torch.randn(tokens, experts.hidden_dim)
+            picks = torch.stack([torch.randperm(experts.num_experts)[:2] for _ in range(tokens)])
+            weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
+            torch.testing.assert_close(traced(hidden, picks, weights), experts(hidden, picks, weights))
