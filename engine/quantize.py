@@ -3,8 +3,9 @@
 
     none   the weights as the checkpoint has them (bf16 on a GPU)
     int8   int8 weights, a scale per output row (torchao's `Int8WeightOnlyConfig`); CPU and GPU
-    int4   int4 weights, a bf16 scale and zero point per 128 inputs (torchao's tinygemm layout); NVIDIA GPUs of
-           compute capability 8.0 or more
+    int4   int4 weights, a bf16 scale and zero point per 128 inputs (torchao's tinygemm layout; the experts'
+           fused weights in `int4_experts`' layout, which `experts_kernel` reads); NVIDIA GPUs of compute
+           capability 8.0 or more
     auto   on a GPU, the first of none / int8 / int4 whose weights leave room (`HEADROOM`) in the memory it has
            free; on a CPU, none (the shipped model is small, and int8 there computes no faster)
 
@@ -13,16 +14,15 @@ DiffusionGemma's parameters). The embeddings (tied to the LM head), the routers 
 norms stay as they are. transformers' expert implementations multiply the fused 3D weights in one grouped or
 batched matmul, which torchao's quantised tensors do not implement. A quantised model's experts therefore run one of
 three implementations of our own:
-  - on a GPU with int8 weights, `experts_kernel`: a Triton grouped matmul that reads the int8 experts once and
-    scales its accumulator (no host synchronisation, so such a model compiles whole, CUDA graphs included:
-    `compiles`);
-  - on a GPU with other weights torchao can dequantize (or where triton is missing), `dequantized_experts`: each
+  - on a GPU, `experts_kernel`: a Triton grouped matmul that reads the int8 or int4 experts once and dequantizes
+    them in registers (no host synchronisation, so such a model compiles whole, CUDA graphs included: `compiles`);
+  - on a GPU where triton is missing, `dequantized_experts`: each
     layer's experts dequantized to bf16 as the layer runs (one layer's at a time: 1.6 GiB for DiffusionGemma), then
     transformers' grouped matmul; a few kernels a layer, where a loop over 128 experts would make ~8,000 small
     quantised matmul calls a step (one took 43 us on this project's CPU against 28 for a plain one: ~0.3 s a step
     in calls alone);
-  - elsewhere (the CPU; int4, whose tinygemm layout has no dequantize), `quantized_experts`: one matmul per expert
-    the tokens picked, on per-expert views of the quantised weights.
+  - on the CPU (int8 only), `quantized_experts`: one matmul per expert the tokens picked, on per-expert views of
+    the quantised weights.
 """
 
 from __future__ import annotations
@@ -140,15 +140,20 @@ def torchao_config(kind: str) -> Any:
     from transformers import TorchAoConfig
 
     if kind == "int8":
-        weights = Int8WeightOnlyConfig(set_inductor_config=False)
+        weights = experts = Int8WeightOnlyConfig(set_inductor_config=False)
     else:
         from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
 
+        from canvas_ls.engine.int4_experts import Int4ExpertsConfig
+
         weights = Int4WeightOnlyConfig(group_size=INT4_GROUP, set_inductor_config=False,
                                        int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)  # fmt: skip
+        experts = Int4ExpertsConfig(group=INT4_GROUP)  # tinygemm's tiles cannot be read by expert: our layout
     # Named explicitly: transformers' default would skip every tied weight, and DiffusionGemma's decoder shares all
     # of its layers' weights with the encoder.
-    return TorchAoConfig(quant_type=FqnToConfig(dict.fromkeys(QUANTIZED, weights)), modules_to_not_convert=["lm_head"])
+    layers, fused_experts = QUANTIZED
+    return TorchAoConfig(quant_type=FqnToConfig({layers: weights, fused_experts: experts}),
+                         modules_to_not_convert=["lm_head"])  # fmt: skip
 
 
 def quantize_model(model: Any, kind: str) -> Any:
