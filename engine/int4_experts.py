@@ -78,4 +78,3 @@ def _quantize_experts(module: torch.nn.Module, config: Int4ExpertsConfig, *,
     quantized = Int4ExpertsTensor.from_float(weight.detach(), config.group)
     setattr(module, parameter_name, torch.nn.Parameter(quantized, requires_grad=False))
     return module
-
