@@ -285,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
                                                  "row count is one compilation)")  # fmt: skip
     step.add_argument("--runs", type=int, default=10, help="timed calls per figure (median)")
     step.add_argument("--quantize", choices=QUANTIZE[1:], default="none",
-                      help="the layers' weights (engine.quantize; quantised weights run eager)")  # fmt: skip
+                      help="the layers' weights (engine.quantize; compiled if a GPU runs the experts)")  # fmt: skip
     step.add_argument("--out", type=Path, help="JSON report path")
 
     warmup = benches.add_parser("warmup", help="the compiled CPU step's warm-up, start after start (fresh processes)")
