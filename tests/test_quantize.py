@@ -320,3 +320,31 @@ def test_int4_experts_load_in_the_kernels_layout_and_compute_what_transformers_c
     with torch.inference_mode():
         torch.testing.assert_close(experts(hidden, picks, weights), dense(hidden, picks, weights),
                                    rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_lora_gradients_through_the_kernels_experts_are_the_grouped_ones(tiny_model_dir: Path) -> None:
+    """LoRA on an int8 base trains through the kernel (its backward for the activations): the adapter's gradients
+    through a whole forward equal those through the dequantize-then-grouped experts on the same weights."""
+    from canvas_ls.engine.adapters import add_lora
+    from canvas_ls.engine.quantize import use_quantized_experts
+
+    model = load_model(str(tiny_model_dir), "cpu", "float32", quantize="int8").model
+    adapted = add_lora(model, rank=4)
+    with torch.no_grad():  # peft starts B at zero, which would leave every A without a gradient
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)
+    ids = torch.randint(5, model.config.text_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def gradients(kernel: bool) -> dict[str, torch.Tensor]:
+        use_quantized_experts(model, grouped=True, kernel=kernel)
+        adapted.zero_grad()
+        model.model.encoder(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in adapted.named_parameters() if p.grad is not None}
+
+    through_kernel, through_grouped = gradients(True), gradients(False)
+    assert through_kernel.keys() == through_grouped.keys() and len(through_kernel) > 4
+    reached = [name for name, grad in through_kernel.items() if "layers.0." in name and bool(grad.abs().sum() > 0)]
+    assert any("lora_A" in name for name in reached)  # through every layer's experts down to the first layer
+    for name, grad in through_grouped.items():
+        torch.testing.assert_close(through_kernel[name], grad, rtol=1e-4, atol=1e-6, msg=name)
