@@ -26,6 +26,7 @@ from torchao.utils import TorchAOBaseTensor
 
 GROUP = 128
 LEVELS = 15
+CHUNK = 8  # experts quantised at a time
 
 
 class Int4ExpertsTensor(TorchAOBaseTensor):
@@ -42,7 +43,15 @@ class Int4ExpertsTensor(TorchAOBaseTensor):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, group: int = GROUP) -> Int4ExpertsTensor:
-        """Quantise [E, N, K] float weights (K even), group by group of `group` inputs."""
+        """Quantise [E, N, K] float weights (K even), group by group of `group` inputs; a few experts at a time, so
+        that a GPU loading the checkpoint holds only their fp32 copies beside the weights already loaded
+        (DiffusionGemma's fused gate/up weights of one layer are 1 GB in bf16)."""
+        parts = [cls._quantize(chunk, group) for chunk in weight.split(CHUNK)]
+        qdata, scale, low = (torch.cat(pieces) for pieces in zip(*parts, strict=True))
+        return cls(qdata, scale, low, group, weight.shape)
+
+    @staticmethod
+    def _quantize(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         experts, rows, inputs = weight.shape
         groups = -(-inputs // group)
         padded = torch.nn.functional.pad(weight.float(), (0, groups * group - inputs))  # the last group: zeros
@@ -54,7 +63,7 @@ class Int4ExpertsTensor(TorchAOBaseTensor):
         qdata = levels[..., 0::2] | (levels[..., 1::2] << 4)
         # Stored [E, G, N]: a tile of N outputs reads its group's scales from one row
         scale, low = (t[..., 0].transpose(1, 2).contiguous().to(weight.dtype) for t in (scale, low))
-        return cls(qdata.contiguous(), scale, low, group, weight.shape)
+        return qdata.contiguous(), scale, low
 
     def dequantize(self, output_dtype: torch.dtype | None = None) -> torch.Tensor:
         levels = torch.stack([self.qdata & 15, self.qdata >> 4], dim=-1).flatten(-2).float()  # [E, N, K]

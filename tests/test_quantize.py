@@ -230,14 +230,17 @@ def test_torchao_is_imported_only_where_quantised_weights_are_asked_for(tiny_mod
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_kernel_covers_ragged_experts_rows_and_widths(kind: str, dtype: torch.dtype) -> None:
+def test_the_kernel_covers_ragged_experts_rows_and_widths(kind: str, dtype: torch.dtype,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The Triton grouped matmul (its interpreter here) on shapes no tile divides: 3 experts holding 0, 5 and 37 rows
     (several row tiles), 40 outputs, 100 inputs (int4: groups of 32, the last one short), rows gathered out of order,
     and its gradient; in half precision too (the interpreter computes through numpy, which has float16 but no
     bfloat16: a GPU's bf16 runs the same code)."""
+    from canvas_ls.engine import int4_experts
     from canvas_ls.engine.experts_kernel import Quantized, grouped_linear, weight_parts
     from canvas_ls.engine.int4_experts import Int4ExpertsTensor
 
+    monkeypatch.setattr(int4_experts, "CHUNK", 2)  # quantised 2 experts at a time, then 1
     generator = torch.Generator().manual_seed(0)
     if kind == "int8":
         qdata = torch.randint(-127, 128, (3, 40, 100), dtype=torch.int8, generator=generator)
