@@ -66,11 +66,17 @@ class Int4ExpertsTensor(TorchAOBaseTensor):
         return qdata.contiguous(), scale, low
 
     def dequantize(self, output_dtype: torch.dtype | None = None) -> torch.Tensor:
-        levels = torch.stack([self.qdata & 15, self.qdata >> 4], dim=-1).flatten(-2).float()  # [E, N, K]
-        per_input = torch.arange(levels.shape[-1], device=levels.device) // self.group
-        scale = self.scale.float().transpose(1, 2)[..., per_input]
-        low = self.low.float().transpose(1, 2)[..., per_input]
-        return (levels * scale + low).to(output_dtype or self.dtype)
+        """The weights [E, N, K] in `output_dtype`, a few experts at a time (the fp32 work beside the output stays
+        small: a GPU without triton dequantizes a layer's experts at every forward)."""
+        out = torch.empty(self.shape, dtype=output_dtype or self.dtype, device=self.qdata.device)
+        per_input = torch.arange(self.shape[-1], device=self.qdata.device) // self.group
+        for start in range(0, self.shape[0], CHUNK):
+            part = slice(start, start + CHUNK)
+            levels = torch.stack([self.qdata[part] & 15, self.qdata[part] >> 4], dim=-1).flatten(-2).float()
+            scale = self.scale[part].float().transpose(1, 2)[..., per_input]
+            low = self.low[part].float().transpose(1, 2)[..., per_input]
+            out[part] = levels.mul_(scale).add_(low)
+        return out
 
 
 @dataclass
