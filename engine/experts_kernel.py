@@ -149,6 +149,7 @@ if triton is not None:
         `rows_per_expert`: the tokens an expert gets on average (it sizes the row tile)."""
         experts, n_rows, n_inputs = Quantized(qdata, scale, low, group).shape
         n_out, k_in = (n_inputs, n_rows) if transposed else (n_rows, n_inputs)
+        a = a if a.stride(-1) == 1 else a.contiguous()  # the kernel steps along a row by one
         out = torch.empty((rows.shape[0], n_out), dtype=a.dtype, device=a.device)
         block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
         block_n, block_k = 64, 64
