@@ -53,6 +53,7 @@ from canvas_ls.engine.compiled import CompiledDecoder
 from canvas_ls.engine.prefix_cache import PrefixCache
 from canvas_ls.engine.sampling import StepStats, step_stats_rows
 from canvas_ls.engine.settings import InfillSettings
+from canvas_ls.engine.token_cache import ORDERS, TokenCache, mix_cache
 
 
 class CancelToken(Protocol):
@@ -84,6 +85,8 @@ class DenoiseParams:
     # tokens allowed in the first canvas's first gap slot ([V] bool: those starting with it, and the stop ids).
     healed: str = ""
     first_slot_allowed: torch.Tensor | None = None
+    # The workspace's token n-gram cache, mixed into the gap logits at settings.workspace_cache (`token_cache`)
+    token_cache: TokenCache | None = None
 
     @property
     def min_new_tokens(self) -> int:
@@ -430,6 +433,8 @@ class CanvasJob:
             encoded = encode_prefixes(model, [prefix_ids], prefix_cache)[0]
         self.cache = encoded.cache
         self.cursor = len(prefix_ids)  # position of the first canvas slot
+        # The tokens before the canvas that the token cache reads as context (the prefix, then earlier canvases')
+        self.history = list(prefix_ids[-ORDERS[0] :]) if params.token_cache is not None else []
         self.out = CanvasOutput(tokens=[], confidence=[], ended_with_eos=False, steps=0, forward_passes=0,
                                 canvases=0, encode_seconds=encoded.seconds, prefix_reused=encoded.reused)  # fmt: skip
         self.started = time.perf_counter()
@@ -529,6 +534,28 @@ class CanvasJob:
             raise InfillCancelled(self.out.steps)
         return self.canvas(), self.positions
 
+    def cache_contexts(self) -> list[tuple[int, list[int]]]:
+        """(gap slot, the known tokens right before it) for the token cache: the prefix and earlier canvases, the
+        clamped code of a fill, and slots the sampler accepted at the last step are known; a slot whose last
+        ORDERS[-1] tokens are not all known gets nothing."""
+        canvas = self.canvas()[0].tolist()
+        known = [True] * len(canvas)
+        slots = range(self.gap) if self.gap_index is None else self.gap_index.tolist()
+        accepted = getattr(self.sampler, "accepted_token_mask", None)
+        accepted = accepted[0].tolist() if accepted is not None else [False] * self.gap
+        for slot, position in enumerate(slots):
+            known[position] = accepted[slot]
+        sequence, known = self.history + canvas, [True] * len(self.history) + known
+        contexts = []
+        for slot, position in enumerate(slots):
+            end = len(self.history) + position
+            start = end
+            while start > 0 and end - start < ORDERS[0] and known[start - 1]:
+                start -= 1
+            if end - start >= ORDERS[-1]:
+                contexts.append((slot, sequence[start:end]))
+        return contexts
+
     def temperature_now(self) -> float:
         """The temperature of the step about to run (transformers counts steps down, N..1)."""
         return float(self.temperature(None, torch.ones(()), cur_step=self.steps_cap - self.step)) ** -1
@@ -585,6 +612,8 @@ class CanvasJob:
             return
         # No EOS: the gap is all answer and the answer goes on. Encode it and open the next canvas after it.
         encode(self.model, self.argmax, self.cache, start=self.cursor)
+        if self.params.token_cache is not None:
+            self.history = (self.history + self.argmax[0].tolist())[-ORDERS[0] :]
         self.cursor += self.gap
         self.anchor = None
         self._open_canvas(self.sampler.initialize_canvas(1, self.device))
@@ -657,6 +686,9 @@ def step_jobs(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
                 rows[slot, ~allowed] = BARRED_LOGIT
             else:  # min_new_tokens; a finite floor: -inf would turn the entropies into NaN (0 * -inf)
                 rows[slot, job.stop_tensor] = BARRED_LOGIT
+        if job.params.token_cache is not None:  # the workspace's own code, where the slot's context is known
+            mix_cache(rows, job.cache_contexts(), job.params.token_cache, job.params.settings.workspace_cache,
+                      BARRED_LOGIT / 2)  # fmt: skip
         if job.gap_index is not None:
             logits[row, job.gap_index] = rows
         gathered.append(rows)

@@ -37,6 +37,7 @@ from canvas_ls.engine.loading import LoadedModel, load_model
 from canvas_ls.engine.prefix_cache import PrefixCache
 from canvas_ls.engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
 from canvas_ls.engine.settings import InfillSettings, model_settings
+from canvas_ls.engine.token_cache import TokenCache, WorkspaceCaches
 from canvas_ls.engine.tokenizer import TokenHealing
 
 __all__ = [
@@ -72,6 +73,8 @@ class InfillRequest:
     background: bool = False
     # A LoRA adapter folder to answer with (a workspace's, tuned from this model; `AdapterSet`); None: the model.
     adapter: str | None = None
+    # The workspace folder the document belongs to: its token cache (`token_cache`) is mixed into the answer.
+    workspace: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class Engine:
         self._newline_ids: frozenset[int] | None = None
         self.healing = TokenHealing(self.tokenizer, loaded.model.config.get_text_config().vocab_size)
         self._healing_masks: dict[str, torch.Tensor] = {}  # cut text -> allowed first tokens
+        # Per workspace folder, the token n-gram cache of its files (built in the background on first use)
+        self.token_caches = WorkspaceCaches(self._encode)
 
     @classmethod
     def load(
@@ -187,10 +192,11 @@ class Engine:
         cancel: CancelToken | None = None,
         on_step: Callable[[StepView], None] | None = None,
         adapter: str | None = None,
+        workspace: str | None = None,
     ) -> InfillResult:
-        """Fill the gap between `prefix` and `suffix` (with a LoRA `adapter` of this model, when given). Raises
-        InfillCancelled when `cancel` is set mid-way."""
-        return self.run(InfillRequest(prefix, suffix, overrides, cancel, on_step, adapter=adapter))
+        """Fill the gap between `prefix` and `suffix` (with a LoRA `adapter` of this model, and the token cache of
+        the `workspace` folder, when given). Raises InfillCancelled when `cancel` is set mid-way."""
+        return self.run(InfillRequest(prefix, suffix, overrides, cancel, on_step, adapter=adapter, workspace=workspace))
 
     def fill(
         self,
@@ -200,11 +206,13 @@ class Engine:
         overrides: dict[str, Any] | None = None,
         cancel: CancelToken | None = None,
         adapter: str | None = None,
+        workspace: str | None = None,
     ) -> InfillResult:
         """Fill every `Hole` of `middle` (holes and the code between them) in one canvas after `prefix`, before
         `suffix`: each gap sees the code on both sides and the other gaps' drafts. The answers are `result.gaps`.
         Raises FillError for a request that cannot be laid out, InfillCancelled when cancelled."""
-        return self.run(InfillRequest(prefix, suffix, overrides, cancel, middle=middle, adapter=adapter))
+        return self.run(InfillRequest(prefix, suffix, overrides, cancel, middle=middle, adapter=adapter,
+                                      workspace=workspace))  # fmt: skip
 
     def run(self, request: InfillRequest) -> InfillResult:
         """One request: a batch of one (the resident engine's path, alone). Raises what its preparation raised, or
@@ -270,8 +278,15 @@ class Engine:
             encoder_ids = self._prompt_ids(request.prefix, request.suffix, settings)
             head_ids = []
         line_ends = self._line_end_ids() if settings.single_line else frozenset()
-        params = DenoiseParams(settings, settings.max_new_tokens, line_ends, healed, allowed)
+        token_cache = self._token_cache(request, settings)
+        params = DenoiseParams(settings, settings.max_new_tokens, line_ends, healed, allowed, token_cache)
         return Prepared(settings, encoder_ids, head_ids, params)
+
+    def _token_cache(self, request: InfillRequest, settings: InfillSettings) -> TokenCache | None:
+        """The request's workspace's token cache, where it has one built and the settings weigh it."""
+        if request.workspace is None or settings.workspace_cache <= 0:
+            return None
+        return self.token_caches.get(request.workspace)
 
     def _prepare_fill(self, request: InfillRequest, settings: InfillSettings) -> Prepared:
         """Lay out [prefix] -> encoder, then [gap | clamped | gap | ... | suffix head] in the canvas. Each gap is
@@ -319,7 +334,7 @@ class Engine:
                             f"max_canvas_tokens={settings.max_canvas_tokens}: select a smaller region")  # fmt: skip
         # One hole continues canvas after canvas up to its answer's bound; several share the fill's budget.
         budget = max(settings.max_new_tokens, gap_slots) if len(holes) == 1 else max(settings.fill_tokens, gap_slots)
-        params = DenoiseParams(settings, budget)
+        params = DenoiseParams(settings, budget, token_cache=self._token_cache(request, settings))
         return Prepared(settings, encoder_ids, [], params, tuple(segments))
 
     def cache_for(self, settings: InfillSettings) -> PrefixCache | None:

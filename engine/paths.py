@@ -3,9 +3,11 @@ runtime folder with the resident engine's socket, lock and log; and how its back
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 # The model a user gets when they name none: trained by `canvas-ls train`, shipped inside the package.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
@@ -48,3 +50,27 @@ def lowest_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(19)
+
+
+def repository_root(document: object) -> str | None:
+    """The repository a document (a `file:` URI or a path) belongs to: the nearest folder above it holding `.git`;
+    None for other documents (unsaved buffers, other schemes, files outside any repository)."""
+    if not isinstance(document, str) or not document:
+        return None
+    if document.startswith("file:"):
+        parsed = urlparse(document)
+        path = unquote(parsed.path)
+    elif "://" in document or document.startswith("untitled:"):
+        return None
+    else:
+        path = document
+    return _root_above(os.path.dirname(os.path.abspath(path)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _root_above(folder: str) -> str | None:
+    current = Path(folder)
+    for candidate in (current, *current.parents):
+        if (candidate / ".git").exists():
+            return str(candidate)
+    return None

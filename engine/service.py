@@ -62,7 +62,7 @@ from starlette.routing import Route
 from canvas_ls.engine.canvas import InfillCancelled, StepView
 from canvas_ls.engine.engine import Engine, EngineBatch, InfillRequest
 from canvas_ls.engine.errors import ModelLoadError
-from canvas_ls.engine.paths import default_socket
+from canvas_ls.engine.paths import default_socket, repository_root
 from canvas_ls.engine.regions import FillError, Hole, parts_from_json, split_parts
 from canvas_ls.engine.settings import SettingsError
 
@@ -283,6 +283,7 @@ class EngineService:
         except SettingsError as exc:
             raise BadRequest(400, str(exc)) from exc
         cancel = threading.Event()
+        workspace = repository_root(document)  # its token cache (`engine.token_cache`), once built
         if isinstance(document, str):
             document = f"background:{document}" if background else document
             older = self.in_flight.get(document)
@@ -294,9 +295,8 @@ class EngineService:
         self.last_activity = time.monotonic()
         started = time.perf_counter()
 
-        job = asyncio.wrap_future(
-            self.batcher.submit(InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background, adapter))
-        )
+        submitted = InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background, adapter, workspace)
+        job = asyncio.wrap_future(self.batcher.submit(submitted))
         watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
         try:
             try:

@@ -85,6 +85,9 @@ class InfillSettings:
     # Reuse (and keep) the encoder KV of earlier prefixes this one extends. Off: the whole prefix is encoded afresh
     # (what `bench engine` measures a keystroke's reuse against, on the very same request).
     reuse_prefix: bool = True
+    # Weight of the workspace's token n-gram cache in a gap slot's distribution where the slot's context is known
+    # (`engine.token_cache`; only requests that name a workspace have one). 0 turns it off.
+    workspace_cache: float = 1.0
     # The caller keeps only the first line (an LSP single-line completion): stop once the answer has a line break.
     single_line: bool = False
     # Several holes in one canvas (`Engine.fill`): at most this many holes per request...
@@ -139,6 +142,8 @@ class InfillSettings:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.entropy_bound <= 0 or self.confidence_threshold <= 0:
             raise SettingsError("entropy_bound and confidence_threshold must be > 0")
+        if not 0 <= self.workspace_cache <= 1:
+            raise SettingsError(f"workspace_cache must be in [0, 1], got {self.workspace_cache}")
         if not 0 <= self.t_min < self.t_max:  # the last step runs at t_min + (t_max - t_min) / max_steps > 0
             raise SettingsError(f"need 0 <= t_min < t_max, got t_min={self.t_min}, t_max={self.t_max}")
 

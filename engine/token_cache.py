@@ -1,0 +1,168 @@
+"""A workspace's token n-gram cache, mixed into the denoising step: adaptation to the user's code without training.
+
+A repository repeats itself: its own names, imports, call shapes and idioms recur across its files, and a small
+model has seen none of them. A cache language model (Kuhn & De Mori's cache, and for code Tu et al. 2014 and
+Hellendoorn & Devanbu 2017, where an n-gram cache of the project beat neural models on project-specific tokens)
+counts what followed each context in the project's own token stream. Here the counts come from a workspace's files
+(the model's tokenizer; `from_texts`), and at each denoising step a gap slot whose preceding tokens are known (the
+prefix, the clamped code of a fill, or slots the sampler has accepted) gets its distribution mixed with the cache's:
+
+    p(token) = (1 - lam) p_model(token) + lam p_cache(token | the longest context of ORDERS seen in the workspace)
+    lam      = weight * n / (n + PRIOR)        n: how often that context occurs (a rare one counts less)
+
+The mixture replaces the slot's logits (log p) before the step's statistics, so sampling, acceptance, stopping and the
+shown confidence all see it; tokens the step bars (token healing) stay barred. The stream is indexed per context
+length by sorted 64-bit rolling hashes (numpy: a few bytes a token per length, no Python dict per n-gram), so a
+lookup is two binary searches and a count of the tokens that followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("canvas-ls.token_cache")
+
+ORDERS = (8, 6, 5, 4, 3, 2)  # context lengths tried, longest first
+PRIOR = 1.0  # a context seen n times weighs n / (n + PRIOR) of the cache's weight
+_BASE = np.uint64(1_000_003)
+_SEPARATOR = -1  # between files: no context crosses it
+
+
+class TokenCache:
+    def __init__(self, stream: np.ndarray, orders: Sequence[int] = ORDERS):
+        """`stream`: token ids of the workspace's files one after the other, `_SEPARATOR` between them."""
+        self.tokens = int((stream != _SEPARATOR).sum())
+        self.orders = tuple(sorted(orders, reverse=True))
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        separator = np.concatenate([[0], np.cumsum(stream == _SEPARATOR)])  # separators in stream[:i]
+        for order in self.orders:
+            if len(stream) <= order:
+                continue
+            targets = np.arange(order, len(stream))
+            clean = (separator[targets + 1] - separator[targets - order]) == 0  # no separator in context or target
+            hashes = _window_hashes(stream, order)[:-1][clean]  # the window before each target
+            following = stream[targets][clean].astype(np.int32)
+            sort = np.argsort(hashes, kind="stable")
+            self._tables[order] = (hashes[sort], following[sort])
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], encode: Callable[[str], list[int]]) -> TokenCache:
+        parts: list[np.ndarray] = []
+        for text in texts:
+            parts += [np.asarray(encode(text), dtype=np.int64), np.asarray([_SEPARATOR], dtype=np.int64)]
+        return cls(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+
+    def following(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(token ids, counts) of what followed the longest of `context`'s endings the workspace holds, or None."""
+        for order in self.orders:
+            if len(context) < order or order not in self._tables:
+                continue
+            hashes, following = self._tables[order]
+            key = _window_hashes(np.asarray(context[-order:], dtype=np.int64), order)[0]
+            low, high = np.searchsorted(hashes, key, "left"), np.searchsorted(hashes, key, "right")
+            if high > low:
+                return np.unique(following[low:high], return_counts=True)
+        return None
+
+
+def _window_hashes(ids: np.ndarray, order: int) -> np.ndarray:
+    """Hash of each window ids[i : i + order] (uint64 arithmetic wraps around, as the hash wants)."""
+    count = len(ids) - order + 1
+    hashes = np.zeros(count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(order):
+            hashes = hashes * _BASE + (ids[j : j + count] + 2).astype(np.uint64)
+    return hashes
+
+
+def mix_cache(rows: torch.Tensor, contexts: Sequence[tuple[int, Sequence[int]]], cache: TokenCache, weight: float,
+              barred_below: float) -> int:  # fmt: skip
+    """Mix the cache into gap logits `rows` [G, V] in place at (slot, context) pairs; logits at or below
+    `barred_below` stay barred. Returns how many slots it changed."""
+    slots, dense, strength = [], [], []
+    for slot, context in contexts:
+        found = cache.following(context)
+        if found is None:
+            continue
+        ids, counts = found
+        total = float(counts.sum())
+        slots.append(slot)
+        row = torch.zeros(rows.shape[-1], dtype=torch.float32)
+        row[torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(counts.astype(np.float32))
+        dense.append(row)
+        strength.append(weight * total / (total + PRIOR))
+    if not slots:
+        return 0
+    index = torch.tensor(slots, device=rows.device)
+    logits = rows[index].float()
+    cached = torch.stack(dense).to(rows.device).masked_fill_(logits <= barred_below, 0.0)
+    mass = cached.sum(dim=-1, keepdim=True)
+    lam = torch.tensor(strength, device=rows.device)[:, None]
+    mixed = (1 - lam) * torch.softmax(logits, dim=-1) + lam * cached / mass.clamp_min(1e-9)
+    mixed = torch.where(logits <= barred_below, logits, mixed.clamp_min(1e-30).log())
+    hit = mass[:, 0] > 0  # a slot whose every cached token is barred keeps its logits
+    rows[index[hit]] = mixed[hit].to(rows.dtype)
+    return int(hit.sum())
+
+
+class WorkspaceCaches:
+    """The token caches of the workspaces requests name, each built once in a background thread (a repository's
+    files as `corpus.collect_repository` takes them: .gitignore respected, vendored, generated, minified, binary and
+    secret files left out; at most MAX_CHARS of them), and rebuilt in the background once STALE_SECONDS old. A
+    request before its workspace's cache is built runs without one, never waiting."""
+
+    MAX_CHARS = 8_000_000
+    STALE_SECONDS = 600.0
+
+    def __init__(self, encode: Callable[[str], list[int]]):
+        self.encode = encode
+        self._ready: dict[str, tuple[float, TokenCache]] = {}
+        self._building: set[str] = set()
+        self._lock = threading.Lock()
+        self.errors: dict[str, str] = {}  # folder -> why its cache could not be built
+
+    def get(self, folder: str) -> TokenCache | None:
+        with self._lock:
+            ready = self._ready.get(folder)
+            stale = ready is None or time.monotonic() - ready[0] > self.STALE_SECONDS
+            if stale and folder not in self._building and folder not in self.errors:
+                self._building.add(folder)
+                threading.Thread(target=self._build, args=(folder,), name="canvas-token-cache", daemon=True).start()
+        return ready[1] if ready is not None else None
+
+    def put(self, folder: str, cache: TokenCache) -> None:
+        with self._lock:
+            self._ready[folder] = (time.monotonic(), cache)
+
+    def _build(self, folder: str) -> None:
+        from canvas_ls.engine import corpus
+
+        with contextlib.suppress(AttributeError, OSError):  # this thread only: requests come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            files, _ = corpus.collect_repository(Path(folder))
+            files.sort(key=lambda f: len(f.text))  # small files first: the most of them within the budget
+            texts, used = [], 0
+            for file in files:
+                if used + len(file.text) > self.MAX_CHARS:
+                    break
+                texts.append(file.text)
+                used += len(file.text)
+            cache = TokenCache.from_texts(texts, self.encode)
+            log.info("token cache of %s: %d files, %d tokens", folder, len(texts), cache.tokens)
+            self.put(folder, cache)
+        except Exception as exc:  # a folder that cannot be read: no cache for it, said once
+            self.errors[folder] = f"{type(exc).__name__}: {exc}"
+            log.warning("no token cache for %s: %s", folder, self.errors[folder])
+        finally:
+            with self._lock:
+                self._building.discard(folder)

@@ -1,0 +1,75 @@
+"""The workspace's token cache (`engine.token_cache`): what it counts, what it finds, how the engine mixes it into a
+request of that workspace, and where a document's workspace is."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from canvas_ls.engine import Engine
+from canvas_ls.engine.paths import repository_root
+from canvas_ls.engine.token_cache import TokenCache, mix_cache
+
+
+def test_the_cache_finds_the_longest_context_it_holds_and_never_one_across_files() -> None:
+    files = [[5, 6, 7, 8, 9], [5, 6, 7, 3], [1, 2, 7, 4]]
+    cache = TokenCache(np.array([t for f in files for t in [*f, -1]][:-1]), orders=(3, 2))
+    assert cache.tokens == 13
+    ids, counts = cache.following([5, 6, 7])  # order 3: 8 once, 3 once
+    assert ids.tolist() == [3, 8] and counts.tolist() == [1, 1]
+    ids, counts = cache.following([0, 2, 7])  # [0, 2, 7] unseen: falls back to [2, 7] -> 4
+    assert ids.tolist() == [4]
+    assert cache.following([9, 5]) is None  # the end of one file and the start of the next are not a context
+    assert cache.following([7]) is None  # shorter than the shortest order
+
+
+def test_mixing_moves_the_mass_where_the_workspace_went_and_keeps_barred_tokens_barred() -> None:
+    cache = TokenCache(np.array([1, 2, 3] * 10), orders=(2,))  # after (1, 2) always 3; after (2, 3) always 1
+    rows = torch.zeros(3, 6)
+    rows[1, 1] = -1e4  # barred (token healing)
+    changed = mix_cache(rows, [(0, [1, 2]), (1, [2, 3]), (2, [4, 4])], cache, weight=1.0, barred_below=-5e3)
+    probabilities = torch.softmax(rows, dim=-1)
+    assert changed == 1  # slot 1's only cached token is barred, slot 2's context is unseen
+    assert probabilities[0, 3] > 0.9 and torch.allclose(rows[2], torch.zeros(6))
+    assert rows[1, 1] == -1e4 and torch.allclose(rows[1, [0, 2, 3, 4, 5]], torch.zeros(5))
+
+
+def test_a_request_of_the_workspace_writes_what_the_workspace_writes_there(tiny_model_dir: Path) -> None:
+    """The tiny random model writes noise after `return`; with the cache of a workspace where that function always
+    returns the same call, the answer is that call (token by token: each slot's context becomes known as the slots
+    before it are accepted). Without a workspace, or at weight 0, the same request is the model's own. (No space
+    after `return`: the tiny tokenizer writes ` render` as a lone space and `r`..., and token healing bars a lone
+    space in the first slot.)"""
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    body = "".join(f"def handler_{i}(request):\n    return render(request, items)\n\n" for i in range(20))
+    engine.token_caches.put("/ws", TokenCache.from_texts([body], engine._encode))
+    prefix, suffix = "def handler(request):\n    return", "\n"
+    settings = {"seed": 3, "max_new_tokens": 8}
+    cached = engine.infill(prefix, suffix, settings, workspace="/ws")
+    assert cached.text == " render(req"  # its 8 tokens
+    plain = engine.infill(prefix, suffix, settings)
+    assert plain.text != cached.text
+    assert engine.infill(prefix, suffix, {**settings, "workspace_cache": 0}, workspace="/ws").text == plain.text
+
+
+def test_a_workspaces_cache_is_built_in_the_background_from_its_repository(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:  # fmt: skip
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    views = "".join(f"def view_{i}(request):\n    return render(request, 'index.html')\n\n" for i in range(3))
+    (repo / "pkg" / "views.py").write_text(views)
+    (repo / ".env").write_text("SECRET_KEY=abc\n")  # a secret: never read
+    document = repo / "pkg" / "new.py"
+    assert repository_root(document.as_uri()) == repository_root(str(document)) == str(repo)
+    assert repository_root("untitled:Untitled-1") is None and repository_root(str(tmp_path / "x.py")) is None
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    assert engine.token_caches.get(str(repo)) is None  # not built yet: the request runs without one
+    deadline = time.monotonic() + 30
+    while (cache := engine.token_caches.get(str(repo))) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cache is not None and cache.tokens == len(engine._encode(views))
