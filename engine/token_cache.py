@@ -67,11 +67,19 @@ class TokenCache:
             if len(context) < order or order not in self._tables:
                 continue
             hashes, following = self._tables[order]
-            key = _window_hashes(np.asarray(context[-order:], dtype=np.int64), order)[0]
-            low, high = np.searchsorted(hashes, key, "left"), np.searchsorted(hashes, key, "right")
+            key = np.uint64(_hash(context[-order:]))
+            low, high = hashes.searchsorted(key, "left"), hashes.searchsorted(key, "right")
             if high > low:
                 return np.unique(following[low:high], return_counts=True)
         return None
+
+
+def _hash(ids: Sequence[int]) -> int:
+    """`_window_hashes` of one window, in Python integers (a lookup's few tokens: faster than numpy's arrays)."""
+    value = 0
+    for token in ids:
+        value = (value * int(_BASE) + int(token) + 2) & 0xFFFFFFFFFFFFFFFF
+    return value
 
 
 def _window_hashes(ids: np.ndarray, order: int) -> np.ndarray:
@@ -88,23 +96,27 @@ def mix_cache(rows: torch.Tensor, contexts: Sequence[tuple[int, Sequence[int]]],
               barred_below: float) -> int:  # fmt: skip
     """Mix the cache into gap logits `rows` [G, V] in place at (slot, context) pairs; logits at or below
     `barred_below` stay barred. Returns how many slots it changed."""
-    slots, dense, strength = [], [], []
+    slots, strength, at_row, at_id, count = [], [], [], [], []
     for slot, context in contexts:
         found = cache.following(context)
         if found is None:
             continue
         ids, counts = found
         total = float(counts.sum())
+        at_row.append(np.full(len(ids), len(slots)))
+        at_id.append(ids)
+        count.append(counts)
         slots.append(slot)
-        row = torch.zeros(rows.shape[-1], dtype=torch.float32)
-        row[torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(counts.astype(np.float32))
-        dense.append(row)
         strength.append(weight * total / (total + PRIOR))
     if not slots:
         return 0
     index = torch.tensor(slots, device=rows.device)
     logits = rows[index].float()
-    cached = torch.stack(dense).to(rows.device).masked_fill_(logits <= barred_below, 0.0)
+    cached = torch.zeros_like(logits)
+    where = (torch.from_numpy(np.concatenate(at_row)).to(rows.device),
+             torch.from_numpy(np.concatenate(at_id).astype(np.int64)).to(rows.device))  # fmt: skip
+    cached.index_put_(where, torch.from_numpy(np.concatenate(count).astype(np.float32)).to(rows.device))
+    cached.masked_fill_(logits <= barred_below, 0.0)
     mass = cached.sum(dim=-1, keepdim=True)
     lam = torch.tensor(strength, device=rows.device)[:, None]
     mixed = (1 - lam) * torch.softmax(logits, dim=-1) + lam * cached / mass.clamp_min(1e-9)
