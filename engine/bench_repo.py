@@ -37,28 +37,40 @@ from canvas_ls.engine.bench import (
     summarise,
 )
 from canvas_ls.engine.engine import Engine
+from canvas_ls.engine.token_cache import TokenCache
 
 # What the server asks for at a single-line and a multi-line hole (server.config.CompletionOptions).
 SETTINGS = {"lines": {"max_new_tokens": 48}, "blocks": {"gap_tokens": 32, "max_new_tokens": 128},
             "humaneval": {"max_new_tokens": 48}}  # fmt: skip
 
 
-def measure(engine: Engine, tasks: list[Task], overrides: dict[str, Any]) -> dict[str, Any]:
+def measure(
+    engine: Engine, tasks: list[Task], overrides: dict[str, Any], workspace: str | None = None
+) -> dict[str, Any]:
     """`bench.summarise` of the engine's answers (exact match, edit similarity, empty share, tokens per forward...)."""
     rows = []
     for task in tasks:
         started = time.perf_counter()
-        result = engine.infill(task.prompt, task.suffix, overrides)
+        result = engine.infill(task.prompt, task.suffix, overrides, workspace=workspace)
         rows.append(answer_row(task, result, (time.perf_counter() - started) * 1000))
     # each task's edit similarity, in the tasks' order: gains are compared task by task (`line_gain`)
     return {**summarise(rows), "similarities": [row["edit_similarity"] for row in rows]}
 
 
-def evaluate(model: str | None, adapter: str | None, sets: dict[str, list[Task]]) -> dict[str, Any]:
+def evaluate(model: str | None, adapter: str | None, sets: dict[str, list[Task]],
+             cache: TokenCache | None = None) -> dict[str, Any]:  # fmt: skip
+    """Each set's figures; with the repository's token `cache` on its held-out lines and blocks (HumanEval, code
+    from outside the repository, runs without it, as a document outside the workspace does)."""
     engine = Engine.load(model, adapter=adapter)
+    if cache is not None:
+        engine.token_caches.put(CACHED, cache)
     started = time.perf_counter()
-    figures = {name: measure(engine, tasks, SETTINGS[name]) for name, tasks in sets.items()}
+    figures = {name: measure(engine, tasks, SETTINGS[name], CACHED if cache is not None and name != "humaneval"
+                             else None) for name, tasks in sets.items()}  # fmt: skip
     return {**figures, "seconds": round(time.perf_counter() - started, 1)}
+
+
+CACHED = "repository"  # the workspace name the evaluated requests give for the repository's token cache
 
 
 def _losses(run_dir: Path) -> tuple[dict[float, float], dict[str, Any]]:
@@ -90,7 +102,7 @@ def run(
     base = base or str(DEFAULT_MODEL_DIR)
     limits = {"lines": 150, "blocks": 60, "humaneval": 100, **(limits or {})}
     files, described = corpus.collect_repository(repository)
-    held, _ = corpus.split_repository(files)
+    held, training_files = corpus.split_repository(files)
     pairs = [(f.path, f.text) for f in held]
     sets = {"lines": line_tasks(pairs, limits["lines"]), "blocks": block_tasks(pairs, limits["blocks"])}
     if humaneval is not None and limits["humaneval"]:
@@ -103,9 +115,34 @@ def run(
     progress(f"{described['root']}: {len(files)} files, {len(held)} held out; tasks {report['tasks']}")
     report["base_figures"] = evaluate(base, None, sets)
     progress(f"base: {_brief(report['base_figures'])}")
-    for name in recipes or list(workspaces.RECIPES):
-        recipe, replay = workspaces.recipe(name)
-        out = work / name
+    cache = None
+    ordered: list[str] = []
+    for name in recipes or list(workspaces.RECIPES):  # "X+cache" evaluates X's model: X trains first
+        for step in (name.removesuffix("+cache"), name):
+            if step not in ordered:
+                ordered.append(step)
+    for name in ordered:
+        trained = name.removesuffix("+cache")
+        if trained != name or name == "cache":  # the token cache of the training files (what a workspace's is)
+            built = time.perf_counter()
+            cache = cache or TokenCache.from_texts([f.text for f in training_files], Engine.load(base)._encode)
+            cache_s = time.perf_counter() - built
+        if name == "cache":  # no training: the base model with the repository's token cache
+            point = {"minutes": 0.0, "held_out_loss": None, **evaluate(base, None, sets, cache)}
+            report["recipes"][name] = {"recipe": {"token_cache_tokens": cache.tokens}, "steps": 0,
+                                       "stopped": "no training", "wall_s": round(cache_s, 1),
+                                       "curve": [{"minutes": 0.0, "held_out_loss": None, **report["base_figures"]},
+                                                 point]}  # fmt: skip
+            progress(f"cache ({cache.tokens} tokens, {cache_s:.1f} s): {_brief(point)}")
+            continue
+        recipe, replay = workspaces.recipe(trained)
+        out = work / trained
+        if trained != name:  # the model X trained (just before), with the cache
+            done = report["recipes"][trained]
+            point = {**done["curve"][-1], **evaluate(str(out / "model"), None, sets, cache)}
+            report["recipes"][name] = {**done, "curve": [done["curve"][0], point]}
+            progress(f"{name} final: {_brief(point)}")
+            continue
         shutil.rmtree(out, ignore_errors=True)  # a fresh run (an old one would resume with its budget spent)
         started = time.perf_counter()
         summary = training.run("cpu", out, minutes, start_from=base, overrides={**recipe, "snapshot_minutes": points},

@@ -52,9 +52,10 @@ def lowest_priority() -> None:
         os.nice(19)
 
 
-def repository_root(document: object) -> str | None:
-    """The repository a document (a `file:` URI or a path) belongs to: the nearest folder above it holding `.git`;
-    None for other documents (unsaved buffers, other schemes, files outside any repository)."""
+def document_repository(document: object) -> str | None:
+    """The repository a document (a `file:` URI or a path) belongs to: the nearest folder above it holding `.git`
+    (looked up once per folder, on the request path: no `git` process, unlike `workspaces.repository_root`); None
+    for other documents (unsaved buffers, other schemes, files outside any repository)."""
     if not isinstance(document, str) or not document:
         return None
     if document.startswith("file:"):

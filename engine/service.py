@@ -62,7 +62,7 @@ from starlette.routing import Route
 from canvas_ls.engine.canvas import InfillCancelled, StepView
 from canvas_ls.engine.engine import Engine, EngineBatch, InfillRequest
 from canvas_ls.engine.errors import ModelLoadError
-from canvas_ls.engine.paths import default_socket, repository_root
+from canvas_ls.engine.paths import default_socket, document_repository
 from canvas_ls.engine.regions import FillError, Hole, parts_from_json, split_parts
 from canvas_ls.engine.settings import SettingsError
 
@@ -283,7 +283,7 @@ class EngineService:
         except SettingsError as exc:
             raise BadRequest(400, str(exc)) from exc
         cancel = threading.Event()
-        workspace = repository_root(document)  # its token cache (`engine.token_cache`), once built
+        workspace = document_repository(document)  # its token cache (`engine.token_cache`), once built
         if isinstance(document, str):
             document = f"background:{document}" if background else document
             older = self.in_flight.get(document)

@@ -142,9 +142,9 @@ class LocalBackend:
                      adapter: str | None = None) -> dict | None:  # fmt: skip
         """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed.
         `background`: work computed ahead (the server cancels it when a real request comes; one worker here)."""
-        from canvas_ls.engine.paths import repository_root
+        from canvas_ls.engine.paths import document_repository
 
-        workspace = repository_root(document)  # its token cache (`engine.token_cache`), once built
+        workspace = document_repository(document)  # its token cache (`engine.token_cache`), once built
         return await self._call(cancel, lambda engine: engine.infill(prefix, suffix, overrides, cancel=cancel,
                                                                      adapter=adapter, workspace=workspace))  # fmt: skip
 
@@ -152,13 +152,13 @@ class LocalBackend:
                    document: str | None = None, adapter: str | None = None) -> dict | None:  # fmt: skip
         """Several holes in one canvas (`/v1/fill` segments): the engine's result, None when cancelled. Raises
         BackendError for a fill the engine cannot lay out."""
-        from canvas_ls.engine.paths import repository_root
+        from canvas_ls.engine.paths import document_repository
         from canvas_ls.engine.regions import parts_from_json, split_parts
 
         def compute(engine: Any) -> Any:
             prefix, middle, suffix = split_parts(parts_from_json(segments))
             return engine.fill(prefix, middle, suffix, overrides, cancel=cancel, adapter=adapter,
-                               workspace=repository_root(document))  # fmt: skip
+                               workspace=document_repository(document))  # fmt: skip
 
         return await self._call(cancel, compute)
 

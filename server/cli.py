@@ -201,7 +201,11 @@ def _parser() -> argparse.ArgumentParser:
                               "before/after, against minutes")  # fmt: skip
     repo.add_argument("--corpus", type=Path, required=True, metavar="DIR", help="the repository (split 80/20 by file)")
     repo.add_argument(
-        "--recipes", default=",".join(RECIPE_NAMES), help="comma-separated, of: " + ", ".join(RECIPE_NAMES)
+        "--recipes",
+        default=",".join(RECIPE_NAMES),
+        help="comma-separated, of: "
+        + ", ".join(RECIPE_NAMES)
+        + "; 'cache': no training, the base with the repository's token cache; 'NAME+cache': NAME's model with it",
     )
     repo.add_argument("--minutes", type=float, default=8.0, help="training minutes per recipe")
     repo.add_argument("--points", default="2,4", help="minutes at which snapshots are measured too")
@@ -783,7 +787,7 @@ def _bench_repo(args: argparse.Namespace) -> int:
     from canvas_ls.engine import bench_repo
 
     recipes = [name.strip() for name in args.recipes.split(",") if name.strip()]
-    unknown = [name for name in recipes if name not in RECIPE_NAMES]
+    unknown = [name for name in recipes if name != "cache" and name.removesuffix("+cache") not in RECIPE_NAMES]
     if unknown:
         raise CliError(f"unknown recipe(s) {', '.join(unknown)}: choose among {', '.join(RECIPE_NAMES)}")
     root = args.corpus.expanduser().resolve()

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from canvas_ls.engine import Engine
-from canvas_ls.engine.paths import repository_root
+from canvas_ls.engine.paths import document_repository
 from canvas_ls.engine.token_cache import TokenCache, mix_cache
 
 
@@ -65,8 +65,8 @@ def test_a_workspaces_cache_is_built_in_the_background_from_its_repository(tiny_
     (repo / "pkg" / "views.py").write_text(views)
     (repo / ".env").write_text("SECRET_KEY=abc\n")  # a secret: never read
     document = repo / "pkg" / "new.py"
-    assert repository_root(document.as_uri()) == repository_root(str(document)) == str(repo)
-    assert repository_root("untitled:Untitled-1") is None and repository_root(str(tmp_path / "x.py")) is None
+    assert document_repository(document.as_uri()) == document_repository(str(document)) == str(repo)
+    assert document_repository("untitled:Untitled-1") is None and document_repository(str(tmp_path / "x.py")) is None
     engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
     assert engine.token_caches.get(str(repo)) is None  # not built yet: the request runs without one
     deadline = time.monotonic() + 30

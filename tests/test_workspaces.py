@@ -223,7 +223,7 @@ def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, t
     for number, text in enumerate(tokenizer_texts()[:10]):
         (repo / "pkg").mkdir(parents=True, exist_ok=True)
         (repo / "pkg" / f"m{number}.py").write_text(text)
-    report = bench_repo.run(repo, tmp_path / "work", str(tiny_model_dir), ["full", "lora"], minutes=0.15,
+    report = bench_repo.run(repo, tmp_path / "work", str(tiny_model_dir), ["full+cache", "lora", "cache"], minutes=0.15,
                             points=(0.03,), limits={"lines": 3, "blocks": 2, "humaneval": 0},
                             progress=lambda line: None)  # fmt: skip
     assert report["tasks"] == {"lines": 3, "blocks": 2}
@@ -234,8 +234,14 @@ def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, t
         assert all(0 <= point["lines"]["edit_similarity"] <= 1 for point in curve)
     assert (tmp_path / "work" / "lora" / "snapshots" / "0.03" / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "work" / "full" / "snapshots" / "0.03" / "model" / "config.json").is_file()
+    # the repository's token cache: with the base (no training) and with full's final model (trained once)
+    assert list(report["recipes"]) == ["full", "full+cache", "lora", "cache"]
+    assert report["recipes"]["cache"]["steps"] == 0 and report["recipes"]["cache"]["recipe"]["token_cache_tokens"] > 0
+    for name in ("cache", "full+cache"):
+        curve = report["recipes"][name]["curve"]
+        assert len(curve) == 2 and curve[0]["minutes"] == 0.0 and "lines" in curve[-1]
     table = bench_repo.format_repo(report)
-    assert table.count("\nfull ") == 2 and table.count("\nlora ") == 2 and "best: " in table
+    assert table.count("\nfull ") == 2 and table.count("\nlora ") == 2 and "\ncache " in table and "best: " in table
     # the best's gain comes with its interval over the same held-out lines, paired with the base's answers
     best = report["best"]
     low, high = best["lines_similarity_interval"]
