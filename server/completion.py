@@ -304,6 +304,7 @@ class Completer:
             "max_steps": options.max_steps,
             "entropy_bound": options.entropy_bound,
             "single_line": context.mode == "single_line",
+            "workspace_cache": options.workspace_cache,
         }
 
     def _key(self, document: Document, context: CompletionContext, overrides: dict[str, Any]) -> str:

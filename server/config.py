@@ -85,10 +85,15 @@ class CompletionOptions:
     # overlap and the definitions of names used near the cursor, placed before the prefix, within this many tokens.
     # 0 turns it off.
     context_tokens: int = 512
+    # Weight of the workspace's token cache (the n-grams of the document's git repository, mixed into each slot whose
+    # context is known: `engine.token_cache`); None: the model's own setting (1.0 unless its folder says); 0: off.
+    workspace_cache: float | None = None
 
     def __post_init__(self) -> None:
         if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:
             raise ValueError(f"completion.min_confidence must be null or in [0, 1], got {self.min_confidence}")
+        if self.workspace_cache is not None and not 0.0 <= self.workspace_cache <= 1.0:
+            raise ValueError(f"completion.workspace_cache must be null or in [0, 1], got {self.workspace_cache}")
 
 
 @dataclass
