@@ -176,6 +176,37 @@ async def test_same_context_is_answered_from_the_cache(client: LanguageClient) -
     assert len(timings) == 1 and 0 < timings[0]["engine"] <= timings[0]["call"]
 
 
+async def test_a_document_in_a_git_repository_is_answered_with_its_token_cache(client: LanguageClient,
+                                                                              tmp_path: Path) -> None:  # fmt: skip
+    """The resident engine finds the document's repository (the git root above its file), builds its token cache in
+    the background on the first request there, and mixes it into the next ones: the random model then writes what
+    the repository writes after `return` (the tiny tokenizer's lone space first, which healing would bar after a
+    typed space, hence no space after `return`). The server's steps are capped at 4 here, and a slot's context is
+    known once the slot before it is accepted: the first 4 tokens, ` `, `r`, `en`, `de`, come from the cache."""
+    import subprocess
+
+    await wait_ready(client)
+    repo = tmp_path / "repo"
+    (repo / "app").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    views = "".join(f"def handler_{i}(request):\n    return render(request, items)\n\n" for i in range(20))
+    (repo / "app" / "views.py").write_text(views)
+    answers = []
+    for attempt in range(20):  # a new document each time: the server's own cache would answer the same context
+        document = repo / "app" / f"new_{attempt}.py"
+        text = f"def handler(request_{attempt}):\n    return"
+        client.text_document_did_open(types.DidOpenTextDocumentParams(
+            types.TextDocumentItem(document.as_uri(), "python", 1, text)))  # fmt: skip
+        response = await request(client, "canvas/fill", {"textDocument": {"uri": document.as_uri()},
+                                                         "position": {"line": 1, "character": 10}})  # fmt: skip
+        answers.append(response["result"]["text"])
+        if answers[-1].startswith(" rende"):
+            break
+        await asyncio.sleep(0.2)
+    assert answers[-1].startswith(" rende"), answers
+    assert not answers[0].startswith(" rende")  # the first request ran before the cache was built
+
+
 async def test_typing_through_is_answered_without_a_model_call(client: LanguageClient) -> None:
     await wait_ready(client)
     open_doc(client, "a.py", COMMENT_DOC)
