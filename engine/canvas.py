@@ -53,7 +53,7 @@ from canvas_ls.engine.compiled import CompiledDecoder
 from canvas_ls.engine.prefix_cache import PrefixCache
 from canvas_ls.engine.sampling import StepStats, step_stats_rows
 from canvas_ls.engine.settings import InfillSettings
-from canvas_ls.engine.token_cache import ORDERS, TokenCache, mix_cache
+from canvas_ls.engine.token_cache import ORDERS, Found, TokenCache, lookups, mix_cache
 
 
 class CancelToken(Protocol):
@@ -534,27 +534,19 @@ class CanvasJob:
             raise InfillCancelled(self.out.steps)
         return self.canvas(), self.positions
 
-    def cache_contexts(self) -> list[tuple[int, list[int]]]:
-        """(gap slot, the known tokens right before it) for the token cache: the prefix and earlier canvases, the
-        clamped code of a fill, and slots the sampler accepted at the last step are known; a slot whose last
-        ORDERS[-1] tokens are not all known gets nothing."""
+    def cache_lookups(self, cache: TokenCache, weight: float) -> list[Found]:
+        """The token cache's `lookups` for this canvas: known are the prefix and earlier canvases, the clamped code
+        of a fill, and the slots the sampler accepted at the last step."""
         canvas = self.canvas()[0].tolist()
         known = [True] * len(canvas)
-        slots = range(self.gap) if self.gap_index is None else self.gap_index.tolist()
+        slots = list(range(self.gap)) if self.gap_index is None else self.gap_index.tolist()
         accepted = getattr(self.sampler, "accepted_token_mask", None)
         accepted = accepted[0].tolist() if accepted is not None else [False] * self.gap
         for slot, position in enumerate(slots):
             known[position] = accepted[slot]
-        sequence, known = self.history + canvas, [True] * len(self.history) + known
-        contexts = []
-        for slot, position in enumerate(slots):
-            end = len(self.history) + position
-            start = end
-            while start > 0 and end - start < ORDERS[0] and known[start - 1]:
-                start -= 1
-            if end - start >= ORDERS[-1]:
-                contexts.append((slot, sequence[start:end]))
-        return contexts
+        offset = len(self.history)
+        return lookups(cache, self.history + canvas, [True] * offset + known, [offset + p for p in slots], weight,
+                       unchained=frozenset(slot for slot, _ in self.barred()))  # fmt: skip
 
     def temperature_now(self) -> float:
         """The temperature of the step about to run (transformers counts steps down, N..1)."""
@@ -687,8 +679,8 @@ def step_jobs(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
             else:  # min_new_tokens; a finite floor: -inf would turn the entropies into NaN (0 * -inf)
                 rows[slot, job.stop_tensor] = BARRED_LOGIT
         if job.params.token_cache is not None:  # the workspace's own code, where the slot's context is known
-            mix_cache(rows, job.cache_contexts(), job.params.token_cache, job.params.settings.workspace_cache,
-                      BARRED_LOGIT / 2)  # fmt: skip
+            weight = job.params.settings.workspace_cache
+            mix_cache(rows, job.cache_lookups(job.params.token_cache, weight), weight, BARRED_LOGIT / 2)
         if job.gap_index is not None:
             logits[row, job.gap_index] = rows
         gathered.append(rows)

@@ -33,6 +33,8 @@ log = logging.getLogger("canvas-ls.token_cache")
 
 ORDERS = (8, 6, 5, 4, 3, 2)  # context lengths tried, longest first
 PRIOR = 1.0  # a context seen n times weighs n / (n + PRIOR) of the cache's weight
+CHAIN = 0.8  # a slot the cache alone puts this much on one token is the context of the next slot (`lookups`)
+Found = tuple[int, np.ndarray, np.ndarray]  # (gap slot, token ids, counts) of what followed its context
 _BASE = np.uint64(1_000_003)
 _SEPARATOR = -1  # between files: no context crosses it
 
@@ -92,25 +94,46 @@ def _window_hashes(ids: np.ndarray, order: int) -> np.ndarray:
     return hashes
 
 
-def mix_cache(rows: torch.Tensor, contexts: Sequence[tuple[int, Sequence[int]]], cache: TokenCache, weight: float,
-              barred_below: float) -> int:  # fmt: skip
-    """Mix the cache into gap logits `rows` [G, V] in place at (slot, context) pairs; logits at or below
-    `barred_below` stay barred. Returns how many slots it changed."""
-    slots, strength, at_row, at_id, count = [], [], [], [], []
-    for slot, context in contexts:
-        found = cache.following(context)
-        if found is None:
+def lookups(cache: TokenCache, sequence: list[int], known: list[bool], positions: Sequence[int], weight: float,
+            chain: float = CHAIN, unchained: frozenset[int] = frozenset()) -> list[Found]:  # fmt: skip
+    """What the cache says for each gap slot (`positions`: the slots' indices in `sequence`, left to right) whose
+    last ORDERS[-1] tokens are `known`: (slot, token ids, counts) of what followed its longest known context. A slot
+    the cache alone puts at least `chain` on one token (weight x n / (n + PRIOR) x that token's share) counts as
+    known, holding that token, for the slots after it in this step (`unchained`: slots whose logits are barred, which
+    might refuse it), so that a run the repository always writes fills in one step instead of one token a step."""
+    sequence, known = list(sequence), list(known)
+    found: list[Found] = []
+    for slot, end in enumerate(positions):
+        start = end
+        while start > 0 and end - start < ORDERS[0] and known[start - 1]:
+            start -= 1
+        if end - start < ORDERS[-1]:
             continue
-        ids, counts = found
+        hit = cache.following(sequence[start:end])
+        if hit is None:
+            continue
+        ids, counts = hit
+        found.append((slot, ids, counts))
         total = float(counts.sum())
-        at_row.append(np.full(len(ids), len(slots)))
+        top = int(counts.argmax())
+        if not known[end] and slot not in unchained and weight * counts[top] / (total + PRIOR) >= chain:
+            sequence[end], known[end] = int(ids[top]), True
+    return found
+
+
+def mix_cache(rows: torch.Tensor, found: Sequence[Found], weight: float, barred_below: float) -> int:
+    """Mix `lookups` into gap logits `rows` [G, V] in place: p = (1 - lam) p_model + lam p_cache per slot, lam =
+    weight x n / (n + PRIOR); logits at or below `barred_below` stay barred. Returns how many slots it changed."""
+    if not found:
+        return 0
+    strength, at_row, at_id, count = [], [], [], []
+    for row, (_, ids, counts) in enumerate(found):
+        total = float(counts.sum())
+        at_row.append(np.full(len(ids), row))
         at_id.append(ids)
         count.append(counts)
-        slots.append(slot)
         strength.append(weight * total / (total + PRIOR))
-    if not slots:
-        return 0
-    index = torch.tensor(slots, device=rows.device)
+    index = torch.tensor([slot for slot, _, _ in found], device=rows.device)
     logits = rows[index].float()
     cached = torch.zeros_like(logits)
     where = (torch.from_numpy(np.concatenate(at_row)).to(rows.device),

@@ -12,7 +12,7 @@ import torch
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.paths import document_repository
-from canvas_ls.engine.token_cache import TokenCache, mix_cache
+from canvas_ls.engine.token_cache import TokenCache, lookups, mix_cache
 
 
 def test_the_cache_finds_the_longest_context_it_holds_and_never_one_across_files() -> None:
@@ -31,11 +31,24 @@ def test_mixing_moves_the_mass_where_the_workspace_went_and_keeps_barred_tokens_
     cache = TokenCache(np.array([1, 2, 3] * 10), orders=(2,))  # after (1, 2) always 3; after (2, 3) always 1
     rows = torch.zeros(3, 6)
     rows[1, 1] = -1e4  # barred (token healing)
-    changed = mix_cache(rows, [(0, [1, 2]), (1, [2, 3]), (2, [4, 4])], cache, weight=1.0, barred_below=-5e3)
+    found = [(0, *cache.following([1, 2])), (1, *cache.following([2, 3]))]
+    changed = mix_cache(rows, found, weight=1.0, barred_below=-5e3)
     probabilities = torch.softmax(rows, dim=-1)
-    assert changed == 1  # slot 1's only cached token is barred, slot 2's context is unseen
+    assert changed == 1  # slot 1's only cached token is barred: its logits stay as they were
     assert probabilities[0, 3] > 0.9 and torch.allclose(rows[2], torch.zeros(6))
     assert rows[1, 1] == -1e4 and torch.allclose(rows[1, [0, 2, 3, 4, 5]], torch.zeros(5))
+
+
+def test_a_run_the_workspace_always_writes_is_looked_up_in_one_step() -> None:
+    """A slot the cache alone makes near certain is the context of the next one within the same step (its token
+    taken as written), unless its logits are barred; an uncertain one is not."""
+    cache = TokenCache(np.array([1, 2, 3, 4] * 10), orders=(2,))
+    sequence, known, positions = [1, 2, 0, 0, 0], [True, True, False, False, False], [2, 3, 4]
+    chained = lookups(cache, sequence, known, positions, weight=1.0)
+    assert [(slot, ids.tolist()) for slot, ids, _ in chained] == [(0, [3]), (1, [4]), (2, [1])]
+    assert [slot for slot, _, _ in lookups(cache, sequence, known, positions, weight=0.5)] == [0]  # 0.45 < CHAIN
+    assert [slot for slot, _, _ in lookups(cache, sequence, known, positions, 1.0, unchained=frozenset({0}))] == [0]
+    assert sequence == [1, 2, 0, 0, 0] and known[2] is False  # the caller's lists are left as they were
 
 
 def test_a_request_of_the_workspace_writes_what_the_workspace_writes_there(tiny_model_dir: Path) -> None:
@@ -73,3 +86,17 @@ def test_a_workspaces_cache_is_built_in_the_background_from_its_repository(tiny_
     while (cache := engine.token_caches.get(str(repo))) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cache is not None and cache.tokens == len(engine._encode(views))
+
+
+def test_each_hole_of_a_fill_gets_the_workspace_where_its_context_is_known(tiny_model_dir: Path) -> None:
+    """Several holes in one canvas: each gap's first slot reads the code before it (the prefix, or the clamped code
+    between the holes) as its context."""
+    from canvas_ls.engine.regions import Hole
+
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    body = "".join(f"def handler_{i}(request):\n    return render(request, items)\n\n" for i in range(20))
+    engine.token_caches.put("/ws", TokenCache.from_texts([body], engine._encode))
+    middle = [Hole(), "\n\ndef other(request):\n    return", Hole()]
+    settings = {"seed": 3, "max_steps": 16}
+    result = engine.fill("def handler(request):\n    return", middle, "\n", settings, workspace="/ws")
+    assert [gap["text"][:7] for gap in result.gaps] == [" render", " render"], result.gaps
