@@ -11,7 +11,10 @@ prefix, the clamped code of a fill, or slots the sampler has accepted) gets its 
     lam      = weight * n / (n + PRIOR)        n: how often that context occurs (a rare one counts less)
 
 The mixture replaces the slot's logits (log p) before the step's statistics, so sampling, acceptance, stopping and the
-shown confidence all see it; tokens the step bars (token healing) stay barred. The stream is indexed per context
+shown confidence all see it; tokens the step bars (token healing) stay barred. Where the cache alone makes a slot
+near certain (CHAIN), that token is taken as the next slot's context within the same step (`lookups`), so a run the
+repository always writes (an identifier of several tokens, a call it always makes) fills at once rather than one
+token a step. The stream is indexed per context
 length by sorted 64-bit rolling hashes (numpy: a few bytes a token per length, no Python dict per n-gram), so a
 lookup is two binary searches and a count of the tokens that followed.
 """
