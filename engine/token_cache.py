@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -156,14 +157,16 @@ class WorkspaceCaches:
     """The token caches of the workspaces requests name, each built once in a background thread (a repository's
     files as `corpus.collect_repository` takes them: .gitignore respected, vendored, generated, minified, binary and
     secret files left out; at most MAX_CHARS of them), and rebuilt in the background once STALE_SECONDS old. A
-    request before its workspace's cache is built runs without one, never waiting."""
+    request before its workspace's cache is built runs without one, never waiting. The MAX_WORKSPACES most recently
+    used stay: a cache holds ~12 bytes per token and context length (~70 MB for MAX_CHARS of code)."""
 
-    MAX_CHARS = 8_000_000
+    MAX_CHARS = 4_000_000
+    MAX_WORKSPACES = 3
     STALE_SECONDS = 600.0
 
     def __init__(self, encode: Callable[[str], list[int]]):
         self.encode = encode
-        self._ready: dict[str, tuple[float, TokenCache]] = {}
+        self._ready: OrderedDict[str, tuple[float, TokenCache]] = OrderedDict()
         self._building: set[str] = set()
         self._lock = threading.Lock()
         self.errors: dict[str, str] = {}  # folder -> why its cache could not be built
@@ -171,6 +174,8 @@ class WorkspaceCaches:
     def get(self, folder: str) -> TokenCache | None:
         with self._lock:
             ready = self._ready.get(folder)
+            if ready is not None:
+                self._ready.move_to_end(folder)
             stale = ready is None or time.monotonic() - ready[0] > self.STALE_SECONDS
             if stale and folder not in self._building and folder not in self.errors:
                 self._building.add(folder)
@@ -180,6 +185,9 @@ class WorkspaceCaches:
     def put(self, folder: str, cache: TokenCache) -> None:
         with self._lock:
             self._ready[folder] = (time.monotonic(), cache)
+            self._ready.move_to_end(folder)
+            while len(self._ready) > self.MAX_WORKSPACES:
+                self._ready.popitem(last=False)  # the least recently used: built again if asked for
 
     def _build(self, folder: str) -> None:
         from canvas_ls.engine import corpus

@@ -100,3 +100,15 @@ def test_each_hole_of_a_fill_gets_the_workspace_where_its_context_is_known(tiny_
     settings = {"seed": 3, "max_steps": 16}
     result = engine.fill("def handler(request):\n    return", middle, "\n", settings, workspace="/ws")
     assert [gap["text"][:7] for gap in result.gaps] == [" render", " render"], result.gaps
+
+
+def test_the_least_recently_used_workspaces_cache_goes_beyond_the_bound() -> None:
+    from canvas_ls.engine.token_cache import WorkspaceCaches
+
+    caches = WorkspaceCaches(lambda text: [ord(c) for c in text])
+    made = {name: TokenCache.from_texts([name * 3], caches.encode) for name in "abcd"}
+    for name in "abc":
+        caches.put(name, made[name])
+    assert caches.get("a") is made["a"]  # used: now the most recent
+    caches.put("d", made["d"])
+    assert [caches._ready.get(name) is not None for name in "abcd"] == [True, False, True, True]
