@@ -37,7 +37,6 @@ from canvas_ls.engine.bench import (
     summarise,
 )
 from canvas_ls.engine.engine import Engine
-from canvas_ls.engine.token_cache import TokenCache
 
 # What the server asks for at a single-line and a multi-line hole (server.config.CompletionOptions).
 SETTINGS = {"lines": {"max_new_tokens": 48}, "blocks": {"gap_tokens": 32, "max_new_tokens": 128},
@@ -58,16 +57,20 @@ def measure(
 
 
 def evaluate(model: str | None, adapter: str | None, sets: dict[str, list[Task]],
-             cache: TokenCache | None = None) -> dict[str, Any]:  # fmt: skip
-    """Each set's figures; with the repository's token `cache` on its held-out lines and blocks (HumanEval, code
-    from outside the repository, runs without it, as a document outside the workspace does)."""
+             cached: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Each set's figures; with the token cache of the `cached` texts (the repository's training files, in this
+    model's tokens) on its held-out lines and blocks (HumanEval, code from outside the repository, runs without it,
+    as a document outside the workspace does); then also `token_cache`: its tokens and seconds to build."""
     engine = Engine.load(model, adapter=adapter)
-    if cache is not None:
-        engine.token_caches.put(CACHED, cache)
+    built = {}
+    if cached is not None:
+        started = time.perf_counter()
+        tokens = engine.token_caches.add(CACHED, cached).tokens
+        built = {"token_cache": {"tokens": tokens, "seconds": round(time.perf_counter() - started, 2)}}
     started = time.perf_counter()
-    figures = {name: measure(engine, tasks, SETTINGS[name], CACHED if cache is not None and name != "humaneval"
+    figures = {name: measure(engine, tasks, SETTINGS[name], CACHED if cached is not None and name != "humaneval"
                              else None) for name, tasks in sets.items()}  # fmt: skip
-    return {**figures, "seconds": round(time.perf_counter() - started, 1)}
+    return {**figures, **built, "seconds": round(time.perf_counter() - started, 1)}
 
 
 CACHED = "repository"  # the workspace name the evaluated requests give for the repository's token cache
@@ -115,7 +118,7 @@ def run(
     progress(f"{described['root']}: {len(files)} files, {len(held)} held out; tasks {report['tasks']}")
     report["base_figures"] = evaluate(base, None, sets)
     progress(f"base: {_brief(report['base_figures'])}")
-    cache = None
+    cached = [f.text for f in training_files]  # what a workspace's token cache holds
     ordered: list[str] = []
     for name in recipes or list(workspaces.RECIPES):  # "X+cache" evaluates X's model: X trains first
         for step in (name.removesuffix("+cache"), name):
@@ -123,23 +126,20 @@ def run(
                 ordered.append(step)
     for name in ordered:
         trained = name.removesuffix("+cache")
-        if trained != name or name == "cache":  # the token cache of the training files (what a workspace's is)
-            built = time.perf_counter()
-            cache = cache or TokenCache.from_texts([f.text for f in training_files], Engine.load(base)._encode)
-            cache_s = time.perf_counter() - built
         if name == "cache":  # no training: the base model with the repository's token cache
-            point = {"minutes": 0.0, "held_out_loss": None, **evaluate(base, None, sets, cache)}
-            report["recipes"][name] = {"recipe": {"token_cache_tokens": cache.tokens}, "steps": 0,
-                                       "stopped": "no training", "wall_s": round(cache_s, 1),
+            point = {"minutes": 0.0, "held_out_loss": None, **evaluate(base, None, sets, cached)}
+            built = point["token_cache"]
+            report["recipes"][name] = {"recipe": {"token_cache_tokens": built["tokens"]}, "steps": 0,
+                                       "stopped": "no training", "wall_s": built["seconds"],
                                        "curve": [{"minutes": 0.0, "held_out_loss": None, **report["base_figures"]},
                                                  point]}  # fmt: skip
-            progress(f"cache ({cache.tokens} tokens, {cache_s:.1f} s): {_brief(point)}")
+            progress(f"cache ({built['tokens']} tokens, {built['seconds']} s): {_brief(point)}")
             continue
         recipe, replay = workspaces.recipe(trained)
         out = work / trained
         if trained != name:  # the model X trained (just before), with the cache
             done = report["recipes"][trained]
-            point = {**done["curve"][-1], **evaluate(str(out / "model"), None, sets, cache)}
+            point = {**done["curve"][-1], **evaluate(str(out / "model"), None, sets, cached)}
             report["recipes"][name] = {**done, "curve": [done["curve"][0], point]}
             progress(f"{name} final: {_brief(point)}")
             continue

@@ -11,7 +11,7 @@ it measures, in one run:
   - FLOPs per step counted by torch's FlopCounterMode (not estimated), hence GFLOP/s and the share of the peak;
   - a torch.profiler table of one eager configuration: the ops a step spends its time in;
   - with `--quantize int8|int4` the same on quantised weights (`engine.quantize`; compiled only where the experts run
-    the int8 kernel, a GPU's int8), and the bytes the weights hold (for DiffusionGemma: which card it fits).
+    the GPU kernel), and the bytes the weights hold (for DiffusionGemma: which card it fits).
 Figures, never pass/fail; the JSON holds every number the table prints.
 """
 
@@ -287,7 +287,7 @@ def run(model_name: str | None, layers: int, device: str | None, dtype: str | No
         quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """`bench step` for a model folder or hub id (None: the shipped one) or, with model_name "full-width", for
     DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30); its layers' weights quantised as
-    `quantize` says (eager only unless their experts run the int8 kernel: `quantize.compiles`)."""
+    `quantize` says (eager only unless their experts run the GPU kernel: `quantize.compiles`)."""
     from canvas_ls.engine.loading import load_model, resolve_device, resolve_dtype
     from canvas_ls.engine.quantize import compiles, quantize_model, resolve
 

@@ -67,19 +67,19 @@ class CompiledDecoder:
 
         self.model = model
         device = next(model.parameters()).device
-        # Quantised weights run eager unless their experts run the int8 kernel (a GPU's int8): the other expert
-        # implementations loop over the experts the tokens picked (`engine.quantize`), which neither a whole-graph
-        # compilation nor CUDA graphs can hold (said whenever compile was not asked off)
-        quantized = quantized_kind(model) if mode != "off" and not compiles(model) else "none"
+        # Quantised weights run eager unless their experts run the GPU kernel: the other expert implementations loop
+        # over the experts the tokens picked (`engine.quantize`), which neither a whole-graph compilation nor CUDA
+        # graphs can hold (said whenever compile was not asked off)
         mode = compile_mode(mode)
-        self.enabled = mode != "off" and quantized == "none"
+        eager_weights = mode != "off" and not compiles(model)
+        self.enabled = mode != "off" and not eager_weights
         # On the CPU, whether the engine may compile in its own process where the child cannot ("on" only: under
         # "auto" a machine that cannot compile stays eager rather than trace the model beside the user's requests).
         self.compile_here = mode == "on"
         self.state = "warming" if self.enabled else "off"  # warming -> ready | failed
         self.detail = "" if self.enabled else f"compile={mode} on {device.type}"
-        if quantized != "none":
-            self.detail = f"off: {quantized} weights run eager"
+        if eager_weights:
+            self.detail = f"off: {quantized_kind(model)} weights run eager"
         self.warmup_seconds: float | None = None
         self.ready_seconds: dict[str, float] = {}  # "1 row" / "rows": seconds from the warm-up's start to its graph
         self.steps = {"compiled": 0, "eager": 0}

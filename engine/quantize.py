@@ -200,9 +200,9 @@ def quantized_kind(model: Any) -> str:
 
 
 def compiles(model: Any) -> bool:
-    """Whether the model's forward can be compiled whole (one graph, CUDA graphs on a GPU): float weights, or int8
-    ones whose experts run `experts_kernel` (a custom op with no host synchronisation); the other quantised experts
-    loop in Python over the experts the tokens picked."""
+    """Whether the model's forward can be compiled whole (one graph, CUDA graphs on a GPU): float weights, or int8 /
+    int4 ones whose experts run `experts_kernel` (a custom op with no host synchronisation); the other quantised
+    experts loop in Python over the experts the tokens picked."""
     if not is_quantized(model):
         return True
     from canvas_ls.engine.experts_kernel import kernel_experts
@@ -218,30 +218,28 @@ def is_quantized(model: Any) -> bool:
 @torch.inference_mode(False)
 @torch.no_grad()
 def use_quantized_experts(model: Any, grouped: bool | None = None, kernel: bool | None = None) -> None:
-    """Run every MoE layer's experts through `experts_kernel` (`kernel`; None: on a GPU, with int8 weights it reads),
-    `dequantized_experts` (`grouped`; None: on a GPU, where the weights can be dequantized) or `quantized_experts`,
-    the latter on per-expert views of the quantised weights made here, once: outside inference mode, where
-    torchao's quantised tensors can be indexed (they keep autograd's aliasing records, which inference tensors
-    refuse)."""
+    """Run every MoE layer's experts through `experts_kernel` (`kernel`; None: on a GPU, with weights it reads),
+    else `dequantized_experts` (`grouped`; None: on a GPU, where the weights can be dequantized), else
+    `quantized_experts`, the latter on per-expert views of the quantised weights made here, once: outside inference
+    mode, where torchao's quantised tensors can be indexed (they keep autograd's aliasing records, which inference
+    tensors refuse)."""
     import copy
 
     from canvas_ls.engine import experts_kernel
 
-    experts = model.model.decoder.layers[0].experts
-    if kernel is None:
-        kernel = experts.gate_up_proj.device.type == "cuda" and experts_kernel.use_kernel(experts)
-    if grouped is None:
-        grouped = experts.gate_up_proj.device.type == "cuda" and hasattr(experts.gate_up_proj, "dequantize")
+    first = model.model.decoder.layers[0].experts
+    on_gpu = first.gate_up_proj.device.type == "cuda"
+    kernel = on_gpu and experts_kernel.use_kernel(first) if kernel is None else kernel
+    grouped = on_gpu and hasattr(first.gate_up_proj, "dequantize") if grouped is None else grouped
     text = copy.copy(model.config.get_text_config())
-    if kernel:
-        text._experts_implementation, grouped = experts_kernel.kernel_experts(), True
-    else:
-        text._experts_implementation = dequantized_experts() if grouped else quantized_experts()
+    text._experts_implementation = (experts_kernel.kernel_experts() if kernel else dequantized_experts() if grouped
+                                    else quantized_experts())  # fmt: skip
+    looped = text._experts_implementation == quantized_experts()
     for layers in (model.model.decoder.layers, model.model.encoder.language_model.layers):
         for layer in layers:
             experts = layer.experts
             experts.config = text
-            count = 0 if grouped else experts.num_experts
+            count = experts.num_experts if looped else 0
             experts.canvas_ls_views = [(experts.gate_up_proj[e], experts.down_proj[e]) for e in range(count)]
 
 

@@ -182,6 +182,12 @@ class WorkspaceCaches:
                 threading.Thread(target=self._build, args=(folder,), name="canvas-token-cache", daemon=True).start()
         return ready[1] if ready is not None else None
 
+    def add(self, folder: str, texts: Iterable[str]) -> TokenCache:
+        """The cache of `texts` (in this engine's tokens) as `folder`'s, from now on; returned."""
+        cache = TokenCache.from_texts(texts, self.encode)
+        self.put(folder, cache)
+        return cache
+
     def put(self, folder: str, cache: TokenCache) -> None:
         with self._lock:
             self._ready[folder] = (time.monotonic(), cache)
@@ -203,9 +209,8 @@ class WorkspaceCaches:
                     break
                 texts.append(file.text)
                 used += len(file.text)
-            cache = TokenCache.from_texts(texts, self.encode)
+            cache = self.add(folder, texts)
             log.info("token cache of %s: %d files, %d tokens", folder, len(texts), cache.tokens)
-            self.put(folder, cache)
         except Exception as exc:  # a folder that cannot be read: no cache for it, said once
             self.errors[folder] = f"{type(exc).__name__}: {exc}"
             log.warning("no token cache for %s: %s", folder, self.errors[folder])

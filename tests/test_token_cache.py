@@ -59,7 +59,7 @@ def test_a_request_of_the_workspace_writes_what_the_workspace_writes_there(tiny_
     space in the first slot.)"""
     engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
     body = "".join(f"def handler_{i}(request):\n    return render(request, items)\n\n" for i in range(20))
-    engine.token_caches.put("/ws", TokenCache.from_texts([body], engine._encode))
+    engine.token_caches.add("/ws", [body])
     prefix, suffix = "def handler(request):\n    return", "\n"
     settings = {"seed": 3, "max_new_tokens": 8}
     cached = engine.infill(prefix, suffix, settings, workspace="/ws")
@@ -95,7 +95,7 @@ def test_each_hole_of_a_fill_gets_the_workspace_where_its_context_is_known(tiny_
 
     engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
     body = "".join(f"def handler_{i}(request):\n    return render(request, items)\n\n" for i in range(20))
-    engine.token_caches.put("/ws", TokenCache.from_texts([body], engine._encode))
+    engine.token_caches.add("/ws", [body])
     middle = [Hole(), "\n\ndef other(request):\n    return", Hole()]
     settings = {"seed": 3, "max_steps": 16}
     result = engine.fill("def handler(request):\n    return", middle, "\n", settings, workspace="/ws")
