@@ -69,9 +69,9 @@ class CompiledDecoder:
         device = next(model.parameters()).device
         # Quantised weights run eager unless their experts run the GPU kernel: the other expert implementations loop
         # over the experts the tokens picked (`engine.quantize`), which neither a whole-graph compilation nor CUDA
-        # graphs can hold (said whenever compile was not asked off)
-        mode = compile_mode(mode)
+        # graphs can hold (said whenever compile was not asked off: the mode as asked, before CANVAS_LS_COMPILE)
         eager_weights = mode != "off" and not compiles(model)
+        mode = compile_mode(mode)
         self.enabled = mode != "off" and not eager_weights
         # On the CPU, whether the engine may compile in its own process where the child cannot ("on" only: under
         # "auto" a machine that cannot compile stays eager rather than trace the model beside the user's requests).
