@@ -56,11 +56,12 @@ def measure(
     return {**summarise(rows), "similarities": [row["edit_similarity"] for row in rows]}
 
 
-def evaluate(model: str | None, adapter: str | None, sets: dict[str, list[Task]],
-             cached: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Each set's figures; with the token cache of the `cached` texts (the repository's training files, in this
-    model's tokens) on its held-out lines and blocks (HumanEval, code from outside the repository, runs without it,
-    as a document outside the workspace does); then also `token_cache`: its tokens and seconds to build."""
+def evaluate(model: str | None, adapter: str | None, sets: dict[str, list[Task]], cached: list[str] | None = None,
+             overrides: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Each set's figures (the model's settings: each task's document is its own token cache, `overrides` aside);
+    with the token cache of the `cached` texts (the repository's training files, in this model's tokens) on its
+    held-out lines and blocks (HumanEval, code from outside the repository, runs without it, as a document outside
+    the workspace does); then also `token_cache`: its tokens and seconds to build."""
     engine = Engine.load(model, adapter=adapter)
     built = {}
     if cached is not None:
@@ -68,8 +69,9 @@ def evaluate(model: str | None, adapter: str | None, sets: dict[str, list[Task]]
         tokens = engine.token_caches.add(CACHED, cached).tokens
         built = {"token_cache": {"tokens": tokens, "seconds": round(time.perf_counter() - started, 2)}}
     started = time.perf_counter()
-    figures = {name: measure(engine, tasks, SETTINGS[name], CACHED if cached is not None and name != "humaneval"
-                             else None) for name, tasks in sets.items()}  # fmt: skip
+    figures = {name: measure(engine, tasks, {**SETTINGS[name], **(overrides or {})},
+                             CACHED if cached is not None and name != "humaneval" else None)
+               for name, tasks in sets.items()}  # fmt: skip
     return {**figures, **built, "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -118,6 +120,8 @@ def run(
     progress(f"{described['root']}: {len(files)} files, {len(held)} held out; tasks {report['tasks']}")
     report["base_figures"] = evaluate(base, None, sets)
     progress(f"base: {_brief(report['base_figures'])}")
+    report["base_without_cache"] = evaluate(base, None, sets, overrides={"workspace_cache": 0})  # as the issue's base
+    progress(f"base without the document's token cache: {_brief(report['base_without_cache'])}")
     cached = [f.text for f in training_files]  # what a workspace's token cache holds
     ordered: list[str] = []
     for name in recipes or list(workspaces.RECIPES):  # "X+cache" evaluates X's model: X trains first
@@ -199,6 +203,8 @@ def recipe_scores(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         scores[name] = {"recipe": name, "lines_similarity_gain": lines["gain"], "lines_similarity_interval":
                         lines["interval"], "lines_exact_gain": exact, "humaneval_exact_change": general,
                         "keeps_exact": exact >= 0}  # fmt: skip
+        if "base_without_cache" in report:  # against the model without any token cache (the issue's base)
+            scores[name]["lines_similarity_gain_over_no_cache"] = line_gain(report["base_without_cache"], last)["gain"]
     return scores
 
 
@@ -231,7 +237,13 @@ def format_repo(report: dict[str, Any]) -> str:
 
     first = next(iter(report["recipes"].values()), None)  # every recipe's curve starts at the base's loss
     before = first["curve"][0]["held_out_loss"] if first else None
+    if "base_without_cache" in report:  # reports before the document's token cache was on by default
+        lines.append(row("base-nocache", {"minutes": 0.0, "held_out_loss": before, **report["base_without_cache"]}))
     lines.append(row("base", {"minutes": 0.0, "held_out_loss": before, **report["base_figures"]}))
+    if "base_without_cache" in report:
+        own = line_gain(report["base_without_cache"], report["base_figures"])
+        shown = _gain(own["gain"], own["interval"])
+        lines.append(f"{'':<12} (the document's own token cache: line similarity {shown})")
     scores = report.get("scores") or recipe_scores(report)  # reports written before scores were kept
     for name, result in report["recipes"].items():
         for point in result["curve"][1:]:
@@ -246,7 +258,9 @@ def format_repo(report: dict[str, Any]) -> str:
         lines.append(f"best: {best['recipe']}: held-out line similarity "
                      f"{_gain(best['lines_similarity_gain'], best.get('lines_similarity_interval'))}, "
                      f"exact {best['lines_exact_gain']:+.1f}, HumanEval exact "
-                     f"{'n/a' if general is None else f'{general:+.1f}'} points")  # fmt: skip
+                     f"{'n/a' if general is None else f'{general:+.1f}'} points"
+                     + (f"; over the model without token caches {best['lines_similarity_gain_over_no_cache']:+.1f}"
+                        if "lines_similarity_gain_over_no_cache" in best else ""))  # fmt: skip
         if best.get("lines_similarity_interval"):
             lines.append("(intervals: 95% over the held-out lines, paired with the base; the spread between two "
                          "training runs of one recipe comes on top)")  # fmt: skip

@@ -53,7 +53,7 @@ from canvas_ls.engine.compiled import CompiledDecoder
 from canvas_ls.engine.prefix_cache import PrefixCache
 from canvas_ls.engine.sampling import StepStats, step_stats_rows
 from canvas_ls.engine.settings import InfillSettings
-from canvas_ls.engine.token_cache import ORDERS, Found, TokenCache, lookups, mix_cache
+from canvas_ls.engine.token_cache import ORDERS, Caches, Found, lookups, mix_cache
 
 
 class CancelToken(Protocol):
@@ -85,8 +85,9 @@ class DenoiseParams:
     # tokens allowed in the first canvas's first gap slot ([V] bool: those starting with it, and the stop ids).
     healed: str = ""
     first_slot_allowed: torch.Tensor | None = None
-    # The workspace's token n-gram cache, mixed into the gap logits at settings.workspace_cache (`token_cache`)
-    token_cache: TokenCache | None = None
+    # The token n-gram cache of the document and its workspace, mixed into the gap logits at
+    # settings.workspace_cache (`token_cache`)
+    token_cache: Caches | None = None
 
     @property
     def min_new_tokens(self) -> int:
@@ -534,7 +535,7 @@ class CanvasJob:
             raise InfillCancelled(self.out.steps)
         return self.canvas(), self.positions
 
-    def cache_lookups(self, cache: TokenCache, weight: float) -> list[Found]:
+    def cache_lookups(self, cache: Caches, weight: float) -> list[Found]:
         """The token cache's `lookups` for this canvas: known are the prefix and earlier canvases, the clamped code
         of a fill, and the slots the sampler accepted at the last step."""
         canvas = self.canvas()[0].tolist()
@@ -678,9 +679,10 @@ def step_jobs(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
                 rows[slot, ~allowed] = BARRED_LOGIT
             else:  # min_new_tokens; a finite floor: -inf would turn the entropies into NaN (0 * -inf)
                 rows[slot, job.stop_tensor] = BARRED_LOGIT
-        if job.params.token_cache is not None:  # the workspace's own code, where the slot's context is known
+        if job.params.token_cache is not None:  # the user's own code, where the slot's context is known
             weight = job.params.settings.workspace_cache
-            mix_cache(rows, job.cache_lookups(job.params.token_cache, weight), weight, BARRED_LOGIT / 2)
+            found = job.cache_lookups(job.params.token_cache, weight)
+            mix_cache(rows, found, weight, BARRED_LOGIT / 2, job.stop_tensor)
         if job.gap_index is not None:
             logits[row, job.gap_index] = rows
         gathered.append(rows)

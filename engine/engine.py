@@ -37,7 +37,7 @@ from canvas_ls.engine.loading import LoadedModel, load_model
 from canvas_ls.engine.prefix_cache import PrefixCache
 from canvas_ls.engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
 from canvas_ls.engine.settings import InfillSettings, model_settings
-from canvas_ls.engine.token_cache import TokenCache, WorkspaceCaches
+from canvas_ls.engine.token_cache import DOCUMENT_WEIGHT, Caches, TokenCache, WorkspaceCaches
 from canvas_ls.engine.tokenizer import TokenHealing
 
 __all__ = [
@@ -273,20 +273,29 @@ class Engine:
             allowed = self._first_slot_allowed(healed) if healed else None
             prefix_ids = self._encode(request.prefix[: len(request.prefix) - len(healed)])
             encoder_ids = self._with_bos(prefix_ids[-settings.max_prefix_tokens :])
-            head_ids = self._encode(request.suffix)[: settings.suffix_head_tokens]
+            suffix_ids = self._encode(request.suffix)
+            head_ids = suffix_ids[: settings.suffix_head_tokens]
         else:
             encoder_ids = self._prompt_ids(request.prefix, request.suffix, settings)
             head_ids = []
+            prefix_ids, suffix_ids = [], []
+            if settings.workspace_cache > 0:  # the prompt's template is no part of the document
+                prefix_ids, suffix_ids = self._encode(request.prefix), self._encode(request.suffix)
         line_ends = self._line_end_ids() if settings.single_line else frozenset()
-        token_cache = self._token_cache(request, settings)
+        token_cache = self._token_cache(request, settings, prefix_ids, [suffix_ids])
         params = DenoiseParams(settings, settings.max_new_tokens, line_ends, healed, allowed, token_cache)
         return Prepared(settings, encoder_ids, head_ids, params)
 
-    def _token_cache(self, request: InfillRequest, settings: InfillSettings) -> TokenCache | None:
-        """The request's workspace's token cache, where it has one built and the settings weigh it."""
-        if request.workspace is None or settings.workspace_cache <= 0:
+    def _token_cache(self, request: InfillRequest, settings: InfillSettings, before: list[int],
+                     after: list[list[int]]) -> Caches | None:  # fmt: skip
+        """The token cache of the user's own code, where the settings weigh it: the document's (its tokens `before`
+        the first gap and the parts `after` it: the editor's text, unsaved edits included) and its workspace's,
+        where the request names one and its cache is built."""
+        if settings.workspace_cache <= 0:
             return None
-        return self.token_caches.get(request.workspace)
+        caches = [(TokenCache.of_document(before, after), DOCUMENT_WEIGHT)]
+        workspace = self.token_caches.get(request.workspace) if request.workspace is not None else None
+        return Caches(caches if workspace is None else [*caches, (workspace, 1.0)])
 
     def _prepare_fill(self, request: InfillRequest, settings: InfillSettings) -> Prepared:
         """Lay out [prefix] -> encoder, then [gap | clamped | gap | ... | suffix head] in the canvas. Each gap is
@@ -308,6 +317,7 @@ class Engine:
         segments: list[Segment] = []
         encoder_ids: list[int] = []
         seen = ""  # the document's text before the current gap (the holes' own text left out)
+        parts: list[list[int]] = []  # the tokens of the document's text between the gaps
         for index, hole in enumerate(holes):
             if not 0 < hole.strength <= 1:
                 raise FillError(f"hole {index + 1}: strength must be in (0, 1], got {hole.strength}")
@@ -315,6 +325,7 @@ class Engine:
             seen += before
             cut = self.healing.cut(seen) if settings.token_healing and before else ""
             kept = self._encode(before[: len(before) - len(cut)])
+            parts.append(kept)
             if index == 0:
                 encoder_ids = self._with_bos(kept[-settings.max_prefix_tokens :])
             else:
@@ -324,7 +335,8 @@ class Engine:
             length = len(init) + max(4, len(init) // 2) if init else settings.gap_tokens
             segments.append(GapSpec(length, tuple(init), hole.strength, allowed, cut,
                                     max(settings.max_new_tokens, length)))  # fmt: skip
-        segments.append(Clamp(tuple(self._encode(texts[-1])[: settings.suffix_head_tokens])))
+        parts.append(self._encode(texts[-1]))
+        segments.append(Clamp(tuple(parts[-1][: settings.suffix_head_tokens])))
         gap_slots = sum(s.length for s in segments if isinstance(s, GapSpec))
         canvas = gap_slots + sum(len(s.ids) for s in segments if isinstance(s, Clamp))
         if gap_slots > settings.fill_tokens:
@@ -334,7 +346,7 @@ class Engine:
                             f"max_canvas_tokens={settings.max_canvas_tokens}: select a smaller region")  # fmt: skip
         # One hole continues canvas after canvas up to its answer's bound; several share the fill's budget.
         budget = max(settings.max_new_tokens, gap_slots) if len(holes) == 1 else max(settings.fill_tokens, gap_slots)
-        params = DenoiseParams(settings, budget, token_cache=self._token_cache(request, settings))
+        params = DenoiseParams(settings, budget, token_cache=self._token_cache(request, settings, parts[0], parts[1:]))
         return Prepared(settings, encoder_ids, [], params, tuple(segments))
 
     def cache_for(self, settings: InfillSettings) -> PrefixCache | None:

@@ -85,8 +85,9 @@ class InfillSettings:
     # Reuse (and keep) the encoder KV of earlier prefixes this one extends. Off: the whole prefix is encoded afresh
     # (what `bench engine` measures a keystroke's reuse against, on the very same request).
     reuse_prefix: bool = True
-    # Weight of the workspace's token n-gram cache in a gap slot's distribution where the slot's context is known
-    # (`engine.token_cache`; only requests that name a workspace have one). 0 turns it off.
+    # Weight of the token n-gram cache of the user's code in a gap slot's distribution where the slot's context is
+    # known (`engine.token_cache`: the request's own document, and its workspace's files where the request names a
+    # workspace). 0 turns it off.
     workspace_cache: float = 1.0
     # The caller keeps only the first line (an LSP single-line completion): stop once the answer has a line break.
     single_line: bool = False

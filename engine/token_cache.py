@@ -1,14 +1,17 @@
-"""A workspace's token n-gram cache, mixed into the denoising step: adaptation to the user's code without training.
+"""The token n-gram cache of the user's code, mixed into the denoising step: adaptation without training.
 
-A repository repeats itself: its own names, imports, call shapes and idioms recur across its files, and a small
-model has seen none of them. A cache language model (Kuhn & De Mori's cache, and for code Tu et al. 2014 and
-Hellendoorn & Devanbu 2017, where an n-gram cache of the project beat neural models on project-specific tokens)
-counts what followed each context in the project's own token stream. Here the counts come from a workspace's files
-(the model's tokenizer; `from_texts`), and at each denoising step a gap slot whose preceding tokens are known (the
-prefix, the clamped code of a fill, or slots the sampler has accepted) gets its distribution mixed with the cache's:
+Code repeats itself: a file's and a repository's own names, imports, call shapes and idioms recur, and a small model
+has seen none of them. A cache language model (Kuhn & De Mori's cache, and for code Tu et al. 2014 and Hellendoorn &
+Devanbu 2017, where an n-gram cache of the file and the project beat neural models on project-specific tokens)
+counts what followed each context in the code's own token stream. Here the counts come from the request's document
+as the editor holds it (`TokenCache.of_document`: the code on both sides of the gap, unsaved edits included) and
+from its workspace's files (`from_texts`, built in the background: `WorkspaceCaches`), in the model's tokens, the
+document's counts weighing DOCUMENT_WEIGHT times the workspace's (`Caches`). At each denoising step a gap slot whose
+preceding tokens are known (the prefix, the clamped code of a fill, or slots the sampler has accepted) gets its
+distribution mixed with the cache's:
 
-    p(token) = (1 - lam) p_model(token) + lam p_cache(token | the longest context of ORDERS seen in the workspace)
-    lam      = weight * n / (n + PRIOR)        n: how often that context occurs (a rare one counts less)
+    p(token) = (1 - lam) p_model(token) + lam p_cache(token | the longest context of ORDERS either cache holds)
+    lam      = weight * n / (n + PRIOR)        n: how often that context occurs, weighted (a rare one counts less)
 
 The mixture replaces the slot's logits (log p) before the step's statistics, so sampling, acceptance, stopping and the
 shown confidence all see it; tokens the step bars (token healing) stay barred. Where the cache alone makes a slot
@@ -37,6 +40,8 @@ log = logging.getLogger("canvas-ls.token_cache")
 
 ORDERS = (8, 6, 5, 4, 3, 2)  # context lengths tried, longest first
 PRIOR = 1.0  # a context seen n times weighs n / (n + PRIOR) of the cache's weight
+DOCUMENT_TOKENS = 8192  # of a request's own document, nearest its gap (`TokenCache.of_document`: ~4 ms to build)
+DOCUMENT_WEIGHT = 4.0  # a count in the request's own document weighs as this many in its workspace (`Caches`)
 CHAIN = 0.8  # a slot the cache alone puts this much on one token is the context of the next slot (`lookups`)
 Found = tuple[int, np.ndarray, np.ndarray]  # (gap slot, token ids, counts) of what followed its context
 _BASE = np.uint64(1_000_003)
@@ -62,21 +67,62 @@ class TokenCache:
 
     @classmethod
     def from_texts(cls, texts: Iterable[str], encode: Callable[[str], list[int]]) -> TokenCache:
-        parts: list[np.ndarray] = []
-        for text in texts:
-            parts += [np.asarray(encode(text), dtype=np.int64), np.asarray([_SEPARATOR], dtype=np.int64)]
-        return cls(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+        return cls.from_ids(encode(text) for text in texts)
+
+    @classmethod
+    def from_ids(cls, parts: Iterable[Sequence[int]]) -> TokenCache:
+        """The cache of token id sequences (files, or the parts of one document between its gaps)."""
+        stream: list[np.ndarray] = []
+        for ids in parts:
+            stream += [np.asarray(ids, dtype=np.int64), np.asarray([_SEPARATOR], dtype=np.int64)]
+        return cls(np.concatenate(stream) if stream else np.zeros(0, dtype=np.int64))
+
+    @classmethod
+    def of_document(cls, before: Sequence[int], after: Sequence[Sequence[int]],
+                    budget: int = DOCUMENT_TOKENS) -> TokenCache:  # fmt: skip
+        """The cache of the document a request completes, as the editor holds it now (unsaved, and with the
+        snippets of other files the prefix carries): the end of the text `before` its first gap and the start of
+        the parts `after` it, `budget` tokens in all, at most a quarter of them after."""
+        room, kept = budget // 4, []
+        for ids in after:
+            kept.append(ids[:room])
+            room -= len(kept[-1])
+        head = budget - sum(len(ids) for ids in kept)
+        return cls.from_ids([before[max(len(before) - head, 0) :], *kept])
 
     def following(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """(token ids, counts) of what followed the longest of `context`'s endings the workspace holds, or None."""
         for order in self.orders:
-            if len(context) < order or order not in self._tables:
-                continue
-            hashes, following = self._tables[order]
-            key = np.uint64(_hash(context[-order:]))
-            low, high = hashes.searchsorted(key, "left"), hashes.searchsorted(key, "right")
-            if high > low:
-                return np.unique(following[low:high], return_counts=True)
+            hit = self.at(order, context)
+            if hit is not None:
+                return np.unique(hit, return_counts=True)
+        return None
+
+    def at(self, order: int, context: Sequence[int]) -> np.ndarray | None:
+        """Every token that followed `context`'s last `order` tokens (with repeats), or None where none did."""
+        if len(context) < order or order not in self._tables:
+            return None
+        hashes, following = self._tables[order]
+        key = np.uint64(_hash(context[-order:]))
+        low, high = hashes.searchsorted(key, "left"), hashes.searchsorted(key, "right")
+        return following[low:high] if high > low else None
+
+
+class Caches:
+    """Several token caches read as one, each count times its cache's weight (the document's own code above its
+    workspace's: DOCUMENT_WEIGHT): what followed the longest context any of them holds, counted over all that hold a
+    context that long."""
+
+    def __init__(self, caches: Sequence[tuple[TokenCache, float]]):
+        self.caches = list(caches)
+
+    def following(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        for order in ORDERS:
+            hits = [(hit, weight) for cache, weight in self.caches if (hit := cache.at(order, context)) is not None]
+            if hits:
+                ids, inverse = np.unique(np.concatenate([hit for hit, _ in hits]), return_inverse=True)
+                weights = np.concatenate([np.full(len(hit), weight) for hit, weight in hits])
+                return ids, np.bincount(inverse, weights=weights, minlength=len(ids))
         return None
 
 
@@ -98,7 +144,7 @@ def _window_hashes(ids: np.ndarray, order: int) -> np.ndarray:
     return hashes
 
 
-def lookups(cache: TokenCache, sequence: list[int], known: list[bool], positions: Sequence[int], weight: float,
+def lookups(cache: TokenCache | Caches, sequence: list[int], known: list[bool], positions: Sequence[int], weight: float,
             chain: float = CHAIN, unchained: frozenset[int] = frozenset()) -> list[Found]:  # fmt: skip
     """What the cache says for each gap slot (`positions`: the slots' indices in `sequence`, left to right) whose
     last ORDERS[-1] tokens are `known`: (slot, token ids, counts) of what followed its longest known context. A slot
@@ -125,9 +171,12 @@ def lookups(cache: TokenCache, sequence: list[int], known: list[bool], positions
     return found
 
 
-def mix_cache(rows: torch.Tensor, found: Sequence[Found], weight: float, barred_below: float) -> int:
-    """Mix `lookups` into gap logits `rows` [G, V] in place: p = (1 - lam) p_model + lam p_cache per slot, lam =
-    weight x n / (n + PRIOR); logits at or below `barred_below` stay barred. Returns how many slots it changed."""
+def mix_cache(rows: torch.Tensor, found: Sequence[Found], weight: float, barred_below: float,
+              stop_ids: torch.Tensor) -> int:  # fmt: skip
+    """Mix `lookups` into gap logits `rows` [G, V] in place, per slot: the model's probability of `stop_ids` (the
+    answer ends here: code holds no answers' ends, so that is the model's to say) stays, and the rest of the mass is
+    (1 - lam) p_model + lam (1 - p_stop) p_cache, lam = weight x n / (n + PRIOR); logits at or below `barred_below`
+    stay barred. Returns how many slots it changed."""
     if not found:
         return 0
     strength, at_row, at_id, count = [], [], [], []
@@ -144,9 +193,13 @@ def mix_cache(rows: torch.Tensor, found: Sequence[Found], weight: float, barred_
              torch.from_numpy(np.concatenate(at_id).astype(np.int64)).to(rows.device))  # fmt: skip
     cached.index_put_(where, torch.from_numpy(np.concatenate(count).astype(np.float32)).to(rows.device))
     cached.masked_fill_(logits <= barred_below, 0.0)
+    cached[:, stop_ids] = 0.0
     mass = cached.sum(dim=-1, keepdim=True)
     lam = torch.tensor(strength, device=rows.device)[:, None]
-    mixed = (1 - lam) * torch.softmax(logits, dim=-1) + lam * cached / mass.clamp_min(1e-9)
+    probabilities = torch.softmax(logits, dim=-1)
+    stop = probabilities[:, stop_ids].sum(dim=-1, keepdim=True)
+    mixed = (1 - lam) * probabilities + lam * (1 - stop) * cached / mass.clamp_min(1e-9)
+    mixed[:, stop_ids] = probabilities[:, stop_ids]
     mixed = torch.where(logits <= barred_below, logits, mixed.clamp_min(1e-30).log())
     hit = mass[:, 0] > 0  # a slot whose every cached token is barred keeps its logits
     rows[index[hit]] = mixed[hit].to(rows.dtype)

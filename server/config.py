@@ -85,8 +85,9 @@ class CompletionOptions:
     # overlap and the definitions of names used near the cursor, placed before the prefix, within this many tokens.
     # 0 turns it off.
     context_tokens: int = 512
-    # Weight of the workspace's token cache (the n-grams of the document's git repository, mixed into each slot whose
-    # context is known: `engine.token_cache`); None: the model's own setting (1.0 unless its folder says); 0: off.
+    # Weight of the token cache of the user's code (the n-grams of the document as the editor holds it, and of its git
+    # repository, mixed into each slot whose context is known: `engine.token_cache`); None: the model's own setting
+    # (1.0 unless its folder says); 0: off.
     workspace_cache: float | None = None
 
     def __post_init__(self) -> None:
@@ -108,10 +109,11 @@ class FillOptions:
     # Denoising step cap; None keeps the model's own.
     max_steps: int | None = None
 
-    def overrides(self) -> dict[str, Any]:
-        """The engine settings of a fill. The user asked for these regions: each answer has at least one token."""
+    def overrides(self, workspace_cache: float | None = None) -> dict[str, Any]:
+        """The engine settings of a fill. The user asked for these regions: each answer has at least one token. The
+        token cache's weight is `completion.workspace_cache` (one setting for completions and fills)."""
         return {"gap_tokens": self.gap_tokens, "max_new_tokens": self.max_new_tokens, "max_holes": self.max_holes,
-                "max_steps": self.max_steps, "min_new_tokens": 1}  # fmt: skip
+                "max_steps": self.max_steps, "min_new_tokens": 1, "workspace_cache": workspace_cache}  # fmt: skip
 
 
 @dataclass

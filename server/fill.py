@@ -76,10 +76,11 @@ REASONS = {
 
 
 async def fill_regions(document: Document, regions: list[Region], backend: Backend, options: FillOptions,
-                       cancel: CancelFlag, lead: Lead | None = None) -> FillOutcome:  # fmt: skip
+                       cancel: CancelFlag, lead: Lead | None = None,
+                       workspace_cache: float | None = None) -> FillOutcome:  # fmt: skip
     started = time.perf_counter()
     version, text = document.version, document.text
-    overrides, context = options.overrides(), []
+    overrides, context = options.overrides(workspace_cache), []
     try:
         parts = regions_to_parts(text, regions)
         for number, region in enumerate(regions, 1):

@@ -460,7 +460,8 @@ async def _fill_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
     index = document.index  # the text the fill reads: its regions are reported in it, even if it changes meanwhile
     cancel, lead = CancelFlag(), _lead(ls, document, regions)
     try:
-        outcome = await fill_regions(document, regions, ls.backend, ls.config.fill, cancel, lead)
+        outcome = await fill_regions(document, regions, ls.backend, ls.config.fill, cancel, lead,
+                                     ls.config.completion.workspace_cache)  # fmt: skip
     except asyncio.CancelledError:
         cancel.set()  # the client cancelled the request: the engine stops at its next step
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,9 +20,11 @@ EOS = 1
 
 @contextmanager
 def patched_logits(engine: Engine, logits_at: Callable[[int], torch.Tensor]) -> Iterator[None]:
-    """Patch the model so that the canvas slot at position p gets the logits `logits_at(p)` ([V])."""
+    """Patch the model so that the canvas slot at position p gets the logits `logits_at(p)` ([V]), and nothing else
+    moves them (the token cache of the document is off)."""
     model = engine.loaded.model
-    real_forward = model.forward
+    real_forward, settings = model.forward, engine.settings
+    engine.settings = replace(settings, workspace_cache=0.0)
 
     def forward(*args, **kwargs):
         out = real_forward(*args, **kwargs)
@@ -34,6 +37,7 @@ def patched_logits(engine: Engine, logits_at: Callable[[int], torch.Tensor]) -> 
         yield
     finally:
         del model.forward
+        engine.settings = settings
 
 
 def one_hot(token: int, vocab: int = 512, low: float = -30.0, high: float = 30.0) -> torch.Tensor:

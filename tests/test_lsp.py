@@ -192,11 +192,17 @@ async def test_a_document_in_a_git_repository_is_answered_with_its_token_cache(c
     views = "".join(f"def handler_{i}(request):\n    return render(request, items)\n\n" for i in range(20))
     (repo / "app" / "views.py").write_text(views)
     answers = []
-    for attempt in range(20):  # a new document each time: the server's own cache would answer the same context
-        document = repo / "app" / f"new_{attempt}.py"
+    document = repo / "app" / "new.py"
+    for attempt in range(20):  # a new text each time: the server's own cache would answer the same context (and
+        # one document: other open ones would come into the context block, and their `return` ends the line there)
         text = f"def handler(request_{attempt}):\n    return"
-        client.text_document_did_open(types.DidOpenTextDocumentParams(
-            types.TextDocumentItem(document.as_uri(), "python", 1, text)))  # fmt: skip
+        if attempt == 0:
+            client.text_document_did_open(types.DidOpenTextDocumentParams(
+                types.TextDocumentItem(document.as_uri(), "python", 1, text)))  # fmt: skip
+        else:
+            client.text_document_did_change(types.DidChangeTextDocumentParams(
+                types.VersionedTextDocumentIdentifier(version=attempt + 1, uri=document.as_uri()),
+                [types.TextDocumentContentChangeWholeDocument(text)]))  # fmt: skip
         response = await request(client, "canvas/fill", {"textDocument": {"uri": document.as_uri()},
                                                          "position": {"line": 1, "character": 10}})  # fmt: skip
         answers.append(response["result"]["text"])
@@ -353,7 +359,7 @@ async def test_a_prefetch_answers_the_request_that_follows(client: LanguageClien
     request_first = asyncio.ensure_future(fill(client, "b.py", COMMENT_POS))  # a prefetch right behind the request
     await asyncio.sleep(0)  # for the same place neither cancels the request nor starts a second model call
     await prefetch(client, "b.py", COMMENT_POS)
-    assert (await request_first)["source"] == "model"
+    assert (await request_first)["source"] in ("model", "rejected")  # a model call either way
     await prefetch(client, "b.py", types.Position(1, 0), version=7)  # changes still on their way: nothing starts
     await prefetch(client, "b.py", types.Position(5, 4), version=None)  # elsewhere: the request supersedes it
     elsewhere = await fill(client, "b.py", types.Position(4, 11))

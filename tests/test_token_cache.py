@@ -1,5 +1,5 @@
-"""The workspace's token cache (`engine.token_cache`): what it counts, what it finds, how the engine mixes it into a
-request of that workspace, and where a document's workspace is."""
+"""The token cache of the user's code (`engine.token_cache`): what it counts, what it finds, how the engine mixes the
+document's own and its workspace's into a request, and where a document's workspace is."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.paths import document_repository
-from canvas_ls.engine.token_cache import TokenCache, lookups, mix_cache
+from canvas_ls.engine.token_cache import Caches, TokenCache, lookups, mix_cache
 
 
 def test_the_cache_finds_the_longest_context_it_holds_and_never_one_across_files() -> None:
@@ -27,15 +27,39 @@ def test_the_cache_finds_the_longest_context_it_holds_and_never_one_across_files
     assert cache.following([7]) is None  # shorter than the shortest order
 
 
-def test_mixing_moves_the_mass_where_the_workspace_went_and_keeps_barred_tokens_barred() -> None:
+def test_caches_read_as_one_answer_from_the_longest_context_any_holds_weighted_and_counted_over_all() -> None:
+    document = TokenCache(np.array([5, 6, 7, 8]), orders=(3, 2))
+    workspace = TokenCache(np.array([5, 6, 7, 3, -1, 6, 7, 3, -1, 9, 7, 4]), orders=(3, 2))
+    both = Caches([(document, 4.0), (workspace, 1.0)])
+    ids, counts = both.following([5, 6, 7])  # order 3 in both: 8 once in the document (x4), 3 once
+    assert ids.tolist() == [3, 8] and counts.tolist() == [1, 4]
+    ids, counts = both.following([0, 6, 7])  # order 2: 8 (the document), 3 twice (the workspace)
+    assert ids.tolist() == [3, 8] and counts.tolist() == [2, 4]
+    assert both.following([9, 7])[0].tolist() == [4]  # the workspace alone
+    assert Caches([(document, 1.0)]).following([1, 2]) is None
+
+
+def test_a_documents_cache_holds_the_code_nearest_its_gap_within_the_budget() -> None:
+    cache = TokenCache.of_document(list(range(100, 120)), [list(range(200, 210)), [300, 301]], budget=16)
+    assert cache.tokens == 16  # 4 after the gap (a quarter), 12 before it
+    assert cache.following([107, 108]) is None and cache.following([108, 109]) is not None  # before: its last 12
+    assert cache.following([201, 202])[0].tolist() == [203] and cache.following([202, 203]) is None  # after: 4
+    assert cache.following([119, 200]) is None  # the gap is between them: no context across it
+    assert TokenCache.of_document([1, 2, 3], [[]], budget=16).tokens == 3
+
+
+def test_mixing_moves_the_mass_where_the_code_went_but_leaves_the_end_of_the_answer_and_barred_tokens() -> None:
     cache = TokenCache(np.array([1, 2, 3] * 10), orders=(2,))  # after (1, 2) always 3; after (2, 3) always 1
     rows = torch.zeros(3, 6)
     rows[1, 1] = -1e4  # barred (token healing)
     found = [(0, *cache.following([1, 2])), (1, *cache.following([2, 3]))]
-    changed = mix_cache(rows, found, weight=1.0, barred_below=-5e3)
+    changed = mix_cache(rows, found, weight=1.0, barred_below=-5e3, stop_ids=torch.tensor([5]))
     probabilities = torch.softmax(rows, dim=-1)
     assert changed == 1  # slot 1's only cached token is barred: its logits stay as they were
-    assert probabilities[0, 3] > 0.9 and torch.allclose(rows[2], torch.zeros(6))
+    lam = 10 / 11  # a context seen 10 times
+    assert torch.isclose(probabilities[0, 3], torch.tensor((1 - lam) / 6 + lam * 5 / 6))
+    assert torch.isclose(probabilities[0, 5], torch.tensor(1 / 6))  # the model's to say whether the answer ends
+    assert torch.allclose(rows[2], torch.zeros(6))
     assert rows[1, 1] == -1e4 and torch.allclose(rows[1, [0, 2, 3, 4, 5]], torch.zeros(5))
 
 
@@ -67,6 +91,19 @@ def test_a_request_of_the_workspace_writes_what_the_workspace_writes_there(tiny_
     plain = engine.infill(prefix, suffix, settings)
     assert plain.text != cached.text
     assert engine.infill(prefix, suffix, {**settings, "workspace_cache": 0}, workspace="/ws").text == plain.text
+
+
+def test_a_request_writes_what_its_own_document_writes_before_and_after_the_gap(tiny_model_dir: Path) -> None:
+    """No workspace: the document's own code is the cache, on either side of the gap (the editor's text, unsaved
+    edits included); at weight 0 the answer is the model's own."""
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32")
+    body = "".join(f"def handler_{i}(request):\n    return render(request, items)\n\n" for i in range(20))
+    settings = {"seed": 3, "max_new_tokens": 8}
+    gap = "def handler(request):\n    return"
+    before = engine.infill(body + gap, "\n", settings)
+    after = engine.infill(gap, "\n\n" + body, settings)
+    assert before.text == after.text == " render(req"
+    assert engine.infill(gap, "\n\n" + body, {**settings, "workspace_cache": 0}).text != after.text
 
 
 def test_a_workspaces_cache_is_built_in_the_background_from_its_repository(tiny_model_dir: Path,
