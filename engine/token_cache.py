@@ -5,12 +5,13 @@ has seen none of them. A cache language model (Kuhn & De Mori's cache, and for c
 Devanbu 2017, where an n-gram cache of the file and the project beat neural models on project-specific tokens)
 counts what followed each context in the code's own token stream. Here the counts come from the request's document
 as the editor holds it (`TokenCache.of_document`: the code on both sides of the gap, unsaved edits included) and
-from its workspace's files (`from_texts`, built in the background: `WorkspaceCaches`), in the model's tokens, the
-document's counts weighing DOCUMENT_WEIGHT times the workspace's (`Caches`). At each denoising step a gap slot whose
-preceding tokens are known (the prefix, the clamped code of a fill, or slots the sampler has accepted) gets its
-distribution mixed with the cache's:
+from its workspace's files (`from_texts`, built in the background: `WorkspaceCaches`), in the model's tokens: the
+longest context either holds, the document's where both hold one that long (`Caches`). At each denoising step a
+gap slot whose preceding tokens are known (the prefix, the clamped code of a fill, or slots the sampler has
+accepted) gets its distribution mixed with the cache's:
 
-    p(token) = (1 - lam) p_model(token) + lam p_cache(token | the longest context of ORDERS either cache holds)
+    p(stop)  = p_model(stop)     the answer's end (EOS, pad) is the model's to say: code holds no answers' ends
+    p(token) = (1 - lam) p_model(token) + lam (1 - p(stop)) p_cache(token | the longest context of ORDERS held)
     lam      = weight * n / (n + PRIOR)        n: how often that context occurs, weighted (a rare one counts less)
 
 The mixture replaces the slot's logits (log p) before the step's statistics, so sampling, acceptance, stopping and the
@@ -109,20 +110,20 @@ class TokenCache:
 
 
 class Caches:
-    """Several token caches read as one, each count times its cache's weight (the document's own code above its
-    workspace's: DOCUMENT_WEIGHT): what followed the longest context any of them holds, counted over all that hold a
-    context that long."""
+    """Several token caches read as one, in order of preference (the document's own code, then its workspace's):
+    what followed the longest context any of them holds, from the first that holds one that long, its counts times
+    that cache's weight (a count in the document weighs DOCUMENT_WEIGHT: its contexts mix in more strongly)."""
 
     def __init__(self, caches: Sequence[tuple[TokenCache, float]]):
         self.caches = list(caches)
 
     def following(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         for order in ORDERS:
-            hits = [(hit, weight) for cache, weight in self.caches if (hit := cache.at(order, context)) is not None]
-            if hits:
-                ids, inverse = np.unique(np.concatenate([hit for hit, _ in hits]), return_inverse=True)
-                weights = np.concatenate([np.full(len(hit), weight) for hit, weight in hits])
-                return ids, np.bincount(inverse, weights=weights, minlength=len(ids))
+            for cache, weight in self.caches:
+                hit = cache.at(order, context)
+                if hit is not None:
+                    ids, counts = np.unique(hit, return_counts=True)
+                    return ids, counts * weight
         return None
 
 

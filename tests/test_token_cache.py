@@ -27,15 +27,14 @@ def test_the_cache_finds_the_longest_context_it_holds_and_never_one_across_files
     assert cache.following([7]) is None  # shorter than the shortest order
 
 
-def test_caches_read_as_one_answer_from_the_longest_context_any_holds_weighted_and_counted_over_all() -> None:
-    document = TokenCache(np.array([5, 6, 7, 8]), orders=(3, 2))
-    workspace = TokenCache(np.array([5, 6, 7, 3, -1, 6, 7, 3, -1, 9, 7, 4]), orders=(3, 2))
+def test_caches_read_as_one_answer_from_the_longest_context_the_first_that_holds_it() -> None:
+    document = TokenCache(np.array([5, 6, 7, 8, -1, 0, 6, 7, 8]), orders=(3, 2))
+    workspace = TokenCache(np.array([5, 6, 7, 3, -1, 6, 7, 3, -1, 9, 7, 4, -1, 1, 9, 7, 4]), orders=(3, 2))
     both = Caches([(document, 4.0), (workspace, 1.0)])
-    ids, counts = both.following([5, 6, 7])  # order 3 in both: 8 once in the document (x4), 3 once
-    assert ids.tolist() == [3, 8] and counts.tolist() == [1, 4]
-    ids, counts = both.following([0, 6, 7])  # order 2: 8 (the document), 3 twice (the workspace)
-    assert ids.tolist() == [3, 8] and counts.tolist() == [2, 4]
-    assert both.following([9, 7])[0].tolist() == [4]  # the workspace alone
+    ids, counts = both.following([5, 6, 7])  # order 3 in both: the document's, its counts x4
+    assert ids.tolist() == [8] and counts.tolist() == [4]
+    assert both.following([1, 9, 7])[0].tolist() == [4]  # order 3 in the workspace beats order 2 in the document
+    assert both.following([0, 9, 7])[0].tolist() == [4]  # order 2, the workspace alone
     assert Caches([(document, 1.0)]).following([1, 2]) is None
 
 
