@@ -434,8 +434,8 @@ class CanvasJob:
             encoded = encode_prefixes(model, [prefix_ids], prefix_cache)[0]
         self.cache = encoded.cache
         self.cursor = len(prefix_ids)  # position of the first canvas slot
-        # The tokens before the canvas that the token cache reads as context (the prefix, then earlier canvases')
-        self.history = list(prefix_ids[-ORDERS[0] :]) if params.token_cache is not None else []
+        # The tokens before the canvas that the token cache reads as context (the document's, then earlier canvases')
+        self.history = list(params.token_cache.before) if params.token_cache is not None else []
         self.out = CanvasOutput(tokens=[], confidence=[], ended_with_eos=False, steps=0, forward_passes=0,
                                 canvases=0, encode_seconds=encoded.seconds, prefix_reused=encoded.reused)  # fmt: skip
         self.started = time.perf_counter()

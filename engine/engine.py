@@ -295,7 +295,7 @@ class Engine:
             return None
         caches = [(TokenCache.of_document(before, after), DOCUMENT_WEIGHT)]
         workspace = self.token_caches.get(request.workspace) if request.workspace is not None else None
-        return Caches(caches if workspace is None else [*caches, (workspace, 1.0)])
+        return Caches(caches if workspace is None else [*caches, (workspace, 1.0)], before)
 
     def _prepare_fill(self, request: InfillRequest, settings: InfillSettings) -> Prepared:
         """Lay out [prefix] -> encoder, then [gap | clamped | gap | ... | suffix head] in the canvas. Each gap is

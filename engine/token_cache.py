@@ -114,8 +114,11 @@ class Caches:
     what followed the longest context any of them holds, from the first that holds one that long, its counts times
     that cache's weight (a count in the document weighs DOCUMENT_WEIGHT: its contexts mix in more strongly)."""
 
-    def __init__(self, caches: Sequence[tuple[TokenCache, float]]):
+    def __init__(self, caches: Sequence[tuple[TokenCache, float]], before: Sequence[int] = ()):
         self.caches = list(caches)
+        # The document's last tokens before the first gap: the context of its first slots (in the "prompt" layout
+        # the encoder's own last tokens are the prompt's template, no part of the document)
+        self.before = list(before[-ORDERS[0] :])
 
     def following(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         for order in ORDERS:

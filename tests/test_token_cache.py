@@ -103,6 +103,9 @@ def test_a_request_writes_what_its_own_document_writes_before_and_after_the_gap(
     after = engine.infill(gap, "\n\n" + body, settings)
     assert before.text == after.text == " render(req"
     assert engine.infill(gap, "\n\n" + body, {**settings, "workspace_cache": 0}).text != after.text
+    # The "prompt" layout (DiffusionGemma's): the first slot's context is the document's end, not the prompt's
+    prompted = engine.infill(body + gap, "\n", {**settings, "layout": "prompt"})
+    assert prompted.text == " render(req"
 
 
 def test_a_workspaces_cache_is_built_in_the_background_from_its_repository(tiny_model_dir: Path,
