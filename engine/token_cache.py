@@ -41,8 +41,8 @@ log = logging.getLogger("canvas-ls.token_cache")
 
 ORDERS = (8, 6, 5, 4, 3, 2)  # context lengths tried, longest first
 PRIOR = 1.0  # a context seen n times weighs n / (n + PRIOR) of the cache's weight
-DOCUMENT_TOKENS = 8192  # of a request's own document, nearest its gap (`TokenCache.of_document`: ~4 ms to build)
-DOCUMENT_WEIGHT = 4.0  # a count in the request's own document weighs as this many in its workspace (`Caches`)
+DOCUMENT_TOKENS = 8192  # of a request's own document, nearest its gap (`TokenCache.of_document`: 2-6 ms to build)
+DOCUMENT_WEIGHT = 4.0  # a context's count in the request's own document, times this (mixes in more strongly: `Caches`)
 CHAIN = 0.8  # a slot the cache alone puts this much on one token is the context of the next slot (`lookups`)
 Found = tuple[int, np.ndarray, np.ndarray]  # (gap slot, token ids, counts) of what followed its context
 _BASE = np.uint64(1_000_003)
