@@ -189,10 +189,11 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str, backend: str = "resident",
                   think_ms: float = 300, speculate: bool = True, context_tokens: int = 512,
-                  learn: Path | None = None) -> dict[str, Any]:  # fmt: skip
+                  learn: Path | None = None, workspace_cache: float | None = None) -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING"]
     init = {"engine": {"model": model, "device": device, "backend": backend},
-            "completion": {"min_confidence": 0, "speculate": speculate, "context_tokens": context_tokens}}  # fmt: skip
+            "completion": {"min_confidence": 0, "speculate": speculate, "context_tokens": context_tokens,
+                           "workspace_cache": workspace_cache}}  # fmt: skip
     if learn is not None:
         init["engine"]["learn_minutes"] = 30  # longer than the run: it learns through every request
     report = asyncio.run(_drive(command, files, requests, init, think_ms, learn))
@@ -201,6 +202,7 @@ def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: s
     report["model"] = model or "(default)"
     report["backend"] = backend
     report["speculate"], report["context_tokens"] = speculate, context_tokens
+    report["workspace_cache"] = workspace_cache  # None: the model's own weight
     return report
 
 

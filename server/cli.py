@@ -243,6 +243,9 @@ def _parser() -> argparse.ArgumentParser:
     lsp.add_argument("--think-ms", type=float, default=300, help="the user's pause to read a suggestion")
     lsp.add_argument("--no-speculate", action="store_true", help="turn off computing the next suggestion ahead")
     lsp.add_argument("--context-tokens", type=int, default=512, help="budget of the other files' snippets (0: off)")
+    lsp.add_argument("--workspace-cache", type=float, help="weight of the token cache of the user's code (the "
+                                                           "document's and its repository's; 0: off; default: the "
+                                                           "model's)")  # fmt: skip
     lsp.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     lsp.add_argument("--device", default="auto")
     lsp.add_argument("--files", type=Path, nargs="*", help="files to complete in (default: the fixtures)")
@@ -892,7 +895,7 @@ def _bench_lsp(args: argparse.Namespace) -> int:
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
     speculate = not args.no_speculate
     report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms, speculate,
-                           args.context_tokens, args.learn)  # fmt: skip
+                           args.context_tokens, args.learn, args.workspace_cache)  # fmt: skip
     return _report("lsp", report, format_report, args.out)
 
 
