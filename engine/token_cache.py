@@ -92,7 +92,7 @@ class TokenCache:
         return cls.from_ids([before[max(len(before) - head, 0) :], *kept])
 
     def following(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
-        """(token ids, counts) of what followed the longest of `context`'s endings the workspace holds, or None."""
+        """(token ids, counts) of what followed the longest of `context`'s endings this cache holds, or None."""
         for order in self.orders:
             hit = self.at(order, context)
             if hit is not None:
