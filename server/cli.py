@@ -29,6 +29,9 @@ from canvas_ls.engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from canvas_ls.engine.workspaces import RECIPES as RECIPE_NAMES
 from canvas_ls.server.positions import PositionError, offset_at
 
+WORKSPACE_CACHE_HELP = "weight of the token cache of the user's code (the document's and its repository's; 0: off; " \
+    "default: the model's)"  # fmt: skip
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="canvas-ls", description=__doc__.split("\n\n")[0])
@@ -232,6 +235,7 @@ def _parser() -> argparse.ArgumentParser:
                         "ready before it")  # fmt: skip
     neovim.add_argument("--context-tokens", type=int, default=512,
                         help="budget of the other files' snippets (0: off; closed documents count)")  # fmt: skip
+    neovim.add_argument("--workspace-cache", type=float, help=WORKSPACE_CACHE_HELP)
     neovim.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="the engine's compiled step (engine.compile); stop a running engine first")  # fmt: skip
     neovim.add_argument("--out", type=Path, help="JSON report path")
@@ -243,9 +247,7 @@ def _parser() -> argparse.ArgumentParser:
     lsp.add_argument("--think-ms", type=float, default=300, help="the user's pause to read a suggestion")
     lsp.add_argument("--no-speculate", action="store_true", help="turn off computing the next suggestion ahead")
     lsp.add_argument("--context-tokens", type=int, default=512, help="budget of the other files' snippets (0: off)")
-    lsp.add_argument("--workspace-cache", type=float, help="weight of the token cache of the user's code (the "
-                                                           "document's and its repository's; 0: off; default: the "
-                                                           "model's)")  # fmt: skip
+    lsp.add_argument("--workspace-cache", type=float, help=WORKSPACE_CACHE_HELP)
     lsp.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     lsp.add_argument("--device", default="auto")
     lsp.add_argument("--files", type=Path, nargs="*", help="files to complete in (default: the fixtures)")
@@ -821,6 +823,7 @@ def _bench_neovim(args: argparse.Namespace) -> int:
             show_early=not args.no_show_early,
             context_tokens=args.context_tokens,
             compile=args.compile,
+            workspace_cache=args.workspace_cache,
         )
     except (ImportError, RuntimeError, TimeoutError) as exc:
         raise CliError(f"bench neovim: {exc}") from exc
