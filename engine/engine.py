@@ -267,20 +267,16 @@ class Engine:
         settings = self.settings.merged(request.overrides)
         if request.middle is not None:
             return self._prepare_fill(request, settings)
-        healed, allowed = "", None
-        if settings.layout == "canvas":
-            healed = self.healing.cut(request.prefix) if settings.token_healing else ""
-            allowed = self._first_slot_allowed(healed) if healed else None
-            prefix_ids = self._encode(request.prefix[: len(request.prefix) - len(healed)])
+        canvas = settings.layout == "canvas"
+        healed = self.healing.cut(request.prefix) if canvas and settings.token_healing else ""
+        allowed = self._first_slot_allowed(healed) if healed else None
+        prefix_ids = self._encode(request.prefix[: len(request.prefix) - len(healed)])
+        suffix_ids = self._encode(request.suffix)
+        if canvas:
             encoder_ids = self._with_bos(prefix_ids[-settings.max_prefix_tokens :])
-            suffix_ids = self._encode(request.suffix)
             head_ids = suffix_ids[: settings.suffix_head_tokens]
         else:
-            encoder_ids = self._prompt_ids(request.prefix, request.suffix, settings)
-            head_ids = []
-            prefix_ids, suffix_ids = [], []
-            if settings.workspace_cache > 0:  # the prompt's template is no part of the document
-                prefix_ids, suffix_ids = self._encode(request.prefix), self._encode(request.suffix)
+            encoder_ids, head_ids = self._prompt_ids(prefix_ids, suffix_ids, settings), []
         line_ends = self._line_end_ids() if settings.single_line else frozenset()
         token_cache = self._token_cache(request, settings, prefix_ids, [suffix_ids])
         params = DenoiseParams(settings, settings.max_new_tokens, line_ends, healed, allowed, token_cache)
@@ -445,12 +441,11 @@ class Engine:
             start = self._stop_ids[0]
         return [start, *ids]
 
-    def _prompt_ids(self, prefix: str, suffix: str, settings: InfillSettings) -> list[int]:
-        """The "prompt" layout: prefix and suffix both in the encoder prompt, the canvas holds only the middle."""
-        prefix_ids = self._encode(prefix)[-settings.max_prefix_tokens :]
-        suffix_ids = self._encode(suffix)[: settings.max_suffix_tokens]
-        prefix = self.tokenizer.decode(prefix_ids)
-        suffix = self.tokenizer.decode(suffix_ids)
+    def _prompt_ids(self, prefix_ids: list[int], suffix_ids: list[int], settings: InfillSettings) -> list[int]:
+        """The "prompt" layout: prefix and suffix (their tokens) both in the encoder prompt, the canvas holds only the
+        middle."""
+        prefix = self.tokenizer.decode(prefix_ids[-settings.max_prefix_tokens :])
+        suffix = self.tokenizer.decode(suffix_ids[: settings.max_suffix_tokens])
         template = settings.prompt_template
         vocab = self.tokenizer.get_vocab()
         if template == "auto" and all(t in vocab for t in FIM_TOKENS):

@@ -51,7 +51,7 @@ _SEPARATOR = -1  # between files: no context crosses it
 
 class TokenCache:
     def __init__(self, stream: np.ndarray, orders: Sequence[int] = ORDERS):
-        """`stream`: token ids of the workspace's files one after the other, `_SEPARATOR` between them."""
+        """`stream`: token ids of the files one after the other, `_SEPARATOR` between them; `orders`: of ORDERS."""
         self.tokens = int((stream != _SEPARATOR).sum())
         self.orders = tuple(sorted(orders, reverse=True))
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -93,11 +93,7 @@ class TokenCache:
 
     def following(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """(token ids, counts) of what followed the longest of `context`'s endings this cache holds, or None."""
-        for order in self.orders:
-            hit = self.at(order, context)
-            if hit is not None:
-                return np.unique(hit, return_counts=True)
-        return None
+        return Caches([(self, 1.0)]).following(context)
 
     def at(self, order: int, context: Sequence[int]) -> np.ndarray | None:
         """Every token that followed `context`'s last `order` tokens (with repeats), or None where none did."""

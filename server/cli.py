@@ -29,8 +29,8 @@ from canvas_ls.engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from canvas_ls.engine.workspaces import RECIPES as RECIPE_NAMES
 from canvas_ls.server.positions import PositionError, offset_at
 
-WORKSPACE_CACHE_HELP = "weight of the token cache of the user's code (the document's and its repository's; 0: off; " \
-    "default: the model's)"  # fmt: skip
+WORKSPACE_CACHE_HELP = ("weight of the token cache of the user's code (the document's and its repository's; 0: off; "
+                        "default: the model's)")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
