@@ -57,7 +57,7 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
             "passed": passed,
             "edit_similarity": round(similarity, 4),
             "good": written and (exact or bool(passed) or similarity >= GOOD_SIMILARITY),
-            "scores": {kind: round(sequence_score(confidence, kind), 6) for kind in SCORES},
+            "scores": {kind: round(sequence_score(confidence, kind, text), 6) for kind in SCORES},
             "confidence": confidence,
             "token_texts": token_texts,
             "healed": result.healed,

@@ -391,14 +391,16 @@ class Engine:
         """The answer of a finished CanvasJob: decoded text, per-gap answers, confidence score, timings."""
         specs = [s for s in prepared.segments or () if isinstance(s, GapSpec)]
         cuts = [spec.healed for spec in specs] if specs else [prepared.params.healed]
+        texts = [self.tokenizer.decode(gap.tokens, skip_special_tokens=True).removeprefix(cut if gap.tokens else "")
+                 for gap, cut in zip(out.gaps, cuts, strict=True)]  # fmt: skip
         gaps = [{
-            "text": self.tokenizer.decode(gap.tokens, skip_special_tokens=True).removeprefix(cut if gap.tokens else ""),
+            "text": text,
             "tokens": gap.tokens,
             "confidence": [round(c, 4) for c in gap.confidence],
-            "score": round(sequence_score(gap.confidence, self.display.score), 4),
+            "score": round(sequence_score(gap.confidence, self.display.score, text), 4),
             "healed": cut if gap.tokens else "",
             "stop_reason": "eos" if gap.ended_with_eos else "truncated",
-        } for gap, cut in zip(out.gaps, cuts, strict=True)]  # fmt: skip
+        } for gap, cut, text in zip(out.gaps, cuts, texts, strict=True)]  # fmt: skip
         produced = len(out.tokens) + sum(1 for gap in out.gaps if gap.ended_with_eos)
         return InfillResult(
             text=gaps[0]["text"],

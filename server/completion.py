@@ -266,7 +266,7 @@ class Completer:
         if edit is not None and not invoked and threshold > 0 and "score_kind" in answer:
             score, head = judge(answer, edit.text, threshold)
             if score < threshold:
-                why = f"confidence {score:.2f} below {threshold:.2f} ({answer['score_kind']} token probability)"
+                why = f"confidence {score:.2f} below {threshold:.2f} ({answer['score_kind']} score)"
                 cut = checked_edit(document, context, head, options.max_lines) if options.show_head else None
                 if cut is None or not cut.text.strip():
                     self._remember(document, offset, None)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from canvas_ls.engine.bench_calibrate import auroc, choose, curve
-from canvas_ls.engine.confidence import Display, confident_head, judge, sequence_score, shown_tokens
+from canvas_ls.engine.confidence import LINE_CHARS, Display, confident_head, judge, sequence_score, shown_tokens
 from tests.conftest import FIXTURES
 from tests.test_cli import cli
 
 
-def test_the_three_scores() -> None:
+def test_the_scores() -> None:
     confidence = [0.9, 0.5, 0.8]
     assert sequence_score(confidence, "min") == 0.5
     assert sequence_score(confidence, "mean") == pytest.approx(2.2 / 3)
@@ -25,6 +25,21 @@ def test_the_three_scores() -> None:
     assert math.isfinite(math.log(sequence_score([0.0, 0.9], "geometric")))  # a rounded-to-0 token stays finite
     with pytest.raises(ValueError, match="unknown confidence score 'max'"):
         sequence_score(confidence, "max")
+    # "useful": the geometric mean times the share of a line the answer writes (its blanks aside), at most 1
+    geometric = sequence_score(confidence, "geometric")
+    assert sequence_score(confidence, "useful", "  else:\n") == pytest.approx(geometric * 5 / LINE_CHARS)
+    assert sequence_score(confidence, "useful", "x" * (2 * LINE_CHARS)) == pytest.approx(geometric)
+    assert sequence_score([], "useful", "") == 1.0
+
+
+def test_a_useful_head_must_be_worth_its_characters() -> None:
+    texts, confidence = ["    result", " =", " compute", "(values", ", limit", ")"], [0.99, 0.99, 0.9, 0.9, 0.1, 0.1]
+    # the whole answer's useful score is low (two doubtful tokens); its head up to "(values" is confident and long
+    head = confident_head(texts, confidence, "useful", 0.6, healed="    ")
+    assert head == "result = compute(values"
+    assert sequence_score(confidence[:4], "useful", head) >= 0.6 > sequence_score(confidence, "useful", "".join(texts))
+    # a confident but short head is not worth showing
+    assert confident_head(["  )", "\n"], [0.99, 0.99], "useful", 0.5, healed="  ") == ""
 
 
 def test_the_confident_head_is_whole_tokens_from_the_start() -> None:

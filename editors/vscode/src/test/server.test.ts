@@ -93,7 +93,7 @@ test("settings become the server's option tree", () => {
 });
 
 test("the status bar's note says why nothing was shown", () => {
-  const hidden = "hidden: confidence 0.12 below 0.40 (geometric token probability)";
+  const hidden = "hidden: confidence 0.12 below 0.40 (geometric score)";
   assert.equal(outcomeNote({ uri: "u", source: "hidden", detail: hidden }), hidden);
   assert.equal(outcomeNote({ uri: "u", source: "rejected", detail: null }), "the answer failed the syntax check");
   assert.equal(outcomeNote({ uri: "u", source: "skip:inside an identifier", detail: null }), "inside an identifier");
