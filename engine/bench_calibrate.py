@@ -127,14 +127,27 @@ def choose(points: list[dict[str, float]], target: float, min_shown: int) -> tup
     return next(p["threshold"] for p in supported if p["precision"] == best), False
 
 
-def run_calibrate(engine: Engine, calibration: Path, evaluation: Path | None, limit: int | None, target: float,
-                  min_shown: int, run_tests: bool, progress: Callable[[str, int, int], None] | None = None,
-                  ) -> dict[str, Any]:  # fmt: skip
+def set_name(path: Path) -> str:
+    """A calibration set's name: a repository run's report by its repository, a file by its name."""
+    if path.suffix == ".json":
+        return f"{Path(json.loads(path.read_text())['root']).name} (held-out files)"
+    return path.name
+
+
+def run_calibrate(engine: Engine, calibration: list[Path], evaluation: Path | None, limit: int | None,
+                  target: float, min_shown: int, run_tests: bool,
+                  progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`calibration`: one or more sets, `limit` tasks of each, pooled; every other task of each set chooses the
+    score and threshold, the rest checks them (`held_out`, also per set)."""
+
     def step(name: str) -> Callable[[int, int], None] | None:
         return None if progress is None else lambda done, total: progress(name, done, total)
 
-    rows = answer_rows(engine, calibration, limit, run_tests, step("calibration"))
-    fit, check = rows[::2], rows[1::2]
+    parts = {set_name(path): answer_rows(engine, path, limit, run_tests, step(f"calibration {set_name(path)}"))
+             for path in calibration}  # fmt: skip
+    rows = [row for part in parts.values() for row in part]
+    fit = [row for part in parts.values() for row in part[::2]]
+    check = [row for part in parts.values() for row in part[1::2]]
     labels = [r["good"] for r in fit if r["written"]]
     areas = {kind: auroc([r["scores"][kind] for r in fit if r["written"]], labels) for kind in SCORES}
     kind = max(SCORES, key=lambda k: -1 if areas[k] is None else areas[k])
@@ -152,7 +165,7 @@ def run_calibrate(engine: Engine, calibration: Path, evaluation: Path | None, li
         "threshold": threshold,
         "target_met": met,
         "calibration": {
-            "dataset": str(calibration),
+            "dataset": "; ".join(parts),
             "auroc": areas,
             "at_threshold": at_threshold(fit, kind, threshold),
             "shown_all": at_threshold(fit, kind, 0.0),
@@ -166,6 +179,7 @@ def run_calibrate(engine: Engine, calibration: Path, evaluation: Path | None, li
                 k: auroc([r["scores"][k] for r in check if r["written"]], [r["good"] for r in check if r["written"]])
                 for k in SCORES
             },
+            "sets": {name: at_threshold(part[1::2], kind, threshold) for name, part in parts.items()},
         },
     }
     if evaluation is not None:
@@ -192,7 +206,7 @@ def write_threshold(model_dir: Path, report: dict[str, Any]) -> Path:
         "min_confidence": report["threshold"],
         "calibrated": {
             "date": report["date"],
-            "set": Path(report["calibration"]["dataset"]).name,
+            "set": report["calibration"]["dataset"],
             "tasks": found["tasks"],
             "target_precision": report["target_precision"],
             "target_met": report["target_met"],
@@ -230,6 +244,11 @@ def format_calibrate(report: dict[str, Any]) -> str:
                 f"{row['shown']:>7}{_pct(row['coverage']):>10}{_pct(row['precision']):>11}{row['exact_shown']:>7}"
                 f"{row['heads_shown']:>7}{row['heads_correct_start']:>9}"
             )
+    if len(report["held_out"].get("sets", {})) > 1:
+        lines += ["", "calib. held at the threshold, per set:"]
+        for name, row in report["held_out"]["sets"].items():
+            lines.append(f"  {name}: shown {row['shown']} of {row['tasks']} ({_pct(row['coverage'])}%), "
+                         f"precision {_pct(row['precision'])}%, exact {row['exact_shown']}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -171,9 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     calibrate = benches.add_parser(
         "calibrate", help="the confidence score and threshold that show only good answers; written into the model"
     )
-    calibrate.add_argument("--calibration", type=Path, required=True,
+    calibrate.add_argument("--calibration", type=Path, required=True, nargs="+", metavar="SET",
                            help="held-out code to calibrate on: a training corpus (corpus.jsonl.gz: its first 200 "
-                           "files, which `canvas-ls train` holds out) or a run's repository_report.json")  # fmt: skip
+                           "files, which `canvas-ls train` holds out) or a run's repository_report.json; several "
+                           "are pooled (--limit tasks of each)")  # fmt: skip
     calibrate.add_argument("--dataset", type=Path, help="evaluation set reported at the chosen threshold "
                                                         "(HumanEval-Infilling-format jsonl.gz)")  # fmt: skip
     calibrate.add_argument("--limit", type=int, default=200, help="tasks per set, spread over it")
@@ -940,7 +941,7 @@ def _bench_holes(args: argparse.Namespace) -> int:
 def _bench_calibrate(args: argparse.Namespace) -> int:
     from canvas_ls.engine.bench_calibrate import format_calibrate, plot_calibrate, run_calibrate, write_threshold
 
-    for path in (args.calibration, args.dataset):
+    for path in (*args.calibration, args.dataset):
         if path is not None and not path.is_file():
             raise CliError(f"{path} does not exist")
     if not 0 < args.target <= 1:

@@ -93,22 +93,27 @@ def test_auroc_curve_and_the_chosen_threshold() -> None:
 def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)  # the session's tiny model stays uncalibrated for the other tests
-    corpus = tmp_path / "corpus.jsonl.gz"
+    corpora = []
     source = (FIXTURES / "python" / "stats.py").read_text()
-    with gzip.open(corpus, "wt") as out:
-        out.write(json.dumps({"path": "stats.py", "language": "python", "source": "test", "text": source}) + "\n")
+    for name in ("stats.py", "again.py"):  # two calibration sets, pooled
+        corpora.append(tmp_path / f"{name}.jsonl.gz")
+        with gzip.open(corpora[-1], "wt") as out:
+            out.write(json.dumps({"path": name, "language": "python", "source": "test", "text": source}) + "\n")
     out = tmp_path / "calibrate.json"
-    done = cli("bench", "calibrate", "--calibration", str(corpus), "--dataset", str(FIXTURES / "bench" /
+    done = cli("bench", "calibrate", "--calibration", *map(str, corpora), "--dataset", str(FIXTURES / "bench" /
                      "tiny-infill.jsonl"), "--limit", "4", "--min-shown", "1", "--model", str(model), "--set",
                      "max_steps=4", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "AUROC" in done.stdout and "written:" in done.stdout
+    assert "AUROC" in done.stdout and "written:" in done.stdout and "per set:" in done.stdout
     report = json.loads(out.read_text())
-    assert len(report["calibration"]["rows"]) == 4 and len(report["evaluation"]["rows"]) == 3
-    assert report["calibration"]["rows"][0]["task_id"].startswith("stats.py:")
+    assert len(report["calibration"]["rows"]) == 8 and len(report["evaluation"]["rows"]) == 3
+    assert [r["task_id"].split(":")[0] for r in report["calibration"]["rows"]] == ["stats.py"] * 4 + ["again.py"] * 4
+    held = report["held_out"]["sets"]  # each set's unseen half at the chosen threshold
+    assert list(held) == ["stats.py.jsonl.gz", "again.py.jsonl.gz"] and all(r["tasks"] == 2 for r in held.values())
     assert out.with_suffix(".png").stat().st_size > 10_000
     display = json.loads((model / "canvas_ls.json").read_text())["display"]
     assert display["score"] == report["score"] and display["min_confidence"] == report["threshold"]
+    assert display["calibrated"]["set"] == "stats.py.jsonl.gz; again.py.jsonl.gz"
     assert json.loads((model / "canvas_ls.json").read_text())["infill"]["layout"] == "canvas"  # the rest kept
 
     from canvas_ls.engine import Engine
