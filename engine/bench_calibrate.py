@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from canvas_ls.engine.bench import edit_similarity, figure, load_tasks, machine, normalise, passes
-from canvas_ls.engine.confidence import SCORES, confident_head, sequence_score, shown_tokens
+from canvas_ls.engine.confidence import (
+    MIN_SHOWN,
+    SCORES,
+    TARGET,
+    WORKSPACE_LINES,
+    confident_head,
+    sequence_score,
+    shown_tokens,
+)
 from canvas_ls.engine.engine import Engine
 from canvas_ls.engine.settings import MODEL_SETTINGS_FILE
 
@@ -194,6 +202,19 @@ def run_calibrate(engine: Engine, calibration: list[Path], evaluation: Path | No
             "rows": eval_rows,
         }
     return report
+
+
+def calibrate_folder(model_dir: Path, calibration: Path, limit: int = WORKSPACE_LINES) -> dict[str, Any]:
+    """Calibrate a model folder on held-out lines (a workspace run's `repository_report.json`: the repository's own
+    code, with its document's token cache as the server answers it) and write its display threshold; what was
+    chosen, and how it held on the half that did not choose it."""
+    engine = Engine.load(str(model_dir))
+    report = run_calibrate(engine, [calibration], None, limit, TARGET, MIN_SHOWN, run_tests=False)
+    write_threshold(model_dir, report)
+    held = report["held_out"]["at_threshold"]
+    return {"score": report["score"], "min_confidence": report["threshold"], "target_met": report["target_met"],
+            "lines": len(report["calibration"]["rows"]), "held_out_precision": held["precision"],
+            "held_out_coverage": held["coverage"]}  # fmt: skip
 
 
 def write_threshold(model_dir: Path, report: dict[str, Any]) -> Path:

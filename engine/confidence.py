@@ -26,6 +26,11 @@ from typing import Any
 
 SCORES: tuple[str, ...] = ("min", "mean", "geometric", "useful")
 LINE_CHARS = 32  # "useful": an answer writing this many characters (its blanks aside) is worth a whole line
+# How `canvas-ls bench calibrate` chooses a threshold (its --target and --min-shown), and how many held-out lines a
+# workspace's tuned model is calibrated on after `train --workspace`
+TARGET = 0.5  # precision (share of shown answers that are good) the threshold must reach
+MIN_SHOWN = 10  # answers a threshold must still show
+WORKSPACE_LINES = 200
 _FLOOR = 1e-6  # a token reported as probability 0 (rounded) still has a finite log
 
 

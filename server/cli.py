@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from canvas_ls.engine import confidence as calibration
 from canvas_ls.engine.paths import cache_dir, lowest_priority
 from canvas_ls.engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from canvas_ls.engine.workspaces import RECIPES as RECIPE_NAMES
@@ -178,8 +179,10 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--dataset", type=Path, help="evaluation set reported at the chosen threshold "
                                                         "(HumanEval-Infilling-format jsonl.gz)")  # fmt: skip
     calibrate.add_argument("--limit", type=int, default=200, help="tasks per set, spread over it")
-    calibrate.add_argument("--target", type=float, default=0.5, help="precision the threshold must reach")
-    calibrate.add_argument("--min-shown", type=int, default=10, help="answers a threshold must still show")
+    calibrate.add_argument("--target", type=float, default=calibration.TARGET, help="precision the threshold must "
+                           "reach")  # fmt: skip
+    calibrate.add_argument("--min-shown", type=int, default=calibration.MIN_SHOWN, help="answers a threshold must "
+                           "still show")  # fmt: skip
     calibrate.add_argument("--no-tests", action="store_true", help="skip running the evaluation tasks' tests")
     calibrate.add_argument("--dry-run", action="store_true", help="report only; leave the model's canvas_ls.json")
     _model_arguments(calibrate)
@@ -583,6 +586,7 @@ def _train(args: argparse.Namespace) -> int:
         if isinstance(report, _BarProgress):
             report.close()
     if root is not None:
+        summary["display"] = _calibrate_workspace_model(out, summary, report)
         folder = workspaces.install(root, out, args.start_from, summary, {"name": name, **overrides, "replay": replay})
         summary["installed"] = str(folder)
     shown = {k: v for k, v in summary.items() if k != "config"}
@@ -593,6 +597,28 @@ def _train(args: argparse.Namespace) -> int:
         if root is not None:
             print(f"installed for {root}: {folder} (the language server uses it for that repository's files)")
     return 0
+
+
+def _calibrate_workspace_model(run_dir: Path, summary: dict[str, Any], report: Any) -> dict[str, Any] | None:
+    """A workspace's tuned model gets its own display threshold, calibrated on the repository's held-out lines
+    (`bench_calibrate.calibrate_folder`); an adapter keeps its base's, and so does an interrupted run (the user
+    asked it to stop). A calibration that fails leaves the model installed with its base's threshold."""
+    from canvas_ls.engine.bench_calibrate import calibrate_folder
+
+    model, held_out = run_dir / "model", run_dir / "repository_report.json"
+    if summary.get("stopped") == "interrupted" or not model.is_dir() or not held_out.is_file():
+        return None
+    if isinstance(report, _JsonProgress):
+        _emit({"calibrating": {"lines": calibration.WORKSPACE_LINES}})
+    else:
+        print(f"canvas-ls: calibrating the model's display threshold on up to {calibration.WORKSPACE_LINES} held-out "
+              "lines", file=sys.stderr)  # fmt: skip
+    try:
+        return calibrate_folder(model, held_out)
+    except Exception as exc:  # the model is trained: install it with its base's threshold, and say why
+        print(f"canvas-ls: calibration failed ({type(exc).__name__}: {exc}); the base's threshold stays",
+              file=sys.stderr)  # fmt: skip
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _fits_fully(args: argparse.Namespace) -> bool:
@@ -646,7 +672,7 @@ def _models(args: argparse.Namespace) -> int:
                      "tokens": record.get("tokens"), "steps": record.get("steps"), "minutes": record.get("minutes"),
                      "recipe": record.get("recipe", {}).get("name"), "held_out": record.get("held_out"),
                      "base_weights": record.get("recipe", {}).get("quantize", "none"),  # a LoRA run's frozen base
-                     "bytes": _folder_bytes(entry.weights)})  # fmt: skip
+                     "display": record.get("display"), "bytes": _folder_bytes(entry.weights)})  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

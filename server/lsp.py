@@ -638,7 +638,7 @@ async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
                        if None not in (done.get(f"eval_before_{key}"), done.get(f"eval_{key}")))  # fmt: skip
         used = "its files now use this model" if ls.backend.enabled else "not used: engine.workspace_models is off"
         message = (f"learned {root.name}: {done.get('step')} steps in {done.get('elapsed', 0) / 60:.1f} min "
-                   f"({done.get('stopped')}); {loss}{used}")  # fmt: skip
+                   f"({done.get('stopped')}); {loss}{used}{_shown_while_typing(done.get('display'))}")  # fmt: skip
         kind = types.MessageType.Info
     else:
         message, kind = f"learning {root.name} failed: {final.get('error')}", types.MessageType.Error
@@ -646,6 +646,18 @@ async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
     ls.window_show_message(types.ShowMessageParams(type=kind, message=f"canvas-ls: {message}"))
     if progress:
         ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
+
+
+def _shown_while_typing(display: dict[str, Any] | None) -> str:
+    """What a tuned model's own calibration says it will show while the user types (`train --workspace`)."""
+    if not display or "error" in display:
+        return "" if not display else f"; its display threshold stays the base's ({display['error']})"
+    score, threshold = display["score"], display["min_confidence"]
+    shown = f"; while typing it shows answers whose {score} score is at least {threshold:.2f}"
+    if display.get("held_out_precision") is None:
+        return f"{shown} (none of the held-out lines reached it)"
+    return (f"{shown}: {100 * display['held_out_coverage']:.0f}% of the held-out lines, "
+            f"{100 * display['held_out_precision']:.0f}% of them good")  # fmt: skip
 
 
 @server.feature(types.SHUTDOWN)

@@ -197,6 +197,7 @@ async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
     assert message.type == types.MessageType.Info and message.message.startswith("canvas-ls: learned project: ")
     assert "its files now use this model" in message.message
     assert "held-out loss where the editor asks " in message.message and "on random spans " in message.message
+    assert "; while typing it shows answers whose " in message.message  # its own threshold, from held-out lines
     reports = [r for token, values in raw_client.progress_reports.items() if "learn" in str(token) for r in values]
     assert isinstance(reports[0], types.WorkDoneProgressBegin) and reports[0].cancellable
     assert isinstance(reports[-1], types.WorkDoneProgressEnd)
@@ -208,6 +209,9 @@ async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
     assert row["files"] >= 2 and row["tokens"] > 0 and row["recipe"] == workspaces.WORKSPACE_RECIPE
     for when in ("before", "after"):  # the loss of what the workspace recipe trains on, and the general one
         assert {"editor_diffusion", "diffusion"} <= set(row["held_out"][when]), row["held_out"]
+    display = json.loads((Path(row["model"]) / "canvas_ls.json").read_text())["display"]  # written into the model
+    assert row["display"]["score"] == display["score"] and row["display"]["min_confidence"] == display["min_confidence"]
+    assert display["calibrated"]["set"] == "project (held-out files)" and row["display"]["lines"] >= 1
     inside = open_file(raw_client, repo / "pkg" / "m0.py", RETURN_DOC)
     await fill_at(raw_client, inside, AFTER_RETURN)
     stats = await request(raw_client, "canvas/stats", {})
