@@ -121,3 +121,11 @@ def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model
     result = Engine.load(str(model), "cpu", {"max_steps": 4}).infill("def f(x):\n    return ", "\n")
     assert (result.score_kind, result.min_confidence) == (report["score"], report["threshold"])
     assert result.score == pytest.approx(sequence_score(result.confidence, result.score_kind), abs=1e-3)
+
+
+def test_bench_calibrate_refuses_a_json_that_is_no_repository_report(tmp_path: Path) -> None:
+    stray = tmp_path / "settings.json"
+    stray.write_text(json.dumps({"completion": {}}))
+    done = cli("bench", "calibrate", "--calibration", str(stray), "--dry-run")
+    assert done.returncode != 0 and "is not a repository_report.json" in done.stderr
+    assert "Traceback" not in done.stderr
