@@ -293,3 +293,16 @@ def test_the_training_plan_is_the_recipes() -> None:
     assert plan_of().ema == 0.0  # no recipe: the preset's
     workspace = workspaces.recipe(workspaces.WORKSPACE_RECIPE)[0]
     assert all(getattr(plan_of("--workspace", "."), k) == v for k, v in workspace.items())
+
+
+def test_the_learned_message_says_what_the_tuned_model_will_show() -> None:
+    from canvas_ls.server.lsp import _shown_while_typing
+
+    calibrated = {"score": "useful", "min_confidence": 0.6253, "held_out_precision": 0.55, "held_out_coverage": 0.2}
+    assert _shown_while_typing(calibrated) == ("; while typing it shows answers whose useful score is at least 0.63: "
+                                               "20% of the held-out lines, 55% of them good")  # fmt: skip
+    nothing = {**calibrated, "held_out_precision": None, "held_out_coverage": 0.0}
+    assert _shown_while_typing(nothing).endswith("(none of the held-out lines reached it)")
+    failed = {"error": "OSError: no space left on device"}
+    assert _shown_while_typing(failed) == "; its display threshold stays the base's (OSError: no space left on device)"
+    assert _shown_while_typing(None) == ""  # an adapter or an interrupted run: nothing was calibrated
