@@ -81,8 +81,10 @@ def load_tasks(path: Path, limit: int | None = None, cursor: str = "task") -> li
 
 def repository_tasks(report: Path, limit: int | None = None) -> list[Task]:
     """`line_tasks` of the held-out files of a training run on a repository (its `repository_report.json`)."""
-    described = json.loads(report.read_text())
-    root = Path(described["root"])
+    from canvas_ls.engine.corpus import read_repository_report
+
+    described = read_repository_report(report)
+    root = Path(str(described["root"]))
     return line_tasks([(name, (root / name).read_text(encoding="utf-8")) for name in described["held_out_files"]],
                       limit)  # fmt: skip
 

@@ -33,6 +33,7 @@ from canvas_ls.engine.confidence import (
     sequence_score,
     shown_tokens,
 )
+from canvas_ls.engine.corpus import read_repository_report
 from canvas_ls.engine.engine import Engine
 from canvas_ls.engine.settings import MODEL_SETTINGS_FILE
 
@@ -138,7 +139,7 @@ def choose(points: list[dict[str, float]], target: float, min_shown: int) -> tup
 def set_name(path: Path) -> str:
     """A calibration set's name: a repository run's report by its repository, a file by its name."""
     if path.suffix == ".json":
-        return f"{Path(json.loads(path.read_text())['root']).name} (held-out files)"
+        return f"{Path(str(read_repository_report(path)['root'])).name} (held-out files)"
     return path.name
 
 

@@ -34,11 +34,13 @@ WORKSPACE_LINES = 200
 _FLOOR = 1e-6  # a token reported as probability 0 (rounded) still has a finite log
 
 
-def sequence_score(confidence: Sequence[float], kind: str, text: str = "") -> float:
-    """The answer's score in [0, 1] (`text`: what its tokens write, for "useful"); an empty answer scores 1 (there is
-    nothing to doubt, and nothing is shown)."""
+def sequence_score(confidence: Sequence[float], kind: str, text: str | None = None) -> float:
+    """The answer's score in [0, 1] (`text`: what its tokens write, which "useful" needs); an empty answer scores 1
+    (there is nothing to doubt, and nothing is shown)."""
     if kind not in SCORES:
         raise ValueError(f"unknown confidence score '{kind}' (known: {', '.join(SCORES)})")
+    if kind == "useful" and text is None:
+        raise ValueError("the 'useful' score needs the text the answer writes")
     if not confidence:
         return 1.0
     if kind == "min":
@@ -46,7 +48,9 @@ def sequence_score(confidence: Sequence[float], kind: str, text: str = "") -> fl
     if kind == "mean":
         return sum(confidence) / len(confidence)
     geometric = math.exp(sum(math.log(max(c, _FLOOR)) for c in confidence) / len(confidence))
-    return geometric if kind == "geometric" else geometric * min(1.0, len(text.strip()) / LINE_CHARS)
+    if kind == "geometric":
+        return geometric
+    return geometric * min(1.0, len((text or "").strip()) / LINE_CHARS)
 
 
 def shown_tokens(token_texts: Sequence[str], healed: str, shown: str) -> int:

@@ -243,6 +243,19 @@ def collect_repository(root: Path) -> tuple[list[CorpusFile], dict[str, object]]
     return files, report
 
 
+def read_repository_report(path: Path) -> dict[str, object]:
+    """The `repository_report.json` a training run on a repository writes (its root and its held-out files, the
+    split below); ValueError when `path` is no such report."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} cannot be read as a repository_report.json: {exc}") from exc
+    if not isinstance(report, dict) or not isinstance(report.get("root"), str) or "held_out_files" not in report:
+        raise ValueError(f"{path} is not a repository_report.json (`train --corpus` writes one: the repository's "
+                         "root and its held-out files)")  # fmt: skip
+    return report
+
+
 def split_repository(
     files: list[CorpusFile], held_out: float = 0.2, seed: int = 0
 ) -> tuple[list[CorpusFile], list[CorpusFile]]:

@@ -970,10 +970,14 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
     for path in (*args.calibration, args.dataset):
         if path is not None and not path.is_file():
             raise CliError(f"{path} does not exist")
+    from canvas_ls.engine.corpus import read_repository_report
+
     for path in args.calibration:
-        if path.suffix == ".json" and not _is_repository_report(path):
-            raise CliError(f"{path} is not a repository_report.json (`train --corpus` writes one: the repository's "
-                           "root and its held-out files)")  # fmt: skip
+        if path.suffix == ".json":
+            try:
+                read_repository_report(path)
+            except ValueError as exc:
+                raise CliError(str(exc)) from exc
     if not 0 < args.target <= 1:
         raise CliError(f"--target must be in (0, 1], got {args.target}")
     engine = _load_engine(args, _settings(args.settings))
@@ -993,14 +997,6 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
     else:
         print(f"written: {write_threshold(folder, report)} (display.min_confidence = {report['threshold']:.4f})")
     return code
-
-
-def _is_repository_report(path: Path) -> bool:
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(report, dict) and isinstance(report.get("root"), str) and "held_out_files" in report
 
 
 def _bench_crossfile(args: argparse.Namespace) -> int:

@@ -650,8 +650,10 @@ async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
 
 def _shown_while_typing(display: dict[str, Any] | None) -> str:
     """What a tuned model's own calibration says it will show while the user types (`train --workspace`)."""
-    if not display or "error" in display:
-        return "" if not display else f"; its display threshold stays the base's ({display['error']})"
+    if not display:
+        return ""
+    if "error" in display:
+        return f"; its display threshold stays the base's ({display['error']})"
     score, threshold = display["score"], display["min_confidence"]
     shown = f"; while typing it shows answers whose {score} score is at least {threshold:.2f}"
     if display.get("held_out_precision") is None:

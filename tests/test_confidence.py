@@ -30,6 +30,8 @@ def test_the_scores() -> None:
     assert sequence_score(confidence, "useful", "  else:\n") == pytest.approx(geometric * 5 / LINE_CHARS)
     assert sequence_score(confidence, "useful", "x" * (2 * LINE_CHARS)) == pytest.approx(geometric)
     assert sequence_score([], "useful", "") == 1.0
+    with pytest.raises(ValueError, match="needs the text"):  # never a silent 0 for a caller that forgot it
+        sequence_score(confidence, "useful")
 
 
 def test_a_useful_head_must_be_worth_its_characters() -> None:
