@@ -5,10 +5,12 @@ On a calibration set (single lines of held-out files: a training corpus's held-o
 line, the cursor after the indentation). An answer is good when it is exact (whitespace-normalised), passes the
 task's tests, or has edit similarity >= 0.7 with the solution. Per score (`engine.confidence.SCORES`): the area
 under the ROC curve over the answers that wrote something (0.5: no better than chance), and precision (share of
-shown answers that are good) against coverage (share of all requests that show one) over every threshold. The
-score with the best area is chosen, and the lowest threshold whose precision reaches the target (with at least
-`min_shown` answers shown); when no threshold reaches it, the one with the best precision, and the report says the
-target was missed. Score and threshold are chosen on half the calibration tasks (every other one) and checked on
+shown answers that are good) against coverage (share of all requests that show one) over every threshold. Each
+score's threshold is the lowest whose precision reaches the target (with at least `min_shown` answers shown), else
+the one with the best precision; the score chosen is the one that shows the most at the target (what the editor
+gets from it), else the best precision, the area breaking ties; the report says when the target was missed. (The
+area ranks answers over all thresholds; the editor sees one: a score can rank the bulk better and the few it shows
+worse.) Score and threshold are chosen on half the calibration tasks (every other one) and checked on
 the other half, which they never saw. The same threshold is then applied to the evaluation set (HumanEval), and the
 answers it hides are cut to their confident heads (`confident_head`) to measure how often a head is a correct start
 of the solution.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from canvas_ls.engine.confidence import (
     TARGET,
     WORKSPACE_LINES,
     confident_head,
+    copy_support,
     sequence_score,
     shown_tokens,
 )
@@ -57,6 +60,7 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
         exact = written and normalise(text) == normalise(solution)
         passed = passes(task, text + "\n") if run_tests and written and task.test and task.entry_point else None
         similarity = edit_similarity(text, solution)
+        support = copy_support(text, task.prompt, task.suffix)  # the document: the task's prompt and suffix
         rows.append({
             "task_id": task.task_id,
             "text": text,
@@ -66,7 +70,8 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
             "passed": passed,
             "edit_similarity": round(similarity, 4),
             "good": written and (exact or bool(passed) or similarity >= GOOD_SIMILARITY),
-            "scores": {kind: round(sequence_score(confidence, kind, text), 6) for kind in SCORES},
+            "scores": {kind: round(sequence_score(confidence, kind, text, support), 6) for kind in SCORES},
+            "support": round(support, 4),
             "confidence": confidence,
             "token_texts": token_texts,
             "healed": result.healed,
@@ -104,7 +109,8 @@ def at_threshold(rows: list[dict[str, Any]], kind: str, threshold: float) -> dic
     """Coverage and precision when answers scoring under `threshold` are hidden; and their confident heads."""
     shown = [r for r in rows if r["written"] and r["scores"][kind] >= threshold]
     hidden = [r for r in rows if r["written"] and r["scores"][kind] < threshold]
-    heads = [(r, confident_head(r["token_texts"], r["confidence"], kind, threshold, r["healed"])) for r in hidden]
+    heads = [(r, confident_head(r["token_texts"], r["confidence"], kind, threshold, r["healed"], r.get("support", 1.0)))
+             for r in hidden]  # fmt: skip
     heads = [(r, head) for r, head in heads if head.strip()]
     right = [r for r, head in heads if normalise(r["solution"]).startswith(normalise(head))]
     return {
@@ -136,6 +142,20 @@ def choose(points: list[dict[str, float]], target: float, min_shown: int) -> tup
     return next(p["threshold"] for p in supported if p["precision"] == best), False
 
 
+def pick(points: dict[str, list[dict[str, float]]], areas: dict[str, float | None], target: float, min_shown: int,
+         kinds: Sequence[str] = SCORES) -> tuple[str, float, bool]:  # fmt: skip
+    """The score, its threshold (`choose`) and whether it met `target`: of the scores that meet it, the one that
+    shows the most; else the best precision; the area under the ROC curve breaks ties."""
+
+    def merit(kind: str) -> tuple[bool, float, float]:
+        threshold, met = choose(points[kind], target, min_shown)
+        point = next((p for p in points[kind] if p["threshold"] == threshold), {"shown": 0, "precision": 0.0})
+        return met, point["shown"] if met else point["precision"], areas[kind] or 0.0
+
+    kind = max(kinds, key=merit)
+    return (kind, *choose(points[kind], target, min_shown))
+
+
 def set_name(path: Path) -> str:
     """A calibration set's name: a repository run's report by its repository, a file by its name."""
     if path.suffix == ".json":
@@ -159,9 +179,8 @@ def run_calibrate(engine: Engine, calibration: list[Path], evaluation: Path | No
     check = [row for part in parts.values() for row in part[1::2]]
     labels = [r["good"] for r in fit if r["written"]]
     areas = {kind: auroc([r["scores"][kind] for r in fit if r["written"]], labels) for kind in SCORES}
-    kind = max(SCORES, key=lambda k: -1 if areas[k] is None else areas[k])
     points = {k: curve(fit, k) for k in SCORES}
-    threshold, met = choose(points[kind], target, min_shown)
+    kind, threshold, met = pick(points, areas, target, min_shown)
     report: dict[str, Any] = {
         "model": engine.name,
         "dtype": engine.dtype,

@@ -14,6 +14,12 @@ Scores (`canvas-ls bench calibrate` picks the one that separates good answers fr
                repository's held-out lines such short answers were the most confident wrong ones (a line's first
                token with the rest left to the next line), and this score told good answers from bad better than
                the others (`bench calibrate`'s areas under the ROC curve: README).
+  "anchored"   useful x `copy_support`: an answer that copies another line of the document (the document's token
+               cache makes such copies near certain token by token) counts only as far as the copy's surroundings
+               agree with the cursor's. Which line to copy is the cache's real doubt, and the last step's per-token
+               confidence no longer shows it: every token of the copy is certain given the others. On a
+               repository's held-out lines, half the answers above the `useful` threshold were such copies, and most
+               of the wrong ones copied a line from unlike surroundings (README).
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCORES: tuple[str, ...] = ("min", "mean", "geometric", "useful")
-LINE_CHARS = 32  # "useful": an answer writing this many characters (its blanks aside) is worth a whole line
+SCORES: tuple[str, ...] = ("min", "mean", "geometric", "useful", "anchored")
+# "useful": an answer writing this many characters (its blanks aside) is worth a whole line; "anchored": a copied
+# line whose surroundings agree over this many characters is as well supported as one the document never wrote
+LINE_CHARS = 32
+AROUND_CHARS = 32_768  # of the document on each side of an answer that `copy_support` reads (~ the token cache's)
 # How `canvas-ls bench calibrate` chooses a threshold (its --target and --min-shown), and how many held-out lines a
 # workspace's tuned model is calibrated on after `train --workspace`
 TARGET = 0.5  # precision (share of shown answers that are good) the threshold must reach
@@ -34,13 +43,17 @@ WORKSPACE_LINES = 200
 _FLOOR = 1e-6  # a token reported as probability 0 (rounded) still has a finite log
 
 
-def sequence_score(confidence: Sequence[float], kind: str, text: str | None = None) -> float:
-    """The answer's score in [0, 1] (`text`: what its tokens write, which "useful" needs); an empty answer scores 1
-    (there is nothing to doubt, and nothing is shown)."""
+def sequence_score(confidence: Sequence[float], kind: str, text: str | None = None,
+                   support: float | None = None) -> float:  # fmt: skip
+    """The answer's score in [0, 1] (`text`: what its tokens write, which "useful" and "anchored" need; `support`:
+    the answer's `copy_support`, which "anchored" needs); an empty answer scores 1 (there is nothing to doubt, and
+    nothing is shown)."""
     if kind not in SCORES:
         raise ValueError(f"unknown confidence score '{kind}' (known: {', '.join(SCORES)})")
-    if kind == "useful" and text is None:
-        raise ValueError("the 'useful' score needs the text the answer writes")
+    if kind in ("useful", "anchored") and text is None:
+        raise ValueError(f"the '{kind}' score needs the text the answer writes")
+    if kind == "anchored" and support is None:
+        raise ValueError("the 'anchored' score needs the answer's copy support (`copy_support`)")
     if not confidence:
         return 1.0
     if kind == "min":
@@ -50,7 +63,50 @@ def sequence_score(confidence: Sequence[float], kind: str, text: str | None = No
     geometric = math.exp(sum(math.log(max(c, _FLOOR)) for c in confidence) / len(confidence))
     if kind == "geometric":
         return geometric
-    return geometric * min(1.0, len((text or "").strip()) / LINE_CHARS)
+    useful = geometric * min(1.0, len((text or "").strip()) / LINE_CHARS)
+    return useful if kind == "useful" else useful * (support if support is not None else 1.0)
+
+
+def copy_support(text: str, before: str, after: str) -> float:
+    """How far the document stands behind an answer that copies its own lines, in [0, 1]. The answer completes
+    lines (the cursor line's text before it, the answer, the rest of its last line after it); where the document,
+    the answer in place, holds those lines elsewhere (blanks at their ends aside), the characters that agree around
+    a copy (back from its first line's start against `before`'s, on from its last line's end against `after`'s),
+    the most over the copies, / LINE_CHARS, at most 1. 1 for an answer that copies no line, or writes nothing."""
+    before, after = before[-AROUND_CHARS:], after[:AROUND_CHARS]
+    start = before.rfind("\n") + 1  # the cursor line's start, and the end of the answer's last line
+    end = after.find("\n")
+    end = len(after) if end < 0 else end
+    completed = before[start:] + text + after[:end]
+    wanted = [line.strip() for line in completed.split("\n")]
+    if not any(wanted):
+        return 1.0
+    document = before[:start] + completed + after[end:]
+    lines = document.split("\n")
+    stripped = [line.strip() for line in lines]
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line) + 1)
+    here = start  # the completed lines' first character in `document`
+    best = -1
+    for first in range(len(lines) - len(wanted) + 1):
+        if starts[first] == here or stripped[first : first + len(wanted)] != wanted:
+            continue
+        stop = starts[first + len(wanted)] - 1  # the copy's last line's end
+        agree = _agreement(document, starts[first], here, -1) + _agreement(document, stop, here + len(completed), 1)
+        best = max(best, agree)
+    return 1.0 if best < 0 else min(1.0, best / LINE_CHARS)
+
+
+def _agreement(document: str, there: int, here: int, way: int) -> int:
+    """Characters equal going back (`way` -1: before the two offsets) or on (+1: from them), up to LINE_CHARS."""
+    count = 0
+    while count < LINE_CHARS:
+        a, b = (there - count - 1, here - count - 1) if way < 0 else (there + count, here + count)
+        if min(a, b) < 0 or max(a, b) >= len(document) or document[a] != document[b]:
+            break
+        count += 1
+    return count
 
 
 def shown_tokens(token_texts: Sequence[str], healed: str, shown: str) -> int:
@@ -68,28 +124,32 @@ def shown_tokens(token_texts: Sequence[str], healed: str, shown: str) -> int:
 
 
 def confident_head(token_texts: Sequence[str], confidence: Sequence[float], kind: str, threshold: float,
-                   healed: str = "") -> str:  # fmt: skip
+                   healed: str = "", support: float | None = None) -> str:  # fmt: skip
     """The longest run of whole tokens from the start whose score reaches `threshold`, as text for the cursor
-    (`healed`: the prefix text the first token re-writes, not part of the answer). Empty when the first token
-    alone falls short."""
+    (`healed`: the prefix text the first token re-writes, not part of the answer; `support`: the whole answer's
+    `copy_support`, which its heads keep: a head of a copied line is that copy's start). Empty when the first
+    token alone falls short."""
     kept = 0
     for count in range(1, len(confidence) + 1):
-        if sequence_score(confidence[:count], kind, "".join(token_texts[:count]).removeprefix(healed)) >= threshold:
+        text = "".join(token_texts[:count]).removeprefix(healed)
+        if sequence_score(confidence[:count], kind, text, support) >= threshold:
             kept = count
         elif kind == "min":
             break  # a longer run only gets weaker
     return "".join(token_texts[:kept]).removeprefix(healed)
 
 
-def judge(answer: dict[str, Any], shown: str, threshold: float) -> tuple[float, str]:
+def judge(answer: dict[str, Any], shown: str, threshold: float, around: tuple[str, str]) -> tuple[float, str]:
     """An engine answer (`InfillResult` fields: token_texts, confidence, score_kind, healed) as the editor would
-    show `shown` of it: the score of the tokens that write `shown`, and their confident head at `threshold`."""
+    show `shown` of it between the document's text `around` it (before, after): the score of the tokens that write
+    `shown`, and their confident head at `threshold`."""
     count = shown_tokens(answer["token_texts"], answer.get("healed", ""), shown)
     texts, confidence = answer["token_texts"][:count], answer["confidence"][:count]
     kind = answer["score_kind"]
     healed = answer.get("healed", "")
-    head = confident_head(texts, confidence, kind, threshold, healed)
-    return sequence_score(confidence, kind, "".join(texts).removeprefix(healed)), head
+    support = copy_support(shown, *around) if kind == "anchored" else None
+    head = confident_head(texts, confidence, kind, threshold, healed, support)
+    return sequence_score(confidence, kind, "".join(texts).removeprefix(healed), support), head
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from canvas_ls.engine.canvas import (
 )
 from canvas_ls.engine.compile_child import CompilerProcess
 from canvas_ls.engine.compiled import CompiledDecoder, keep_inductor_cache
-from canvas_ls.engine.confidence import model_display, sequence_score
+from canvas_ls.engine.confidence import copy_support, model_display, sequence_score
 from canvas_ls.engine.loading import LoadedModel, load_model
 from canvas_ls.engine.prefix_cache import PrefixCache
 from canvas_ls.engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
@@ -86,6 +86,7 @@ class Prepared:
     head_ids: list[int]
     params: DenoiseParams
     segments: tuple[Segment, ...] | None = None  # several gaps; None: one gap, then head_ids
+    around: tuple[tuple[str, str], ...] = ()  # per gap, the request's text before and after it (its copy support)
 
 
 @dataclass
@@ -280,7 +281,7 @@ class Engine:
         line_ends = self._line_end_ids() if settings.single_line else frozenset()
         token_cache = self._token_cache(request, settings, prefix_ids, [suffix_ids])
         params = DenoiseParams(settings, settings.max_new_tokens, line_ends, healed, allowed, token_cache)
-        return Prepared(settings, encoder_ids, head_ids, params)
+        return Prepared(settings, encoder_ids, head_ids, params, around=((request.prefix, request.suffix),))
 
     def _token_cache(self, request: InfillRequest, settings: InfillSettings, before: list[int],
                      after: list[list[int]]) -> Caches | None:  # fmt: skip
@@ -343,7 +344,8 @@ class Engine:
         # One hole continues canvas after canvas up to its answer's bound; several share the fill's budget.
         budget = max(settings.max_new_tokens, gap_slots) if len(holes) == 1 else max(settings.fill_tokens, gap_slots)
         params = DenoiseParams(settings, budget, token_cache=self._token_cache(request, settings, parts[0], parts[1:]))
-        return Prepared(settings, encoder_ids, [], params, tuple(segments))
+        around = tuple(("".join(texts[: i + 1]), "".join(texts[i + 1 :])) for i in range(len(holes)))
+        return Prepared(settings, encoder_ids, [], params, tuple(segments), around)
 
     def cache_for(self, settings: InfillSettings) -> PrefixCache | None:
         """The prefix KV cache a request may use (none when its settings turn reuse off): the model's, or that of
@@ -397,10 +399,12 @@ class Engine:
             "text": text,
             "tokens": gap.tokens,
             "confidence": [round(c, 4) for c in gap.confidence],
-            "score": round(sequence_score(gap.confidence, self.display.score, text), 4),
+            "score": round(sequence_score(gap.confidence, self.display.score, text,
+                                          copy_support(text, *side) if side else 1.0), 4),
             "healed": cut if gap.tokens else "",
             "stop_reason": "eos" if gap.ended_with_eos else "truncated",
-        } for gap, cut, text in zip(out.gaps, cuts, texts, strict=True)]  # fmt: skip
+        } for gap, cut, text, side in zip(out.gaps, cuts, texts, prepared.around or [None] * len(texts),
+                                          strict=True)]  # fmt: skip
         produced = len(out.tokens) + sum(1 for gap in out.gaps if gap.ended_with_eos)
         return InfillResult(
             text=gaps[0]["text"],

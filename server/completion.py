@@ -264,7 +264,7 @@ class Completer:
         threshold = options.min_confidence if options.min_confidence is not None else answer.get("min_confidence", 0)
         detail = None
         if edit is not None and not invoked and threshold > 0 and "score_kind" in answer:
-            score, head = judge(answer, edit.text, threshold)
+            score, head = judge(answer, edit.text, threshold, (document.text[: edit.start], document.text[edit.end :]))
             if score < threshold:
                 why = f"confidence {score:.2f} below {threshold:.2f} ({answer['score_kind']} score)"
                 cut = checked_edit(document, context, head, options.max_lines) if options.show_head else None

@@ -10,8 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from canvas_ls.engine.bench_calibrate import auroc, choose, curve
-from canvas_ls.engine.confidence import LINE_CHARS, Display, confident_head, judge, sequence_score, shown_tokens
+from canvas_ls.engine.bench_calibrate import auroc, choose, curve, pick
+from canvas_ls.engine.confidence import (
+    LINE_CHARS,
+    Display,
+    confident_head,
+    copy_support,
+    judge,
+    sequence_score,
+    shown_tokens,
+)
 from tests.conftest import FIXTURES
 from tests.test_cli import cli
 
@@ -44,6 +52,32 @@ def test_a_useful_head_must_be_worth_its_characters() -> None:
     assert confident_head(["  )", "\n"], [0.99, 0.99], "useful", 0.5, healed="  ") == ""
 
 
+def test_a_copied_line_counts_as_far_as_its_surroundings_agree() -> None:
+    answer = "return sum(values) / len(values)"
+    after = "\n\n\ndef average(path):\n    values = load(path)\n    return sum(values) / len(values)\n"
+    # the copy's line before it and the cursor's agree over a line's worth: "(path):\n    values = load(path)\n"
+    assert copy_support(answer, "def mean(path):\n    values = load(path)\n    ", after) == 1.0
+    # unlike surroundings: "(path)\n" before, "\n" after agree, 8 characters of LINE_CHARS
+    assert copy_support(answer, "def mean(path):\n    print(path)\n    ", after) == 8 / LINE_CHARS
+    assert copy_support("return 0", "def mean(path):\n    print(path)\n    ", after) == 1.0  # copies no line
+    assert copy_support("  ", "x = 1\n", "\n") == 1.0  # writes nothing
+    # the completed line counts: the cursor line's text before the answer and the rest after it
+    assert copy_support("compute(a, b)", "x = compute(a, b)\ny = ", "\n") == 1.0
+    assert copy_support("compute(a, b)", "x = compute(a, b)\nx = ", "\n") == 1 / LINE_CHARS
+    assert copy_support("compute(a", "x = compute(a, b)\nx = ", ", b)\n") == 1 / LINE_CHARS
+    # "anchored": the useful score times the support; the answer's heads keep the whole answer's support
+    confidence, texts = [0.99] * 4, ["return sum(values)", " /", " len(values", ")"]
+    useful = sequence_score(confidence, "useful", answer)
+    assert sequence_score(confidence, "anchored", answer, 0.25) == pytest.approx(useful * 0.25)
+    with pytest.raises(ValueError, match="copy support"):
+        sequence_score(confidence, "anchored", answer)
+    assert confident_head(texts, confidence, "anchored", 0.5, support=1.0) == answer
+    assert confident_head(texts, confidence, "anchored", 0.5, support=0.25) == ""
+    score, _ = judge({"token_texts": texts, "confidence": confidence, "score_kind": "anchored"}, answer, 0.5,
+                     ("def mean(path):\n    print(path)\n    ", after))  # fmt: skip
+    assert score == pytest.approx(useful * 8 / LINE_CHARS)
+
+
 def test_the_confident_head_is_whole_tokens_from_the_start() -> None:
     texts, confidence = [" (x", " +", " y", ")"], [0.9, 0.8, 0.2, 0.95]
     assert confident_head(texts, confidence, "min", 0.5) == " (x +"
@@ -61,7 +95,7 @@ def test_only_the_tokens_that_write_what_is_shown_are_judged() -> None:
     assert shown_tokens(texts, "  ", "if x") == 2
     assert shown_tokens(texts, "  ", "something else") == 5  # not a start of the answer: all tokens
     answer = {"token_texts": texts, "confidence": [0.9, 0.9, 0.9, 0.01, 0.01], "score_kind": "min", "healed": "  "}
-    score, head = judge(answer, "if x:", 0.5)
+    score, head = judge(answer, "if x:", 0.5, ("def f(x):\n  ", "\n"))
     assert score == 0.9 and head == "if x:\n"  # the junk after the line break does not count
 
 
@@ -92,6 +126,19 @@ def test_auroc_curve_and_the_chosen_threshold() -> None:
     assert choose(points, 1.0, 1) == (0.8, True)
 
 
+def test_the_score_chosen_is_the_one_that_shows_most_at_the_target() -> None:
+    # "x" ranks all answers better (area 0.75 vs 0.625) but puts a bad answer first; "y" shows two good ones first
+    good = [False, True, True, True, True, False, False, False]
+    x, y = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], [0.8, 1.0, 0.9, 0.5, 0.4, 0.7, 0.6, 0.3]
+    rows = [{"written": True, "good": g, "scores": {"x": a, "y": b}} for g, a, b in zip(good, x, y, strict=True)]
+    points = {k: curve(rows, k) for k in ("x", "y")}
+    areas = {k: auroc([r["scores"][k] for r in rows], good) for k in ("x", "y")}
+    assert areas == {"x": 0.75, "y": 0.625}
+    assert pick(points, areas, 1.0, 1, ("x", "y")) == ("y", 0.9, True)  # only "y" reaches the target
+    assert pick(points, areas, 0.5, 1, ("x", "y")) == ("x", 0.3, True)  # both show all 8: the area decides
+    assert pick(points, areas, 1.0, 3, ("x", "y")) == ("x", 0.6, False)  # none reaches it: the best precision
+
+
 def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)  # the session's tiny model stays uncalibrated for the other tests
@@ -120,9 +167,12 @@ def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model
 
     from canvas_ls.engine import Engine
 
-    result = Engine.load(str(model), "cpu", {"max_steps": 4}).infill("def f(x):\n    return ", "\n")
+    prefix, suffix = "def f(x):\n    return ", "\n"
+    result = Engine.load(str(model), "cpu", {"max_steps": 4}).infill(prefix, suffix)
     assert (result.score_kind, result.min_confidence) == (report["score"], report["threshold"])
-    assert result.score == pytest.approx(sequence_score(result.confidence, result.score_kind), abs=1e-3)
+    support = copy_support(result.text, prefix, suffix)
+    assert result.score == pytest.approx(sequence_score(result.confidence, result.score_kind, result.text, support),
+                                         abs=1e-3)  # fmt: skip
 
 
 def test_bench_calibrate_refuses_a_json_that_is_no_repository_report(tmp_path: Path) -> None:

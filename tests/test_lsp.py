@@ -266,7 +266,8 @@ async def test_answers_the_model_does_not_stand_behind_are_hidden_or_cut_while_t
     result, shown = first["result"], first["edit"]["text"]
     threshold = result["confidence"][0]
     configure(min_confidence=threshold, show_head=True)
-    score, head = judge(result, shown, threshold)
+    cursor = COMMENT_DOC.index("# TODO: ") + len("# TODO: ")
+    score, head = judge(result, shown, threshold, (COMMENT_DOC[:cursor], COMMENT_DOC[cursor:]))
     cut = await fill(client, "a.py", COMMENT_POS)
     expected = head.split("\n", 1)[0].rstrip()  # the head as a single-line completion is shaped
     if score >= threshold:
