@@ -71,12 +71,17 @@ def load_tasks(path: Path, limit: int | None = None, cursor: str = "task") -> li
         Task(r["task_id"], r["prompt"], r["suffix"], r["canonical_solution"], r.get("test"), r.get("entry_point"))
         for r in rows
     ]
-    tasks = spread(tasks, limit)
-    typed = _TYPED[cursor]
-    if typed is not None:  # the typed text moves from the answer into the prompt; the program stays the same
-        tasks = [replace(t, prompt=t.prompt + (done := typed.match(t.solution)[0]), solution=t.solution[len(done) :])
-                 for t in tasks]  # fmt: skip
-    return tasks
+    return [typed(t, cursor) for t in spread(tasks, limit)]
+
+
+def typed(task: Task, cursor: str) -> Task:
+    """The task with the cursor moved (`_TYPED`: "task" where it is, "indented" after the line's indentation, "word"
+    after its first word too): the typed text moves from the answer into the prompt; the program stays the same."""
+    pattern = _TYPED[cursor]
+    if pattern is None:
+        return task
+    done = pattern.match(task.solution)[0]
+    return replace(task, prompt=task.prompt + done, solution=task.solution[len(done) :])
 
 
 def repository_tasks(report: Path, limit: int | None = None) -> list[Task]:

@@ -143,30 +143,54 @@ def judge(answer: dict[str, Any], shown: str, threshold: float, around: tuple[st
     """An engine answer (`InfillResult` fields: token_texts, confidence, score_kind, healed) as the editor would
     show `shown` of it between the document's text `around` it (before, after): the score of the tokens that write
     `shown`, and their confident head at `threshold`."""
-    count = shown_tokens(answer["token_texts"], answer.get("healed", ""), shown)
-    texts, confidence = answer["token_texts"][:count], answer["confidence"][:count]
+    texts, confidence, written = judged_tokens(answer, shown)
     kind = answer["score_kind"]
-    healed = answer.get("healed", "")
     support = copy_support(shown, *around) if kind == "anchored" else None
-    head = confident_head(texts, confidence, kind, threshold, healed, support)
-    return sequence_score(confidence, kind, "".join(texts).removeprefix(healed), support), head
+    head = confident_head(texts, confidence, kind, threshold, answer.get("healed", ""), support)
+    return sequence_score(confidence, kind, written, support), head
+
+
+def judged_tokens(answer: dict[str, Any], shown: str) -> tuple[list[str], list[float], str]:
+    """The tokens of an engine answer that write `shown` (its texts and confidences) and the text they write, the
+    healed prefix text aside: what a score of `shown` is computed from."""
+    count = shown_tokens(answer["token_texts"], answer.get("healed", ""), shown)
+    texts, confidence = list(answer["token_texts"][:count]), list(answer["confidence"][:count])
+    return texts, confidence, "".join(texts).removeprefix(answer.get("healed", ""))
+
+
+MODES: tuple[str, ...] = ("single_line", "multi_line")  # the server's requests: a line begun, a blank line
 
 
 @dataclass(frozen=True)
 class Display:
-    """A model's display policy, from its folder's `canvas_ls.json` ("display": {"score", "min_confidence"}),
-    written by `canvas-ls bench calibrate`. Uncalibrated: every answer is shown."""
+    """A model's display policy, from its folder's `canvas_ls.json` ("display": {"score", "min_confidence",
+    "multi_line": {"score", "min_confidence"}}), written by `canvas-ls bench calibrate`: the score and threshold of
+    answers to a begun line (the rest of it), and of those to a blank line (a block; the same unless given): the two
+    kinds of answers differ, and a threshold chosen on one does not hold on the other. Uncalibrated: every answer is
+    shown."""
 
     score: str = "geometric"
     min_confidence: float = 0.0
+    multi_line: tuple[str, float] | None = None
+
+    def for_request(self, single_line: bool) -> tuple[str, float]:
+        """(score, threshold) of a request's answers."""
+        if single_line or self.multi_line is None:
+            return self.score, self.min_confidence
+        return self.multi_line
 
     @classmethod
     def from_record(cls, record: dict[str, Any] | None) -> Display:
         record = record or {}
-        display = cls(str(record.get("score", cls.score)), float(record.get("min_confidence", cls.min_confidence)))
-        if display.score not in SCORES or not 0.0 <= display.min_confidence <= 1.0:
+        blocks = record.get("multi_line")
+        policies = [(str(record.get("score", cls.score)), float(record.get("min_confidence", cls.min_confidence)))]
+        if isinstance(blocks, dict):
+            policies.append((str(blocks.get("score", "")), float(blocks.get("min_confidence", -1))))
+        elif blocks is not None:
+            policies.append(("", -1.0))
+        if any(score not in SCORES or not 0.0 <= threshold <= 1.0 for score, threshold in policies):
             raise ValueError(f"bad display settings {record!r}: score one of {SCORES}, min_confidence in [0, 1]")
-        return display
+        return cls(*policies[0], policies[1] if len(policies) > 1 else None)
 
 
 def model_display(model_dir: Path | None) -> Display:

@@ -395,12 +395,12 @@ class Engine:
         cuts = [spec.healed for spec in specs] if specs else [prepared.params.healed]
         texts = [self.tokenizer.decode(gap.tokens, skip_special_tokens=True).removeprefix(cut if gap.tokens else "")
                  for gap, cut in zip(out.gaps, cuts, strict=True)]  # fmt: skip
+        kind, threshold = self.display.for_request(prepared.settings.single_line)
         gaps = [{
             "text": text,
             "tokens": gap.tokens,
             "confidence": [round(c, 4) for c in gap.confidence],
-            "score": round(sequence_score(gap.confidence, self.display.score, text,
-                                          copy_support(text, *side) if side else 1.0), 4),
+            "score": round(sequence_score(gap.confidence, kind, text, copy_support(text, *side) if side else 1.0), 4),
             "healed": cut if gap.tokens else "",
             "stop_reason": "eos" if gap.ended_with_eos else "truncated",
         } for gap, cut, text, side in zip(out.gaps, cuts, texts, prepared.around or [None] * len(texts),
@@ -431,8 +431,8 @@ class Engine:
             settings=prepared.settings.to_dict(),
             gaps=gaps,
             score=gaps[0]["score"],
-            score_kind=self.display.score,
-            min_confidence=self.display.min_confidence,
+            score_kind=kind,
+            min_confidence=threshold,
         )
 
     # -- layouts -------------------------------------------------------------------------------------------------

@@ -603,7 +603,7 @@ def _calibrate_workspace_model(run_dir: Path, summary: dict[str, Any], report: A
     """A workspace's tuned model gets its own display threshold, calibrated on the repository's held-out lines
     (`bench_calibrate.calibrate_folder`); an adapter keeps its base's, and so does an interrupted run (the user
     asked it to stop). A calibration that fails leaves the model installed with its base's threshold."""
-    from canvas_ls.engine.bench_calibrate import calibrate_folder
+    from canvas_ls.server.bench_calibrate import calibrate_folder
 
     model, held_out = run_dir / "model", run_dir / "repository_report.json"
     if summary.get("stopped") == "interrupted" or not model.is_dir() or not held_out.is_file():
@@ -965,7 +965,7 @@ def _bench_holes(args: argparse.Namespace) -> int:
 
 
 def _bench_calibrate(args: argparse.Namespace) -> int:
-    from canvas_ls.engine.bench_calibrate import format_calibrate, plot_calibrate, run_calibrate, write_threshold
+    from canvas_ls.server.bench_calibrate import format_calibrate, plot_calibrate, run_calibrate, write_threshold
 
     for path in (*args.calibration, args.dataset):
         if path is not None and not path.is_file():
@@ -995,7 +995,8 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
         print("not written: the threshold belongs to a model folder (not an adapter or a hub id); "
               "set completion.min_confidence in the editor instead")  # fmt: skip
     else:
-        print(f"written: {write_threshold(folder, report)} (display.min_confidence = {report['threshold']:.4f})")
+        policy = "; ".join(f"{mode}: {c['score']} >= {c['threshold']:.4f}" for mode, c in report["display"].items())
+        print(f"written: {write_threshold(folder, report)} (display {policy})")
     return code
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from canvas_ls.engine.confidence import judge
 from canvas_ls.server.backend import BackendError, BackendNotReady, CancelFlag
-from canvas_ls.server.config import ServerConfig
+from canvas_ls.server.config import CompletionOptions, ServerConfig
 from canvas_ls.server.context import CompletionContext, Skip, build_context
 from canvas_ls.server.crossfile import Block, CrossFile
 from canvas_ls.server.documents import Document, DocumentStore
@@ -48,6 +48,21 @@ log = logging.getLogger(__name__)
 PREFETCH_READY = frozenset({"prefetched", "cache", "typing"})
 # What the cache keeps of an engine result: enough to decide again what to show.
 _ANSWER_KEYS = ("text", "token_texts", "confidence", "score_kind", "min_confidence", "healed")
+
+
+def request_overrides(context: CompletionContext, options: CompletionOptions, invoked: bool) -> dict[str, Any]:
+    """The engine settings of a completion request at `context` (`bench calibrate` asks the same)."""
+    return {
+        "min_new_tokens": 1 if invoked else None,  # None: the model's own setting
+        "gap_tokens": context.gap_tokens,
+        "max_new_tokens": context.max_new_tokens,
+        "max_prefix_tokens": options.prefix_tokens + context.lead_tokens,
+        "max_suffix_tokens": options.suffix_tokens,
+        "max_steps": options.max_steps,
+        "entropy_bound": options.entropy_bound,
+        "single_line": context.mode == "single_line",
+        "workspace_cache": options.workspace_cache,
+    }
 
 
 @dataclass
@@ -185,7 +200,7 @@ class Completer:
 
         # 4. Cache, keyed on the context the model would see. The same completion already under way, started where
         #    the cursor went (a prefetch) or after an accepted suggestion (a speculation), is joined.
-        overrides = self._overrides(context, invoked)
+        overrides = request_overrides(context, self.config.completion, invoked)
         key = self._key(document, context, overrides)
         if prefetch and not self._claim_prefetch(document.uri, key):
             return nothing("cache" if key in self.cache else "running")  # answered already, or being answered
@@ -293,20 +308,6 @@ class Completer:
         block = self.cross_file.block(document, offset, self.documents.others(document), budget)
         return block if block is not None and block.text else None
 
-    def _overrides(self, context: CompletionContext, invoked: bool) -> dict[str, Any]:
-        options = self.config.completion
-        return {
-            "min_new_tokens": 1 if invoked else None,  # None: the model's own setting
-            "gap_tokens": context.gap_tokens,
-            "max_new_tokens": context.max_new_tokens,
-            "max_prefix_tokens": options.prefix_tokens + context.lead_tokens,
-            "max_suffix_tokens": options.suffix_tokens,
-            "max_steps": options.max_steps,
-            "entropy_bound": options.entropy_bound,
-            "single_line": context.mode == "single_line",
-            "workspace_cache": options.workspace_cache,
-        }
-
     def _key(self, document: Document, context: CompletionContext, overrides: dict[str, Any]) -> str:
         """The cache's key: the context, the settings, and which model answers this document now (a workspace
         model that has finished loading must not be answered for by what the configured model said before)."""
@@ -356,7 +357,7 @@ class Completer:
         context = self._context(accepted, edit.start + len(edit.text))
         key = overrides = None
         if not isinstance(context, Skip):
-            overrides = self._overrides(context, invoked=False)
+            overrides = request_overrides(context, self.config.completion, invoked=False)
             key = self._key(accepted, context, overrides)
         running = self.speculations.get(document.uri)
         if running is not None and running.key == key:

@@ -654,8 +654,11 @@ def _shown_while_typing(display: dict[str, Any] | None) -> str:
         return ""
     if "error" in display:
         return f"; its display threshold stays the base's ({display['error']})"
-    score, threshold = display["score"], display["min_confidence"]
-    shown = f"; while typing it shows answers whose {score} score is at least {threshold:.2f}"
+    line, block = display["policy"]["single_line"], display["policy"]["multi_line"]
+    shown = (
+        f"; while typing it shows answers whose {line['score']} score is at least {line['threshold']:.2f} on a "
+        f"begun line, and whose {block['score']} score is at least {block['threshold']:.2f} on a blank line"
+    )
     if display.get("held_out_precision") is None:
         return f"{shown} (none of the held-out lines reached it)"
     return (f"{shown}: {100 * display['held_out_coverage']:.0f}% of the held-out lines, "

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from canvas_ls.engine.bench_calibrate import auroc, choose, curve, pick
 from canvas_ls.engine.confidence import (
     LINE_CHARS,
+    MODES,
+    SCORES,
     Display,
     confident_head,
     copy_support,
@@ -20,6 +21,7 @@ from canvas_ls.engine.confidence import (
     sequence_score,
     shown_tokens,
 )
+from canvas_ls.server.bench_calibrate import auroc, choose, curve, pick
 from tests.conftest import FIXTURES
 from tests.test_cli import cli
 
@@ -102,7 +104,12 @@ def test_only_the_tokens_that_write_what_is_shown_are_judged() -> None:
 def test_display_settings_are_checked() -> None:
     assert Display.from_record(None) == Display("geometric", 0.0)
     assert Display.from_record({"score": "min", "min_confidence": 0.3, "calibrated": {}}) == Display("min", 0.3)
-    for bad in ({"score": "max"}, {"min_confidence": 2}):
+    both = Display.from_record(
+        {"score": "mean", "min_confidence": 0.9, "multi_line": {"score": "anchored", "min_confidence": 0.8}}
+    )
+    assert both.for_request(single_line=True) == ("mean", 0.9) and both.for_request(False) == ("anchored", 0.8)
+    assert Display("min", 0.3).for_request(False) == ("min", 0.3)  # one policy for both unless given two
+    for bad in ({"score": "max"}, {"min_confidence": 2}, {"multi_line": {"score": "mean"}}, {"multi_line": 0.5}):
         with pytest.raises(ValueError, match="bad display settings"):
             Display.from_record(bad)
 
@@ -122,7 +129,7 @@ def test_auroc_curve_and_the_chosen_threshold() -> None:
     assert points[0]["coverage"] == pytest.approx(6 / 7) and points[0]["precision"] == 0.5
     assert points[2] == {"threshold": 0.4, "shown": 4, "coverage": pytest.approx(4 / 7), "precision": 0.75}
     assert choose(points, 0.75, 1) == (0.4, True)  # the lowest threshold that reaches the target
-    assert choose(points, 0.75, 5) == (0.3, False)  # with 5 shown at least, 0.6 is the best there is
+    assert choose(points, 0.75, 5) == (1.0, False)  # with 5 shown at least, 0.6 is the best: none is shown
     assert choose(points, 1.0, 1) == (0.8, True)
 
 
@@ -136,7 +143,7 @@ def test_the_score_chosen_is_the_one_that_shows_most_at_the_target() -> None:
     assert areas == {"x": 0.75, "y": 0.625}
     assert pick(points, areas, 1.0, 1, ("x", "y")) == ("y", 0.9, True)  # only "y" reaches the target
     assert pick(points, areas, 0.5, 1, ("x", "y")) == ("x", 0.3, True)  # both show all 8: the area decides
-    assert pick(points, areas, 1.0, 3, ("x", "y")) == ("x", 0.6, False)  # none reaches it: the best precision
+    assert pick(points, areas, 1.0, 3, ("x", "y")) == ("x", 1.0, False)  # none reaches it: none shown
 
 
 def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -157,11 +164,16 @@ def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model
     report = json.loads(out.read_text())
     assert len(report["calibration"]["rows"]) == 8 and len(report["evaluation"]["rows"]) == 3
     assert [r["task_id"].split(":")[0] for r in report["calibration"]["rows"]] == ["stats.py"] * 4 + ["again.py"] * 4
+    across = report["calibration"]["across_sets"]  # each set judged with the threshold the other chose
+    assert all(len(across[mode][kind]["folds"]) == 2 for mode in MODES for kind in SCORES)
     held = report["held_out"]["sets"]  # each set's unseen half at the chosen threshold
     assert list(held) == ["stats.py.jsonl.gz", "again.py.jsonl.gz"] and all(r["tasks"] == 2 for r in held.values())
     assert out.with_suffix(".png").stat().st_size > 10_000
     display = json.loads((model / "canvas_ls.json").read_text())["display"]
-    assert display["score"] == report["score"] and display["min_confidence"] == report["threshold"]
+    line, block = report["display"]["single_line"], report["display"]["multi_line"]
+    assert (display["score"], display["min_confidence"]) == (line["score"], line["threshold"])
+    assert display["multi_line"] == {"score": block["score"], "min_confidence": block["threshold"]}
+    assert Display.from_record(display).for_request(single_line=False) == (block["score"], block["threshold"])
     assert display["calibrated"]["set"] == "stats.py.jsonl.gz; again.py.jsonl.gz"
     assert json.loads((model / "canvas_ls.json").read_text())["infill"]["layout"] == "canvas"  # the rest kept
 
@@ -169,7 +181,7 @@ def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model
 
     prefix, suffix = "def f(x):\n    return ", "\n"
     result = Engine.load(str(model), "cpu", {"max_steps": 4}).infill(prefix, suffix)
-    assert (result.score_kind, result.min_confidence) == (report["score"], report["threshold"])
+    assert (result.score_kind, result.min_confidence) == (block["score"], block["threshold"])  # a blank line's
     support = copy_support(result.text, prefix, suffix)
     assert result.score == pytest.approx(sequence_score(result.confidence, result.score_kind, result.text, support),
                                          abs=1e-3)  # fmt: skip

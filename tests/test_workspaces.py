@@ -210,7 +210,9 @@ async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
     for when in ("before", "after"):  # the loss of what the workspace recipe trains on, and the general one
         assert {"editor_diffusion", "diffusion"} <= set(row["held_out"][when]), row["held_out"]
     display = json.loads((Path(row["model"]) / "canvas_ls.json").read_text())["display"]  # written into the model
-    assert row["display"]["score"] == display["score"] and row["display"]["min_confidence"] == display["min_confidence"]
+    line, block = row["display"]["policy"]["single_line"], row["display"]["policy"]["multi_line"]
+    assert (line["score"], line["threshold"]) == (display["score"], display["min_confidence"])
+    assert display["multi_line"] == {"score": block["score"], "min_confidence": block["threshold"]}
     assert display["calibrated"]["set"] == "project (held-out files)" and row["display"]["lines"] >= 1
     inside = open_file(raw_client, repo / "pkg" / "m0.py", RETURN_DOC)
     await fill_at(raw_client, inside, AFTER_RETURN)
@@ -298,9 +300,13 @@ def test_the_training_plan_is_the_recipes() -> None:
 def test_the_learned_message_says_what_the_tuned_model_will_show() -> None:
     from canvas_ls.server.lsp import _shown_while_typing
 
-    calibrated = {"score": "useful", "min_confidence": 0.6253, "held_out_precision": 0.55, "held_out_coverage": 0.2}
-    assert _shown_while_typing(calibrated) == ("; while typing it shows answers whose useful score is at least 0.63: "
-                                               "20% of the held-out lines, 55% of them good")  # fmt: skip
+    policy = {"single_line": {"score": "mean", "threshold": 0.9631, "target_met": True},
+              "multi_line": {"score": "anchored", "threshold": 0.9214, "target_met": False}}  # fmt: skip
+    calibrated = {"policy": policy, "held_out_precision": 0.55, "held_out_coverage": 0.2}
+    assert _shown_while_typing(calibrated) == (
+        "; while typing it shows answers whose mean score is at least 0.96 on a begun line, and whose anchored score "
+        "is at least 0.92 on a blank line: 20% of the held-out lines, 55% of them good"
+    )
     nothing = {**calibrated, "held_out_precision": None, "held_out_coverage": 0.0}
     assert _shown_while_typing(nothing).endswith("(none of the held-out lines reached it)")
     failed = {"error": "OSError: no space left on device"}
