@@ -282,6 +282,8 @@ class Completer:
             score, head = judge(answer, edit.text, threshold, (document.text[: edit.start], document.text[edit.end :]))
             if score < threshold:
                 why = f"confidence {score:.2f} below {threshold:.2f} ({answer['score_kind']} score)"
+                if threshold >= 1.0:  # a calibration that found no threshold to stand behind here (or the user's)
+                    why += "; nothing is shown here while typing: invoke a completion to see the model's answer"
                 cut = checked_edit(document, context, head, options.max_lines) if options.show_head else None
                 if cut is None or not cut.text.strip():
                     self._remember(document, offset, None)

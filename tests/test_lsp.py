@@ -257,6 +257,7 @@ async def test_answers_the_model_does_not_stand_behind_are_hidden_or_cut_while_t
     hidden = await fill(client, "a.py", COMMENT_POS)
     assert hidden["source"] == "hidden" and hidden["edit"] is None
     assert hidden["detail"].startswith("hidden: confidence ") and "below 1.00" in hidden["detail"]
+    assert hidden["detail"].endswith("invoke a completion to see the model's answer")  # what to do about it
     assert await inline(client, "a.py", COMMENT_POS) == []
     stats = await request(client, "canvas/stats", {})
     assert stats["hidden"] == 2 and stats["last"]["source"] == "hidden" and stats["modelCalls"] == 1
