@@ -18,8 +18,8 @@ Scores (`canvas-ls bench calibrate` picks the one that separates good answers fr
                cache makes such copies near certain token by token) counts only as far as the copy's surroundings
                agree with the cursor's. Which line to copy is the cache's real doubt, and the last step's per-token
                confidence no longer shows it: every token of the copy is certain given the others. On a
-               repository's held-out lines, half the answers above the `useful` threshold were such copies, and most
-               of the wrong ones copied a line from unlike surroundings (README).
+               repository's held-out lines (one-line answers), half the answers above the `useful` threshold were
+               such copies, and most of the wrong ones copied a line from unlike surroundings (README).
 """
 
 from __future__ import annotations

@@ -71,9 +71,9 @@ class CompletionOptions:
     # Wait this long after a keystroke before calling the model; a newer request in the meantime wins.
     debounce_ms: int = 0
     # Completions asked for while typing are shown only when the model stands behind them: the answer's confidence
-    # score (`engine.confidence`) must reach this. None: the model's calibrated threshold (`canvas-ls bench
-    # calibrate` writes it into the model folder; 0 when it has none); 0: show everything. Invoked completions (a key,
-    # a command) are always shown.
+    # score (`engine.confidence`) must reach this. None: the model's calibrated policy (`canvas-ls bench calibrate`
+    # writes it into the model folder: a score and threshold for a begun line, and for a blank line; 0 when it has
+    # none); 0: show everything. Invoked completions (a key, a command) are always shown.
     min_confidence: float | None = None
     # Below the threshold, show the answer's confident head (whole tokens from the start, cut where the score would
     # fall under it) instead of nothing. Off by default: on held-out lines few heads were a right start of the line
