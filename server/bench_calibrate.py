@@ -8,13 +8,14 @@ the solution. Each request mode (a begun line, a blank line: `confidence.MODES`)
 Per score (`engine.confidence.SCORES`): the area under the ROC curve over the answers that wrote something (0.5: no
 better than chance), and precision (share of shown answers that are good) against coverage (share of all requests
 that show one) over every threshold. A score's threshold is the lowest whose precision reaches the target with at
-least `min_shown` answers shown, else HIDDEN (1.0: nothing is shown while typing). The score chosen is the one that
-shows the most at the target, else the best precision, the area breaking ties: judged, with several sets, on each
-set in turn with the threshold the others choose (`across_sets`: a score must hold on a repository it was not chosen
-on), else on the choice half. Thresholds are chosen on half the calibration tasks (every other one) and checked on
-the other half, which they never saw. They are then applied to the evaluation set (HumanEval), and the answers they
-hide are cut to their confident heads (`confident_head`) to measure how often a head is a correct start of the
-solution.
+least `min_shown` answers shown, else HIDDEN (1.0: nothing is shown while typing); HIDDEN too where the half that
+did not choose it shows answers under the target. The score chosen is the one that shows the most at the target,
+else the best precision, the area breaking ties: judged, with several sets, on each set in turn with the threshold
+the others choose (`across_sets`: a score must hold on a repository it was not chosen on), else on the choice half.
+Thresholds are chosen on half the calibration tasks (every other one) and checked on the other half (which, having
+vetoed the thresholds it disagrees with, no longer measures them unseen). They are then applied to the evaluation
+set (HumanEval), and the answers they hide are cut to their confident heads (`confident_head`) to measure how often
+a head is a correct start of the solution.
 """
 
 from __future__ import annotations
@@ -187,6 +188,17 @@ def choose(points: list[dict[str, float]], target: float, min_shown: int) -> tup
     return HIDDEN, False
 
 
+def held_up(choice: dict[str, Any], check: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """A mode's choice ({"score", "threshold", "target_met"}), or HIDDEN where the answers of the half that did not
+    choose it (`check`) above its threshold fall under the target (kept in "withdrawn")."""
+    held = at_threshold(check, choice["score"], choice["threshold"])
+    if not choice["target_met"] or not held["shown"] or held["precision"] >= target:
+        return choice
+    gone = {"threshold": choice["threshold"], "held_out_shown": held["shown"],
+            "held_out_precision": held["precision"]}  # fmt: skip
+    return {"score": choice["score"], "threshold": HIDDEN, "target_met": False, "withdrawn": gone}
+
+
 def best_precision(points: list[dict[str, float]], min_shown: int) -> float:
     """The best precision a threshold gives with at least `min_shown` answers shown (0 when none shows as many)."""
     return max((p["precision"] for p in points if p["shown"] >= min_shown), default=0.0)
@@ -262,6 +274,7 @@ def run_calibrate(engine: Engine, calibration: list[Path], evaluation: Path | No
         chosen[mode] = {"score": kind, "threshold": threshold, "target_met": met}
         theirs = [r for r in check if r["mode"] == mode and r["written"]]
         held_areas[mode] = {k: auroc([r["scores"][k] for r in theirs], [r["good"] for r in theirs]) for k in SCORES}
+        chosen[mode] = held_up(chosen[mode], [r for r in check if r["mode"] == mode], target)
     policy = {mode: (c["score"], c["threshold"]) for mode, c in chosen.items()}
 
     def by_mode(some: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -382,6 +395,12 @@ def format_calibrate(report: dict[str, Any]) -> str:
                 f"{k} {held[k]['good']}/{held[k]['shown']}" for k in SCORES) + " good/shown")  # fmt: skip
         best = best_precision(report["calibration"]["curves"][mode][chosen["score"]], report["min_shown"])
         met = "met" if chosen["target_met"] else f"MISSED: the best threshold gives {_pct(best)}%; none shown"
+        if "withdrawn" in chosen:
+            gone = chosen["withdrawn"]
+            met = (
+                f"MISSED: {gone['threshold']:.4f} met it on the choosing half, but the other half's "
+                f"{gone['held_out_shown']} answers above it were {_pct(gone['held_out_precision'])}% good; none shown"
+            )
         lines.append(f"chosen: score '{chosen['score']}', threshold {chosen['threshold']:.4f} (target {met})")
     header = f"{'':<22}{'tasks':>7}{'written':>9}{'shown':>7}{'coverage':>10}{'precision':>11}"
     lines += ["", header + f"{'exact':>7}{'heads':>7}{'head ok':>9}"]

@@ -21,7 +21,7 @@ from canvas_ls.engine.confidence import (
     sequence_score,
     shown_tokens,
 )
-from canvas_ls.server.bench_calibrate import auroc, choose, curve, pick
+from canvas_ls.server.bench_calibrate import auroc, choose, curve, held_up, pick
 from tests.conftest import FIXTURES
 from tests.test_cli import cli
 
@@ -144,6 +144,21 @@ def test_the_score_chosen_is_the_one_that_shows_most_at_the_target() -> None:
     assert pick(points, areas, 1.0, 1, ("x", "y")) == ("y", 0.9, True)  # only "y" reaches the target
     assert pick(points, areas, 0.5, 1, ("x", "y")) == ("x", 0.3, True)  # both show all 8: the area decides
     assert pick(points, areas, 1.0, 3, ("x", "y")) == ("x", 1.0, False)  # none reaches it: none shown
+
+
+def test_a_threshold_the_other_half_disagrees_with_is_withdrawn() -> None:
+    def rows(pairs: list[tuple[float, bool]]) -> list[dict]:
+        return [{"mode": "single_line", "written": True, "good": good, "scores": {"min": score}, "token_texts": [],
+                 "confidence": [], "healed": "", "solution": "x", "exact": good} for score, good in pairs]  # fmt: skip
+
+    choice = {"score": "min", "threshold": 0.8, "target_met": True}
+    assert held_up(choice, rows([(0.9, True), (0.85, False), (0.2, False)]), 0.5) == choice  # 1 of 2: holds
+    gone = held_up(choice, rows([(0.9, True), (0.85, False), (0.81, False)]), 0.5)
+    assert gone["threshold"] == 1.0 and not gone["target_met"]  # 1 of 3 above it: nothing shown
+    assert gone["withdrawn"] == {"threshold": 0.8, "held_out_shown": 3, "held_out_precision": pytest.approx(1 / 3)}
+    assert held_up(choice, rows([(0.2, False)]), 0.5) == choice  # nothing above it there: no evidence against it
+    missed = {"score": "min", "threshold": 1.0, "target_met": False}
+    assert held_up(missed, rows([(0.9, False)]), 0.5) == missed
 
 
 def test_bench_calibrate_writes_the_threshold_the_engine_then_reports(tiny_model_dir: Path, tmp_path: Path) -> None:
