@@ -30,6 +30,7 @@ from typing import Any
 
 from canvas_ls.engine.bench import Task, edit_similarity, figure, load_tasks, machine, normalise, passes, typed
 from canvas_ls.engine.confidence import (
+    HIDDEN,
     MIN_SHOWN,
     MODES,
     SCORES,
@@ -78,10 +79,9 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
         edit = None if result is None else checked_edit(document, context, result.text, options.max_lines)
         text = "" if edit is None else edit.text[offset - edit.start :]  # from the cursor on
         answer = {"token_texts": [], "confidence": [], "healed": ""} if result is None else vars(result)
-        token_texts, confidence, _ = judged_tokens(answer, text)
+        token_texts, confidence, tokens_write = judged_tokens(answer, text)  # scored as the server's `judge` does
         written = bool(text.strip())
-        around = (document.text[: edit.start], document.text[edit.end :]) if edit else (task.prompt, task.suffix)
-        support = copy_support(text, *around)
+        support = copy_support(text, document.text[: edit.start], document.text[edit.end :]) if edit else 1.0
         solution = task.solution.rstrip("\r\n")
         exact = written and normalise(text) == normalise(solution)
         passed = None
@@ -99,7 +99,7 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
             "passed": passed,
             "edit_similarity": round(similarity, 4),
             "good": written and (exact or bool(passed) or similarity >= GOOD_SIMILARITY),
-            "scores": {kind: round(sequence_score(confidence, kind, text, support), 6) for kind in SCORES},
+            "scores": {kind: round(sequence_score(confidence, kind, tokens_write, support), 6) for kind in SCORES},
             "support": round(support, 4),
             "confidence": confidence,
             "token_texts": token_texts,
@@ -145,14 +145,11 @@ def at_policy(rows: list[dict[str, Any]], policy: dict[str, tuple[str, float]]) 
     """Coverage and precision when each answer scoring under its request mode's (score, threshold) is hidden; and
     the hidden ones' confident heads."""
 
-    def score(row: dict[str, Any]) -> tuple[float, str, float]:
-        kind, threshold = policy.get(row["mode"], policy[MODES[0]])
-        return row["scores"][kind], kind, threshold
-
-    shown = [r for r in rows if r["written"] and score(r)[0] >= score(r)[2]]
-    hidden = [r for r in rows if r["written"] and score(r)[0] < score(r)[2]]
-    heads = [(r, confident_head(r["token_texts"], r["confidence"], score(r)[1], score(r)[2], r["healed"],
-                                r.get("support", 1.0))) for r in hidden]  # fmt: skip
+    judged = [(r, *policy.get(r["mode"], policy[MODES[0]])) for r in rows if r["written"]]  # (row, kind, threshold)
+    shown = [r for r, kind, threshold in judged if r["scores"][kind] >= threshold]
+    hidden = [(r, kind, threshold) for r, kind, threshold in judged if r["scores"][kind] < threshold]
+    heads = [(r, confident_head(r["token_texts"], r["confidence"], kind, threshold, r["healed"], r.get("support", 1.0)))
+             for r, kind, threshold in hidden]  # fmt: skip
     heads = [(r, head) for r, head in heads if head.strip()]
     right = [r for r, head in heads if normalise(r["solution"]).startswith(normalise(head))]
     return {
@@ -174,9 +171,6 @@ def at_policy(rows: list[dict[str, Any]], policy: dict[str, tuple[str, float]]) 
 def at_threshold(rows: list[dict[str, Any]], kind: str, threshold: float) -> dict[str, Any]:
     """`at_policy` with one score and threshold for every request."""
     return at_policy(rows, {mode: (kind, threshold) for mode in MODES})
-
-
-HIDDEN = 1.0  # the threshold where no threshold reaches the target: only answers certain of every token (none seen)
 
 
 def choose(points: list[dict[str, float]], target: float, min_shown: int) -> tuple[float, bool]:

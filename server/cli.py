@@ -965,15 +965,13 @@ def _bench_holes(args: argparse.Namespace) -> int:
 
 
 def _bench_calibrate(args: argparse.Namespace) -> int:
+    from canvas_ls.engine.corpus import read_repository_report
     from canvas_ls.server.bench_calibrate import format_calibrate, plot_calibrate, run_calibrate, write_threshold
 
     for path in (*args.calibration, args.dataset):
         if path is not None and not path.is_file():
             raise CliError(f"{path} does not exist")
-    from canvas_ls.engine.corpus import read_repository_report
-
-    for path in args.calibration:
-        if path.suffix == ".json":
+        if path in args.calibration and path.suffix == ".json":
             try:
                 read_repository_report(path)
             except ValueError as exc:

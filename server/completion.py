@@ -33,7 +33,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from canvas_ls.engine.confidence import judge
+from canvas_ls.engine.confidence import HIDDEN, judge
 from canvas_ls.server.backend import BackendError, BackendNotReady, CancelFlag
 from canvas_ls.server.config import CompletionOptions, ServerConfig
 from canvas_ls.server.context import CompletionContext, Skip, build_context
@@ -282,7 +282,7 @@ class Completer:
             score, head = judge(answer, edit.text, threshold, (document.text[: edit.start], document.text[edit.end :]))
             if score < threshold:
                 why = f"confidence {score:.2f} below {threshold:.2f} ({answer['score_kind']} score)"
-                if threshold >= 1.0:  # a calibration that found no threshold to stand behind here (or the user's)
+                if threshold >= HIDDEN:  # a calibration that stands behind nothing here (or the user's 1.0)
                     why += "; nothing is shown here while typing: invoke a completion to see the model's answer"
                 cut = checked_edit(document, context, head, options.max_lines) if options.show_head else None
                 if cut is None or not cut.text.strip():

@@ -21,6 +21,7 @@ from pygls.exceptions import JsonRpcInvalidParams
 from pygls.io_ import StdinAsyncReader, StdoutWriter
 from pygls.lsp.server import LanguageServer
 
+from canvas_ls.engine.confidence import HIDDEN
 from canvas_ls.engine.regions import Region
 from canvas_ls.engine.workspaces import WORKSPACE_MINUTES, repository_root
 from canvas_ls.server.backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
@@ -654,11 +655,16 @@ def _shown_while_typing(display: dict[str, Any] | None) -> str:
         return ""
     if "error" in display:
         return f"; its display threshold stays the base's ({display['error']})"
-    line, block = display["policy"]["single_line"], display["policy"]["multi_line"]
-    shown = (
-        f"; while typing it shows answers whose {line['score']} score is at least {line['threshold']:.2f} on a "
-        f"begun line, and whose {block['score']} score is at least {block['threshold']:.2f} on a blank line"
-    )
+
+    def answers(mode: str, where: str, lead: str) -> str:
+        policy = display["policy"][mode]
+        if policy["threshold"] >= HIDDEN:  # a kind of request its calibration stands behind none of
+            return f"nothing on {where}"
+        return f"{lead}whose {policy['score']} score is at least {policy['threshold']:.2f} on {where}"
+
+    line = answers("single_line", "a begun line", "answers ")
+    block = answers("multi_line", "a blank line", "answers " if line.startswith("nothing") else "")
+    shown = f"; while typing it shows {line}, and {block}"
     if display.get("held_out_precision") is None:
         return f"{shown} (none of the held-out lines reached it)"
     return (f"{shown}: {100 * display['held_out_coverage']:.0f}% of the held-out lines, "

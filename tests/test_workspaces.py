@@ -307,6 +307,16 @@ def test_the_learned_message_says_what_the_tuned_model_will_show() -> None:
         "; while typing it shows answers whose mean score is at least 0.96 on a begun line, and whose anchored score "
         "is at least 0.92 on a blank line: 20% of the held-out lines, 55% of them good"
     )
+    blocks_hidden = {**calibrated, "policy": {**policy, "multi_line": {**policy["multi_line"], "threshold": 1.0}}}
+    assert _shown_while_typing(blocks_hidden).startswith(
+        "; while typing it shows answers whose mean score is at least 0.96 on a begun line, and nothing on a blank "
+        "line: "
+    )
+    lines_hidden = {**calibrated, "policy": {**policy, "single_line": {**policy["single_line"], "threshold": 1.0}}}
+    assert _shown_while_typing(lines_hidden).startswith(
+        "; while typing it shows nothing on a begun line, and answers whose anchored score is at least 0.92 on a "
+        "blank line: "
+    )
     nothing = {**calibrated, "held_out_precision": None, "held_out_coverage": 0.0}
     assert _shown_while_typing(nothing).endswith("(none of the held-out lines reached it)")
     failed = {"error": "OSError: no space left on device"}
