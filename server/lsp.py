@@ -656,15 +656,14 @@ def _shown_while_typing(display: dict[str, Any] | None) -> str:
     if "error" in display:
         return f"; its display threshold stays the base's ({display['error']})"
 
-    def answers(mode: str, where: str, lead: str) -> str:
+    def answers(mode: str, where: str) -> str:
         policy = display["policy"][mode]
-        if policy["threshold"] >= HIDDEN:  # a kind of request its calibration stands behind none of
-            return f"nothing on {where}"
-        return f"{lead}whose {policy['score']} score is at least {policy['threshold']:.2f} on {where}"
+        said = f"whose {policy['score']} score is at least {policy['threshold']:.2f} on {where}"
+        hidden = policy["threshold"] >= HIDDEN  # a kind of request its calibration stands behind none of
+        return f"{said} (none do: nothing is shown there)" if hidden else said
 
-    line = answers("single_line", "a begun line", "answers ")
-    block = answers("multi_line", "a blank line", "answers " if line.startswith("nothing") else "")
-    shown = f"; while typing it shows {line}, and {block}"
+    shown = f"; while typing it shows answers {answers('single_line', 'a begun line')}, and "
+    shown += answers("multi_line", "a blank line")
     if display.get("held_out_precision") is None:
         return f"{shown} (none of the held-out lines reached it)"
     return (f"{shown}: {100 * display['held_out_coverage']:.0f}% of the held-out lines, "

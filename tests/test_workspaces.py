@@ -309,13 +309,8 @@ def test_the_learned_message_says_what_the_tuned_model_will_show() -> None:
     )
     blocks_hidden = {**calibrated, "policy": {**policy, "multi_line": {**policy["multi_line"], "threshold": 1.0}}}
     assert _shown_while_typing(blocks_hidden).startswith(
-        "; while typing it shows answers whose mean score is at least 0.96 on a begun line, and nothing on a blank "
-        "line: "
-    )
-    lines_hidden = {**calibrated, "policy": {**policy, "single_line": {**policy["single_line"], "threshold": 1.0}}}
-    assert _shown_while_typing(lines_hidden).startswith(
-        "; while typing it shows nothing on a begun line, and answers whose anchored score is at least 0.92 on a "
-        "blank line: "
+        "; while typing it shows answers whose mean score is at least 0.96 on a begun line, and whose anchored score "
+        "is at least 1.00 on a blank line (none do: nothing is shown there): "
     )
     nothing = {**calibrated, "held_out_precision": None, "held_out_coverage": 0.0}
     assert _shown_while_typing(nothing).endswith("(none of the held-out lines reached it)")
