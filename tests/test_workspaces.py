@@ -176,7 +176,8 @@ async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
     repo = tmp_path / "project"
     for number, text in enumerate(tokenizer_texts()[:12]):
         (repo / "pkg").mkdir(parents=True, exist_ok=True)
-        (repo / "pkg" / f"m{number}.py").write_text(text)
+        # files of 40 lines: the held-out ones give the calibration a few dozen lines (a minute with 200)
+        (repo / "pkg" / f"m{number}.py").write_text("".join(text.splitlines(keepends=True)[:40]))
     capabilities = pytest_lsp.client_capabilities("neovim")
     init = options(writing_model_dir, max_steps=4)
     init["engine"]["learn_minutes"] = 0.05
