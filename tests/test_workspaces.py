@@ -230,7 +230,7 @@ def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, t
     for number, text in enumerate(tokenizer_texts()[:10]):
         (repo / "pkg").mkdir(parents=True, exist_ok=True)
         (repo / "pkg" / f"m{number}.py").write_text(text)
-    report = bench_repo.run(repo, tmp_path / "work", str(tiny_model_dir), ["full+cache", "lora", "cache"], minutes=0.15,
+    report = bench_repo.run(repo, tmp_path / "work", str(tiny_model_dir), ["full+cache", "lora", "cache"], minutes=0.08,
                             points=(0.03,), limits={"lines": 3, "blocks": 2, "humaneval": 0},
                             progress=lambda line: None)  # fmt: skip
     assert report["tasks"] == {"lines": 3, "blocks": 2}
