@@ -98,6 +98,15 @@ def copy_support(text: str, before: str, after: str) -> float:
     return 1.0 if best < 0 else min(1.0, best / LINE_CHARS)
 
 
+def answer_support(kind: str, text: str, around: tuple[str, str] | None) -> float | None:
+    """The `copy_support` a score of `kind` needs for an answer writing `text` between the document's `around`
+    (before, after): only "anchored" reads it (None for the others, which then cost no search of the document); 1
+    where the text around the answer is not known."""
+    if kind != "anchored":
+        return None
+    return copy_support(text, *around) if around is not None else 1.0
+
+
 def _agreement(document: str, there: int, here: int, way: int) -> int:
     """Characters equal going back (`way` -1: before the two offsets) or on (+1: from them), up to LINE_CHARS."""
     count = 0
@@ -145,7 +154,7 @@ def judge(answer: dict[str, Any], shown: str, threshold: float, around: tuple[st
     `shown`, and their confident head at `threshold`."""
     texts, confidence, written = judged_tokens(answer, shown)
     kind = answer["score_kind"]
-    support = copy_support(shown, *around) if kind == "anchored" else None
+    support = answer_support(kind, shown, around)
     head = confident_head(texts, confidence, kind, threshold, answer.get("healed", ""), support)
     return sequence_score(confidence, kind, written, support), head
 

@@ -32,7 +32,7 @@ from canvas_ls.engine.canvas import (
 )
 from canvas_ls.engine.compile_child import CompilerProcess
 from canvas_ls.engine.compiled import CompiledDecoder, keep_inductor_cache
-from canvas_ls.engine.confidence import copy_support, model_display, sequence_score
+from canvas_ls.engine.confidence import answer_support, model_display, sequence_score
 from canvas_ls.engine.loading import LoadedModel, load_model
 from canvas_ls.engine.prefix_cache import PrefixCache
 from canvas_ls.engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
@@ -400,8 +400,7 @@ class Engine:
             "text": text,
             "tokens": gap.tokens,
             "confidence": [round(c, 4) for c in gap.confidence],
-            "score": round(sequence_score(gap.confidence, kind, text,
-                                          copy_support(text, *side) if side and kind == "anchored" else 1.0), 4),
+            "score": round(sequence_score(gap.confidence, kind, text, answer_support(kind, text, side)), 4),
             "healed": cut if gap.tokens else "",
             "stop_reason": "eos" if gap.ended_with_eos else "truncated",
         } for gap, cut, text, side in zip(out.gaps, cuts, texts, prepared.around or [None] * len(texts),

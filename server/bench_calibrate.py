@@ -127,6 +127,12 @@ def auroc(scores: list[float], labels: list[bool]) -> float | None:
     return wins / (len(good) * len(bad))
 
 
+def auroc_by_score(rows: list[dict[str, Any]], mode: str) -> dict[str, float | None]:
+    """Each score's `auroc` over the answers written to requests of `mode`."""
+    written = [r for r in rows if r["mode"] == mode and r["written"]]
+    return {kind: auroc([r["scores"][kind] for r in written], [r["good"] for r in written]) for kind in SCORES}
+
+
 def curve(rows: list[dict[str, Any]], kind: str) -> list[dict[str, float]]:
     """Precision and coverage at each threshold (each written answer's score), from showing all to showing one."""
     written = sorted((r for r in rows if r["written"]), key=lambda r: -r["scores"][kind])
@@ -258,17 +264,14 @@ def run_calibrate(engine: Engine, calibration: list[Path], evaluation: Path | No
     rows = [row for part in parts.values() for row in part]
     fit = [row for part in parts.values() for row in part[::2]]
     check = [row for part in parts.values() for row in part[1::2]]
-    chosen, areas, points, held_areas, across = {}, {}, {}, {}, {}
+    chosen, fit_areas, points, across = {}, {}, {}, {}
     for mode in MODES:  # each kind of request its own score and threshold, chosen on its own answers
-        mine = [r for r in fit if r["mode"] == mode and r["written"]]
-        areas[mode] = {k: auroc([r["scores"][k] for r in mine], [r["good"] for r in mine]) for k in SCORES}
+        fit_areas[mode] = auroc_by_score(fit, mode)
         points[mode] = {k: curve([r for r in fit if r["mode"] == mode], k) for k in SCORES}
         across[mode] = across_sets(list(parts.values()), mode, target, min_shown) if len(parts) > 1 else None
-        kind, threshold, met = pick(points[mode], areas[mode], target, min_shown, across=across[mode])
-        chosen[mode] = {"score": kind, "threshold": threshold, "target_met": met}
-        theirs = [r for r in check if r["mode"] == mode and r["written"]]
-        held_areas[mode] = {k: auroc([r["scores"][k] for r in theirs], [r["good"] for r in theirs]) for k in SCORES}
-        chosen[mode] = held_up(chosen[mode], [r for r in check if r["mode"] == mode], target)
+        kind, threshold, met = pick(points[mode], fit_areas[mode], target, min_shown, across=across[mode])
+        chosen[mode] = held_up({"score": kind, "threshold": threshold, "target_met": met},
+                               [r for r in check if r["mode"] == mode], target)  # fmt: skip
     policy = {mode: (c["score"], c["threshold"]) for mode, c in chosen.items()}
 
     def by_mode(some: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -286,7 +289,7 @@ def run_calibrate(engine: Engine, calibration: list[Path], evaluation: Path | No
         "target_met": all(c["target_met"] for c in chosen.values()),
         "calibration": {
             "dataset": "; ".join(parts),
-            "auroc": areas,
+            "auroc": fit_areas,
             "at_threshold": at_policy(fit, policy),
             "shown_all": at_threshold(fit, SCORES[0], 0.0),
             "modes": by_mode(fit),
@@ -297,7 +300,7 @@ def run_calibrate(engine: Engine, calibration: list[Path], evaluation: Path | No
         "held_out": {  # the calibration tasks the choice never saw
             "at_threshold": at_policy(check, policy),
             "shown_all": at_threshold(check, SCORES[0], 0.0),
-            "auroc": held_areas,
+            "auroc": {mode: auroc_by_score(check, mode) for mode in MODES},
             "modes": by_mode(check),
             "sets": {name: at_policy(part[1::2], policy) for name, part in parts.items()},
         },
@@ -306,16 +309,7 @@ def run_calibrate(engine: Engine, calibration: list[Path], evaluation: Path | No
         eval_rows = answer_rows(engine, evaluation, limit, run_tests, step("evaluation"))
         report["evaluation"] = {
             "dataset": str(evaluation),
-            "auroc": {
-                mode: {
-                    k: auroc(
-                        [r["scores"][k] for r in eval_rows if r["mode"] == mode and r["written"]],
-                        [r["good"] for r in eval_rows if r["mode"] == mode and r["written"]],
-                    )
-                    for k in SCORES
-                }
-                for mode in MODES
-            },
+            "auroc": {mode: auroc_by_score(eval_rows, mode) for mode in MODES},
             "at_threshold": at_policy(eval_rows, policy),
             "shown_all": at_threshold(eval_rows, SCORES[0], 0.0),
             "modes": by_mode(eval_rows),
