@@ -7,7 +7,6 @@ stream, so logs go to stderr (or a file) and, for what the user should see, to `
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -17,8 +16,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lsprotocol import types
-from pygls.exceptions import JsonRpcInvalidParams
-from pygls.io_ import StdinAsyncReader, StdoutWriter
+from pygls.exceptions import JsonRpcException, JsonRpcInternalError, JsonRpcInvalidParams
+from pygls.io_ import StdoutWriter
 from pygls.lsp.server import LanguageServer
 
 from canvas_ls.engine.confidence import HIDDEN
@@ -31,6 +30,7 @@ from canvas_ls.server.documents import Document, DocumentStore
 from canvas_ls.server.fill import FillOutcome, Lead, fill_regions
 from canvas_ls.server.holes import find_holes
 from canvas_ls.server.positions import PositionError
+from canvas_ls.server.wire import Dispatcher, Frames, unstructure
 from canvas_ls.server.workspaces import Learner, LearnJob, RoutedBackend, uri_path
 
 log = logging.getLogger(__name__)
@@ -78,15 +78,16 @@ class CanvasServer(LanguageServer):
         self.pending_messages: list[str] = []
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.shown_errors: set[str] = set()  # model-call errors already shown to the user (each is shown once)
+        self.shown_errors: set[str] = set()  # errors already shown to the user (each is shown once)
+        self.dispatcher = Dispatcher(self.protocol)
 
     def start_io(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None:
-        """Serve on stdio: pygls's reader and writer, read by `read_frames` (not pygls's loop: see there)."""
+        """Serve on stdio: frames read by `wire.Frames`, each message through `wire.Dispatcher` (not pygls's loop,
+        which stops on a message it cannot type and answers nothing for a request it cannot read)."""
         self._stop_event = threading.Event()
-        reader = StdinAsyncReader(stdin or sys.stdin.buffer, self.thread_pool)
         self.protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))
         try:
-            asyncio.run(self.read_frames(reader, self._stop_event))
+            asyncio.run(self.serve_frames(stdin or sys.stdin.buffer, self._stop_event))
         except BrokenPipeError:
             log.error("the client went away; shutting down")
         except (KeyboardInterrupt, SystemExit):
@@ -94,48 +95,29 @@ class CanvasServer(LanguageServer):
         finally:
             self.shutdown()
 
-    async def read_frames(self, reader: StdinAsyncReader, stop: threading.Event) -> None:
-        """Frames (`Content-Length: N`, a blank line, N bytes of JSON) to pygls's protocol. pygls's own loop takes a
-        header only at the very start of a line and answers nothing for a request it cannot read, so one malformed
-        frame (a bad length, a short body) desynchronises every later message, and a request with params of the
-        wrong shape waits forever. Here a header is found wherever it starts in a line (the malformed message is
-        lost, the session is not), a body that is not JSON is answered with a parse error (id null), and a request
-        whose params do not fit its method with an invalid-params error under its id."""
-        length: int | None = None
+    async def serve_frames(self, stdin: BinaryIO, stop: threading.Event) -> None:
+        """Read stdin in chunks (off the loop) until it closes; every frame to the dispatcher."""
+        loop = asyncio.get_running_loop()
+        read = getattr(stdin, "read1", stdin.read)
+        frames = Frames()
         while not stop.is_set():
-            line = await reader.readline()
-            if not line:
+            chunk = await loop.run_in_executor(self.thread_pool, read, 1 << 16)
+            if not chunk:
                 return  # the client closed stdin
-            at = line.find(b"Content-Length:")
-            if at >= 0:
-                value = line[at + len(b"Content-Length:") :].strip()
-                length = int(value) if value.isdigit() else None  # a bad length drops this frame
-                continue
-            if line.strip() or length is None:
-                continue  # another header (Content-Type), or a blank line without a length
-            body, length = await reader.readexactly(length), None
-            if body:
-                self.receive(body)
+            for item in frames.feed(chunk):
+                self.dispatcher.receive(item)
 
-    def receive(self, body: bytes) -> None:
-        try:
-            message = json.loads(body, object_hook=self.protocol.structure_message)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            self.reply_error(None, types.ErrorCodes.ParseError, f"Parse error: {exc}")
-            return
-        except Exception as exc:  # JSON, but not a message pygls can type: answer the request that sent it
-            raw = json.loads(body)
-            if isinstance(raw, dict) and "method" in raw and raw.get("id") is not None:
-                self.reply_error(raw["id"], types.ErrorCodes.InvalidParams, f"Invalid params for {raw['method']}: "
-                                 f"{exc}")  # fmt: skip
-            else:
-                log.warning("dropped a message that fits no LSP type: %s", exc)
-            return
-        self.protocol.handle_message(message)
-
-    def reply_error(self, msg_id: Any, code: int, message: str) -> None:
-        """A JSON-RPC error response (id null when the request's id could not be read)."""
-        self.protocol._send_data({"jsonrpc": "2.0", "id": msg_id, "error": {"code": int(code), "message": message}})
+    def report_server_error(self, error: Exception, source: Any) -> None:
+        """An exception in a notification's handler (a request's goes into its error answer): its traceback to the
+        log, and the user told once per kind of error."""
+        if isinstance(error, JsonRpcException) and not isinstance(error, JsonRpcInternalError):
+            return  # the client's mistake (invalid params, a cancelled request): its answer says so
+        log.error("%s: %s", getattr(source, "__name__", source), error, exc_info=error)
+        key = f"{type(error).__name__}: {error}"
+        if key not in self.shown_errors and len(self.shown_errors) < 100:
+            self.shown_errors.add(key)
+            message = f"canvas-ls: internal error ({key}); the server goes on, details in its log"
+            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
 
     def log_to_client(self, message: str, kind: types.MessageType = types.MessageType.Info) -> None:
         log.info(message)
@@ -311,7 +293,7 @@ async def fill(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "detail": outcome.detail,
         "elapsedMs": round(outcome.elapsed_ms, 2),
         "edit": None if span is None or outcome.edit is None else {
-            "range": ls.protocol._converter.unstructure(span), "text": outcome.edit.text,
+            "range": unstructure(ls.protocol, span), "text": outcome.edit.text,
         },
         "result": outcome.result,
     }  # fmt: skip
@@ -427,13 +409,13 @@ def code_action(ls: CanvasServer, params: types.CodeActionParams) -> list[types.
 @server.command(FILL_HOLES_COMMAND)
 async def fill_holes_command(ls: CanvasServer, *arguments: Any) -> dict[str, Any]:
     """Fill the placeholders of the function or class at `position`, applied as one workspace edit."""
-    return await _fill_request(ls, {**_first(arguments), "apply": True})
+    return await _fill_request(ls, {**_first(arguments, FILL_HOLES_COMMAND), "apply": True})
 
 
 @server.command(REWRITE_COMMAND)
 async def rewrite_command(ls: CanvasServer, *arguments: Any) -> dict[str, Any]:
     """Rewrite the selected `range` in place (strength: `fill.rewrite_strength`), applied as one workspace edit."""
-    argument = _first(arguments)
+    argument = _first(arguments, REWRITE_COMMAND)
     region = {"range": _get(argument, "range"), "strength": ls.config.fill.rewrite_strength}
     return await _fill_request(ls, {**argument, "regions": [region], "apply": True})
 
@@ -573,12 +555,16 @@ def _fill_failed(ls: CanvasServer, message: str, apply: bool) -> dict[str, Any]:
             "message": f"nothing filled: {message}", "regions": [], "context": [], "result": None}  # fmt: skip
 
 
-def _first(arguments: tuple[Any, ...]) -> Any:
-    return arguments[0] if arguments else {}
+def _first(arguments: tuple[Any, ...], command: str) -> dict[str, Any]:
+    """A command's one argument, an object (absent: empty)."""
+    argument = arguments[0] if arguments else {}
+    if not isinstance(argument, dict):
+        raise JsonRpcInvalidParams(f"{command} takes one object argument, not {type(argument).__name__}")
+    return argument
 
 
 def _unstructure(ls: CanvasServer, value: Any) -> Any:
-    return ls.protocol._converter.unstructure(value)
+    return unstructure(ls.protocol, value)
 
 
 # -- a model of the user's own code: "Learn this workspace" --------------------------------------------------------
@@ -589,8 +575,10 @@ async def learn_workspace_command(ls: CanvasServer, *arguments: Any) -> dict[str
     """Tune the configured model on the repository of `folder` (a URI or path; default: the first workspace folder)
     in the background, at the lowest CPU priority; work-done progress while it runs (cancel: it stops, keeps what it
     learnt), a message when it ends. Returns at once: {workspace, minutes} or {error}."""
-    argument = _first(arguments)
+    argument = arguments[0] if arguments else {}
     folder = argument if isinstance(argument, str) else _get(argument, "folder")
+    if folder is not None and not isinstance(folder, str):
+        raise JsonRpcInvalidParams(f"{LEARN_COMMAND} takes a folder (a URI or a path) or {{folder}}")
     if folder is None and ls.workspace.folders:
         folder = next(iter(ls.workspace.folders.values())).uri
     folder = folder or ls.workspace.root_uri or ""
