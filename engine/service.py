@@ -55,6 +55,7 @@ from prometheus_client import (
 )
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -135,7 +136,7 @@ class EngineService:
                 Route("/v1/fill", self.fill, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
             ],
-            exception_handlers={BadRequest: _bad_request},
+            exception_handlers={BadRequest: _bad_request, HTTPException: _http_error, Exception: _internal_error},
         )
         self.app.add_middleware(_BearerToken, token=token)
 
@@ -192,7 +193,7 @@ class EngineService:
         if body.get("max_tokens") is not None:
             settings["max_new_tokens"] = _int(body, "max_tokens")
         if body.get("temperature") is not None:
-            temperature = float(body["temperature"])
+            temperature = _number(body, "temperature")
             settings.update(t_min=temperature / 2, t_max=max(temperature, 1e-3))
         if body.get("seed") is not None:
             settings["seed"] = _int(body, "seed")
@@ -479,6 +480,18 @@ async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": str(exc)}, getattr(exc, "status", 400))
 
 
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (no such route, a method the route does not take) as JSON like the others."""
+    status = getattr(exc, "status_code", 400)
+    return JSONResponse({"error": f"{request.method} {request.url.path}: {getattr(exc, 'detail', exc)}"}, status)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug of ours: the request gets a JSON 500 with the reason (the traceback goes to the log); the engine goes
+    on."""
+    return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+
+
 class _BearerToken:
     """ASGI middleware: with a token set, every request must carry `Authorization: Bearer <token>` (compared in
     constant time: the answer's timing says nothing of how much of a guess was right)."""
@@ -514,6 +527,13 @@ def _int(body: dict[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequest(400, f"'{key}' must be an integer")
     return value
+
+
+def _number(body: dict[str, Any], key: str) -> float:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e6:
+        raise BadRequest(400, f"'{key}' must be a number from 0")
+    return float(value)
 
 
 def _finish(result: dict[str, Any]) -> str:

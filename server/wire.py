@@ -73,8 +73,8 @@ class Frames:
             return None
         line = bytes(self.buffer[: end + 1])
         del self.buffer[: end + 1]
-        headers = list(HEADER.finditer(line))
-        header = headers[-1] if headers else None  # the last: garbage before it in the line is not its value
+        at = line.lower().rfind(b"content-length:")  # the last: garbage before it in the line is not its value
+        header = HEADER.match(line, at) if at >= 0 else None
         if header is not None:
             value = header.group(1).strip()
             self.length = None
@@ -199,6 +199,13 @@ class Dispatcher:
             self.initialized = True
         elif not self.initialized and method != types.EXIT:
             self._refuse(request, method, SERVER_NOT_INITIALIZED, f"Server not initialized: {method} before initialize")
+            return
+        handled = self.protocol.fm.features.keys() | self.protocol.fm.builtin_features.keys() | {types.CANCEL_REQUEST}
+        if method not in handled:
+            if request is not None:
+                self.reply_error(request, types.ErrorCodes.MethodNotFound, f"Method not found: {method[:200]}")
+            else:  # an unknown notification is ignored (for `$/` ones, the spec says so)
+                log.info("ignored notification %s: not handled here", method[:100])
             return
         if request is not None and self.protocol._shutdown:
             self._refuse(request, method, types.ErrorCodes.InvalidRequest, f"Invalid request: {method} after shutdown")

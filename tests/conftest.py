@@ -16,11 +16,23 @@ from pathlib import Path
 
 # Imported now, not lazily by its pytest plugin's end-of-session summary: CPython 3.11.7's ast.parse (pytest's
 # assertion rewriting) can fail there with "AST constructor recursion depth mismatch" (fixed in 3.11.8).
-import hypothesis  # noqa: F401
+import hypothesis
 import pytest
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.architecture import build_tiny_model
+
+# The fuzzers' budgets: each property a few seconds by default; `pytest --hypothesis-profile=long tests/test_wire.py`
+# runs each for many thousands of examples (about ten minutes a property on 2 cores).
+hypothesis.settings.register_profile("long", max_examples=50_000, deadline=None)
+
+
+def fuzz(examples: int) -> hypothesis.settings:
+    """`examples` for a property in the default run; the long profile's count under `--hypothesis-profile=long`."""
+    chosen = hypothesis.settings.default.max_examples
+    return hypothesis.settings(max_examples=chosen if chosen >= 50_000 else examples, deadline=None,
+                               suppress_health_check=[hypothesis.HealthCheck.too_slow])  # fmt: skip
+
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "fixtures"

@@ -9,6 +9,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -55,13 +56,28 @@ class RawClient:
         assert answer is not None and answer.get("id") == msg_id and "requests" in answer["result"], answer
 
 
-@pytest.fixture
-def server() -> RawClient:
+def start() -> RawClient:
+    """`canvas-ls serve`, initialized, with a backend that loads nothing: an OpenAI-compatible server at a port
+    where none listens (each completion fails at once, with a message)."""
     client = RawClient()
-    # a backend that loads nothing (the model would load on `initialized`, never sent here)
     options = {"engine": {"backend": "openai", "url": "http://127.0.0.1:9"}}
     client.send({"id": 0, "method": "initialize", "params": {"capabilities": {}, "initializationOptions": options}})
     assert client.read()["id"] == 0
+    return client
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[RawClient]:
+    """One server for the tests that only send single frames and read their answers."""
+    client = start()
+    yield client
+    client.process.kill()
+    client.process.wait()
+
+
+@pytest.fixture
+def server() -> Iterator[RawClient]:
+    client = start()
     yield client
     if client.process.poll() is None:
         client.process.kill()
@@ -102,8 +118,8 @@ def test_malformed_frames_cost_one_message_not_the_session(server: RawClient) ->
     server.stats(6)
 
 
-def test_a_50_mb_message_is_read_and_answered(server: RawClient) -> None:
-    server.send({"id": 1, "method": "canvas/stats", "params": {"junk": "x" * (50 << 20)}})
+def test_a_100_mb_message_is_read_and_answered(server: RawClient) -> None:
+    server.send({"id": 1, "method": "canvas/stats", "params": {"junk": "x" * (100 << 20)}})
     answer = server.read(timeout=120)
     assert answer is not None and answer["id"] == 1
     server.stats(2)
@@ -113,3 +129,139 @@ def test_stdin_closed_mid_frame_ends_the_server_cleanly(server: RawClient) -> No
     server.raw(b'Content-Length: 500\r\n\r\n{"jsonrpc":')
     server.process.stdin.close()
     assert server.process.wait(timeout=30) == 0
+
+
+def error(server: RawClient, body: bytes, msg_id: Any = None) -> tuple[int, str]:
+    """The error answer to one frame (under `msg_id`), then proof that the server goes on."""
+    server.frame(body)
+    answer = server.read()
+    assert answer is not None and answer["id"] == msg_id and "error" in answer, answer
+    server.stats(999)
+    return answer["error"]["code"], answer["error"]["message"]
+
+
+# One named case per class of bad input: the JSON-RPC code and the words of the answer.
+@pytest.mark.parametrize(
+    ("body", "code", "words"),
+    [
+        (b"[1, 2]", -32600, "not a batch (LSP has none)"),
+        (b"[]", -32600, "not a batch"),
+        (b'"initialize"', -32600, "not a str"),
+        (b"42", -32600, "not a int"),
+        (b"null", -32600, "not a NoneType"),
+        (b"{}", -32600, "it has no method"),
+        (b'{"jsonrpc": "2.0", "id": 1}', -32600, "it has no method"),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": 7}', -32600, "its method is not a string"),
+        (b'{"jsonrpc": "2.0", "id": {"a": 1}, "method": "canvas/stats"}', -32600, "its id is neither"),
+        (b'{"jsonrpc": "2.0", "id": 1.5, "method": "canvas/stats"}', -32600, "its id is neither"),
+        (b'{"jsonrpc": "2.0", "id": true, "method": "canvas/stats"}', -32600, "its id is neither"),
+        (b"[" * 10_000 + b"]" * 10_000, -32700, "nested too deeply"),
+        (b'{"a":' * 10_000 + b"1" + b"}" * 10_000, -32700, "nested too deeply"),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "canvas/stats", "params": {"a": "\xff"}}', -32700, "not UTF-8"),
+        (b'{"jsonrpc": "2.0", "id": NaN, "method": "canvas/stats"}', -32700, "NaN is not JSON"),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "canvas/stats", "params": Infinity}', -32700, "Infinity is not JSON"),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "canvas/stats"', -32700, "Parse error: Expecting"),
+    ],
+    ids=lambda value: value[:40].decode(errors="replace") if isinstance(value, bytes) else None,
+)
+def test_a_message_that_is_no_request_gets_the_error_the_spec_names(shared: RawClient, body: bytes, code: int,
+                                                                    words: str) -> None:  # fmt: skip
+    found, message = error(shared, body)
+    assert found == code and words in message, message
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "words"),
+    [
+        ({"jsonrpc": "1.0", "method": "canvas/stats"}, -32600, '"jsonrpc" is not "2.0"'),
+        ({"method": "canvas/stats"}, -32600, '"jsonrpc" is not "2.0"'),
+        ({"jsonrpc": "2.0", "method": "no/such/method"}, -32601, "no/such/method"),
+        ({"jsonrpc": "2.0", "method": "canvas/stats", "params": "text"}, -32602, "params must be an object"),
+        ({"jsonrpc": "2.0", "method": "textDocument/inlineCompletion", "params": {"position": 3}}, -32602,
+         "Invalid params for textDocument/inlineCompletion"),
+        ({"jsonrpc": "2.0", "method": "initialize", "params": None}, -32602, "Invalid params for initialize"),
+        ({"jsonrpc": "2.0", "method": "workspace/executeCommand",
+          "params": {"command": "canvas-ls.fillHoles", "arguments": [5]}}, -32602, "takes one object argument"),
+        ({"jsonrpc": "2.0", "method": "workspace/executeCommand",
+          "params": {"command": "canvas-ls.learnWorkspace", "arguments": [{"folder": 5}]}}, -32602,
+         "takes a folder"),
+        ({"jsonrpc": "2.0", "method": "canvas/fill", "params": {"position": {"line": "x"}}}, -32602,
+         "canvas/fill wants"),
+    ],
+    ids=lambda value: str(value.get("params", value.get("method")))[:40] if isinstance(value, dict) else None,
+)  # fmt: skip
+def test_a_bad_request_is_answered_under_its_id(shared: RawClient, message: dict[str, Any], code: int,
+                                               words: str) -> None:  # fmt: skip
+    found, text = error(shared, json.dumps({**message, "id": 41}).encode(), 41)
+    assert found == code and words in text, text
+
+
+def test_a_lone_surrogate_and_a_huge_id_are_answered() -> None:
+    client = start()
+    try:
+        client.frame(b'{"jsonrpc": "2.0", "id": 10000000000000000000000, "method": "canvas/stats",'
+                     b' "params": {"a": "\\ud800"}}')  # fmt: skip
+        answer = client.read()
+        assert answer["id"] == 10**22 and "requests" in answer["result"]
+    finally:
+        client.process.kill()
+
+
+def test_requests_before_initialize_and_after_shutdown_are_refused() -> None:
+    client = RawClient()
+    try:
+        client.send({"id": 1, "method": "canvas/stats", "params": {}})
+        answer = client.read()
+        assert answer["error"]["code"] == -32002 and "before initialize" in answer["error"]["message"]
+        options = {"engine": {"backend": "openai", "url": "http://127.0.0.1:9"}}
+        client.send({"id": 2, "method": "initialize", "params": {"capabilities": {}, "initializationOptions": options}})
+        assert client.read()["id"] == 2
+        client.send({"id": 3, "method": "shutdown"})
+        assert client.read() == {"jsonrpc": "2.0", "id": 3, "result": None}
+        client.send({"id": 4, "method": "canvas/stats", "params": {}})
+        answer = client.read()
+        assert answer["error"] == {"code": -32600, "message": "Invalid request: canvas/stats after shutdown"}
+        client.send({"method": "exit"})
+        assert client.process.wait(timeout=30) == 0
+    finally:
+        client.process.kill()
+
+
+def test_a_cancelled_request_is_answered_with_request_cancelled(server: RawClient) -> None:
+    """A completion cancelled while it waits out its debounce: -32800 under its id (pygls's answer)."""
+    text = "def f(x):\n    return x\n"
+    server.send({"method": "textDocument/didOpen", "params": {"textDocument": {
+        "uri": "file:///c.py", "languageId": "python", "version": 1, "text": text}}})  # fmt: skip
+    server.send({"method": "workspace/didChangeConfiguration",
+                 "params": {"settings": {"completion": {"debounce_ms": 5000}}}})  # fmt: skip
+    server.send({"id": 7, "method": "textDocument/inlineCompletion", "params": {
+        "textDocument": {"uri": "file:///c.py"}, "position": {"line": 1, "character": 4},
+        "context": {"triggerKind": 2}}})  # fmt: skip (automatic: debounced)
+    server.send({"method": "$/cancelRequest", "params": {"id": 7}})
+    answer = server.read()
+    while answer is not None and answer.get("id") != 7:
+        answer = server.read()
+    assert answer["error"]["code"] == -32800, answer
+    server.stats(8)
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b"Content-Length: -12\r\n\r\n{}", "Content-Length b'-12' is not a number"),
+        (b"Content-Length: 99999999999999\r\n\r\n{}", "Content-Length 99999999999999 is over the limit"),
+        (b"Content-Length: \r\n\r\n{}", "Content-Length b'' is not a number"),
+    ],
+)
+def test_a_bad_content_length_is_a_parse_error_and_the_next_frame_is_read(server: RawClient, raw: bytes,
+                                                                         words: str) -> None:  # fmt: skip
+    server.raw(raw)
+    assert words in parse_error(server)
+    server.stats(1)
+
+
+def test_frames_without_a_length_or_with_two_are_read_as_the_spec_allows(server: RawClient) -> None:
+    server.raw(b'{"jsonrpc": "2.0", "id": 1, "method": "canvas/stats"}\r\n\r\n')  # no header: nothing to read
+    body = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "canvas/stats", "params": {"brief": True}}).encode()
+    server.raw(b"Content-Length: 3\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # the last one counts
+    assert server.read()["id"] == 2
