@@ -112,10 +112,13 @@ class LocalBackend:
         self.model_name: str | None = None
         self.load_seconds: float | None = None
         self.cancelled_after_steps: list[int] = []  # per cancelled request, the denoising steps it had run
+        self.restarts = 0  # reloads after the engine failed in a way it has no answer for
+        self._loaded_with: tuple[str | None, str] = (None, "auto")
 
     def load(self, model: str | None, device: str, on_done: Callable[[LocalBackend], None] | None = None) -> None:
         """Start loading (in the worker); `on_done` runs in the worker thread when it ends, well or not."""
         self.state, self.error, self._engine = "loading", None, None
+        self._loaded_with = (model, device)
 
         def work() -> None:
             started = time.perf_counter()
@@ -179,6 +182,11 @@ class LocalBackend:
             except InfillCancelled as stopped:
                 self.cancelled_after_steps = [*self.cancelled_after_steps[-99:], stopped.steps]
                 return None
+            except Exception as exc:  # the engine broke (a bug, a device error): reload it, say so
+                log.exception("the engine failed; reloading it")
+                self.restarts += 1
+                self.load(*self._loaded_with)  # queued behind this call on the worker; requests wait meanwhile
+                raise BackendError(f"the engine failed ({type(exc).__name__}: {exc}); it is reloading") from exc
 
         future = asyncio.get_running_loop().run_in_executor(self._executor, work)
         try:

@@ -108,11 +108,12 @@ class CanvasServer(LanguageServer):
                 self.dispatcher.receive(item)
 
     def report_server_error(self, error: Exception, source: Any) -> None:
-        """An exception in a notification's handler (a request's goes into its error answer): its traceback to the
-        log, and the user told once per kind of error."""
+        """An exception in a handler (pygls has answered a request with -32603 already): its traceback to the log,
+        and the user told once per kind of error. A client's mistake (invalid params, a cancelled request) is only in
+        its answer."""
         if isinstance(error, JsonRpcException) and not isinstance(error, JsonRpcInternalError):
             return  # the client's mistake (invalid params, a cancelled request): its answer says so
-        log.error("%s: %s", getattr(source, "__name__", source), error, exc_info=error)
+        log.error("%s, %s: %s", getattr(source, "__name__", source), type(error).__name__, error, exc_info=error)
         key = f"{type(error).__name__}: {error}"
         if key not in self.shown_errors and len(self.shown_errors) < 100:
             self.shown_errors.add(key)

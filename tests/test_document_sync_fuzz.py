@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from lsprotocol import types
 
-from canvas_ls.server.documents import Document
+from canvas_ls.server.documents import Document, DocumentStore
 from canvas_ls.server.positions import utf8
 
 ALPHABET = st.sampled_from(
@@ -76,3 +77,62 @@ def test_incremental_sync_matches_a_reference_and_a_fresh_parse(data: st.DataObj
             fresh = document.parser.parse(utf8(reference)).root_node
             assert str(document.tree.root_node) == str(fresh)
             assert document.tree.root_node.end_byte == len(utf8(reference))
+
+
+# -- the store, as the server's handlers drive it: opens, changes and closes in any order ---------------------------
+
+URIS = st.sampled_from(["file:///s/a.py", "file:///s/b.py", "file:///s/c.txt"])
+EDGE_TEXT = st.lists(st.sampled_from(["a", "\n", "\r\n", "😀", "𝔘", "é", "\ud800", "\x00", "\t", "def f():\n"]),
+                     max_size=12).map("".join)  # fmt: skip
+
+
+class DocumentSync(RuleBasedStateMachine):
+    """didOpen / didChange / didClose in any order, checked after every step against a reference of the text:
+    changes to unopened documents and stale versions are refused (and logged by the store), out-of-range ranges
+    clamp, surrogate pairs are never split on the way in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = DocumentStore()
+        self.reference: dict[str, tuple[str, int]] = {}
+
+    @rule(uri=URIS, text=EDGE_TEXT, version=st.integers(-5, 5))
+    def open(self, uri: str, text: str, version: int) -> None:
+        self.store.open(types.TextDocumentItem(uri, "python" if uri.endswith(".py") else "plaintext", version, text))
+        self.reference[uri] = (text, version)
+
+    @rule(uri=URIS, data=st.data(), bump=st.integers(-2, 3), past=st.booleans())
+    def change(self, uri: str, data: st.DataObject, bump: int, past: bool) -> None:
+        text, version = self.reference.get(uri, ("", 0))
+        start, end, new, _ = data.draw(edits(text))
+        first, last = position(text, start, "utf-16"), position(text, end, "utf-16")
+        if past:  # a range past the end of the text: clamped to its end
+            last, end = types.Position(text.count("\n") + 5, 3), len(text)
+        change = types.TextDocumentContentChangePartial(range=types.Range(first, last), text=new)
+        params = types.DidChangeTextDocumentParams(types.VersionedTextDocumentIdentifier(version + bump, uri),
+                                                   [change])  # fmt: skip
+        document = self.store.change(params)
+        if uri not in self.reference:
+            assert document is None  # a change to a document that is not open: refused, logged
+        elif bump > 0:
+            self.reference[uri] = (text[:start] + new + text[max(start, end) :], version + bump)
+        # else: a stale version, dropped with a logged reason; the text stays
+
+    @rule(uri=URIS)
+    def close(self, uri: str) -> None:
+        self.store.close(uri)
+        self.reference.pop(uri, None)
+
+    @invariant()
+    def texts_match(self) -> None:
+        for uri, (text, version) in self.reference.items():
+            document = self.store.get(uri)
+            assert document is not None and document.text == text and document.version == version
+        for uri in ("file:///s/a.py", "file:///s/b.py", "file:///s/c.txt"):
+            if uri not in self.reference:
+                assert self.store.get(uri) is None
+
+
+DocumentSync.TestCase.settings = settings(max_examples=80, stateful_step_count=15, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+test_document_sync_against_a_reference = DocumentSync.TestCase

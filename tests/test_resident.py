@@ -18,11 +18,14 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
 from canvas_ls.engine import Engine
 from canvas_ls.server.bench_soak import rss_mb
+from tests.conftest import fuzz
 from tests.test_adapters import PROMPTS
 
 ENGINE = [sys.executable, "-m", "canvas_ls.server.cli", "engine"]
@@ -99,6 +102,98 @@ def test_a_body_over_the_limit_is_413(unix_engine: httpx.Client) -> None:
     response = unix_engine.post("/v1/infill", json={"prefix": "x" * 30000, "suffix": ""})
     assert response.status_code == 413
     assert unix_engine.get("/health").status_code == 200
+
+
+ENDPOINT_KEYS = {
+    "/v1/infill": ["prefix", "suffix", "settings", "document", "priority", "adapter"],
+    "/v1/fill": ["segments", "settings", "document", "adapter"],
+    "/v1/completions": ["prompt", "suffix", "max_tokens", "temperature", "seed", "stream", "document"],
+}
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+QUICK = {"max_new_tokens": 4, "max_steps": 2}
+
+
+@st.composite
+def engine_requests(draw: st.DrawFn) -> tuple[str, bytes, dict[str, str]]:
+    """A POST to one of the endpoints: an object of its own keys holding anything (settings kept quick when they
+    are an object), or any JSON, or bytes that are no JSON; with any content type."""
+    path = draw(st.sampled_from(sorted(ENDPOINT_KEYS)))
+    kind = draw(st.integers(0, 5))
+    if kind == 0:
+        body = draw(st.binary(max_size=40))
+    elif kind == 1:
+        body = json.dumps(draw(ANY_JSON)).encode()
+    else:
+        keys = ENDPOINT_KEYS[path]
+        value = draw(st.dictionaries(st.sampled_from(keys), ANY_JSON | st.sampled_from(["x = ", "", "file:///a.py"])))
+        settings = value.get("settings")
+        if settings is None or isinstance(settings, dict):
+            value["settings"] = {**(settings or {}), **QUICK}
+        if path == "/v1/completions":
+            value["max_tokens"] = 4 if not isinstance(value.get("max_tokens"), int) else value["max_tokens"] % 6
+        body = json.dumps(value).encode()
+    content_type = draw(st.sampled_from(["application/json", "text/plain", "", "application/x-www-form-urlencoded"]))
+    return path, body, ({"content-type": content_type} if content_type else {})
+
+
+@fuzz(100)
+@given(engine_requests())
+def test_any_request_body_gets_an_answer_with_a_json_reason(
+    unix_engine: httpx.Client, sent: tuple[str, bytes, Any]
+) -> None:
+    path, body, headers = sent
+    response = unix_engine.post(path, content=body, headers=headers)
+    if response.status_code == 200:
+        if "text/event-stream" not in response.headers.get("content-type", ""):
+            assert isinstance(response.json(), dict)
+    else:
+        assert 400 <= response.status_code < 500, (response.status_code, response.text, body)
+        reason = response.json()
+        assert isinstance(reason.get("error"), str) or reason == {"cancelled": True}, reason
+    assert unix_engine.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "words"),
+    [("GET", "/v1/infill", 405, "GET /v1/infill: Method Not Allowed"), ("POST", "/nowhere", 404, "Not Found"),
+     ("DELETE", "/health", 405, "Method Not Allowed")],
+)  # fmt: skip
+def test_a_wrong_route_or_method_is_a_json_error(unix_engine: httpx.Client, method: str, path: str, status: int,
+                                                 words: str) -> None:  # fmt: skip
+    response = unix_engine.request(method, path)
+    assert response.status_code == status and words in response.json()["error"]
+
+
+def test_a_bad_temperature_is_400_not_500(unix_engine: httpx.Client) -> None:
+    response = unix_engine.post("/v1/completions", json={"prompt": "x = ", "temperature": "hot", "max_tokens": 2})
+    assert response.status_code == 400 and response.json() == {"error": "'temperature' must be a number from 0"}
+
+
+def test_truncated_and_slow_bodies(unix_engine: httpx.Client) -> None:
+    """A client that declares 200 bytes, sends 10 and hangs up costs nothing; one that sends its body slowly, in
+    pieces, is answered; the engine answers a valid request after both."""
+    path = str(unix_engine.socket_path)  # type: ignore[attr-defined]
+    with sockets.socket(sockets.AF_UNIX) as raw:
+        raw.connect(path)
+        raw.sendall(b"POST /v1/infill HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 200\r\n\r\n{\"prefix\":")  # fmt: skip
+    body = json.dumps(BODY).encode()
+    with sockets.socket(sockets.AF_UNIX) as raw:
+        raw.connect(path)
+        raw.sendall(b"POST /v1/infill HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))  # fmt: skip
+        for start in range(0, len(body), 16):
+            raw.sendall(body[start : start + 16])
+            time.sleep(0.02)
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200") and b'"text"' in answer
+    assert unix_engine.post("/v1/infill", json=BODY).status_code == 200
 
 
 def ok_infills(client: httpx.Client) -> float:

@@ -1,0 +1,76 @@
+"""Supervision: an engine that fails in a way it has no answer for is reloaded, the failing request gets an error
+that says so (shown once by the server), and the next request is answered. The resident engine's process killed
+mid-request is tested in test_resident.py (test_kill_9_mid_request_answers_empty_then_recovers)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from canvas_ls.server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend
+
+PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n"
+QUICK = {"max_new_tokens": 4, "max_steps": 2}
+
+
+async def loaded(backend: LocalBackend, model: Path) -> None:
+    done = threading.Event()
+    backend.load(str(model), "cpu", lambda _: done.set())
+    await asyncio.to_thread(done.wait, 120)
+    assert backend.state == "ready", backend.error
+
+
+async def test_a_broken_local_engine_is_reloaded_and_the_next_request_answered(tiny_model_dir: Path) -> None:
+    backend = LocalBackend(compile="off")
+    await loaded(backend, tiny_model_dir)
+    broken = backend._engine
+
+    def dies(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device lost")
+
+    broken.infill = dies  # the engine breaks mid-request
+    with pytest.raises(BackendError, match=r"the engine failed \(RuntimeError: device lost\); it is reloading"):
+        await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
+    assert backend.restarts == 1
+    for _ in range(600):  # requests meanwhile are told the model is loading, not failed
+        try:
+            result = await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
+            break
+        except BackendNotReady as exc:
+            assert "still loading" in str(exc)
+            await asyncio.sleep(0.05)
+    assert backend._engine is not broken and isinstance(result["text"], str) and result["steps"] >= 1
+    backend.shutdown()
+
+
+def test_a_handler_bug_is_logged_and_shown_once_and_a_client_mistake_is_not_shown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from pygls.exceptions import FeatureRequestError, JsonRpcInvalidParams
+
+    from canvas_ls.server.lsp import server
+
+    written: list[bytes] = []
+
+    class Sink:
+        def write(self, data: bytes) -> None:
+            written.append(data)
+
+        def close(self) -> None:
+            pass
+
+    writer = server.protocol.writer
+    server.protocol.set_writer(Sink())
+    try:
+        for _ in range(3):
+            server.report_server_error(KeyError("uri"), FeatureRequestError)
+        server.report_server_error(JsonRpcInvalidParams("want a position"), FeatureRequestError)
+    finally:
+        server.protocol.writer = writer
+        server.shown_errors.clear()
+    shown = [w for w in written if b"window/showMessage" in w]
+    assert len(shown) == 1 and b"internal error (KeyError: 'uri'); the server goes on" in shown[0]
+    assert sum("KeyError" in r.getMessage() and r.exc_info is not None for r in caplog.records) == 3
