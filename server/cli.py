@@ -264,6 +264,14 @@ def _parser() -> argparse.ArgumentParser:
     soak = benches.add_parser("soak", help="many LSP requests (edits, completions, cancels, opens, closes) against "
                               "the server and its resident engine: memory growth, errors, queue, counters")  # fmt: skip
     soak.add_argument("--requests", type=int, default=10000)
+    soak.add_argument(
+        "--fault",
+        action="store_true",
+        help="several raw clients at once sending valid typing and "
+        "fuzzed frames (garbage, arbitrary JSON, mangled params): exits, answers, error codes, RSS",
+    )
+    soak.add_argument("--frames", type=int, default=100_000, help="with --fault: frames to send in all")
+    soak.add_argument("--clients", type=int, default=4, help="with --fault: clients (servers) at once")
     _model_arguments(soak)
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--out", type=Path, help="JSON report path")
@@ -860,6 +868,12 @@ def _bench_neovim(args: argparse.Namespace) -> int:
 def _bench_soak(args: argparse.Namespace) -> int:
     from canvas_ls.server.bench_soak import format_soak, plot_soak, run_soak
 
+    if args.fault:
+        from canvas_ls.server.bench_faults import format_fault_soak, run_fault_soak
+
+        report = run_fault_soak(args.frames, args.clients, args.model, args.device or "auto", args.seed)
+        _report("soak-fault", report, format_fault_soak, args.out)
+        return 0 if all(report["checks"].values()) else 1
     report = run_soak(args.requests, args.model, args.device or "auto", args.seed)
     _report("soak", report, format_soak, args.out, plot_soak)
     return 0 if all(report["checks"].values()) else 1  # a stress command: a failed check is its exit status

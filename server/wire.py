@@ -135,7 +135,7 @@ def valid_id(value: Any) -> bool:
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
-def _request_id(message: Any) -> Any:
+def request_id(message: Any) -> Any:
     """The id of a request (a message with a method and a valid id); None for anything else."""
     if isinstance(message, dict) and isinstance(message.get("method"), str) and valid_id(message.get("id")):
         return message["id"]
@@ -160,7 +160,7 @@ class Dispatcher:
         except ValueError as exc:
             self.reply_error(None, types.ErrorCodes.ParseError, f"Parse error: {exc}")
             return
-        request = _request_id(message)
+        request = request_id(message)
         try:
             self._dispatch(message, request)
         except Exception as exc:  # a bug of ours or of pygls's: the request still gets its answer

@@ -203,3 +203,16 @@ def test_a_paired_interval_holds_the_gain_and_narrows_with_agreement() -> None:
     assert low < mean < high and high - low > 0.05
     with pytest.raises(ValueError):
         paired_interval([], [])
+
+
+def test_bench_soak_fault_sends_faults_from_two_clients_and_every_check_holds(tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:  # fmt: skip
+    out = tmp_path / "faults.json"
+    done = cli("bench", "soak", "--fault", "--frames", "300", "--clients", "2", "--model", str(tiny_model_dir),
+               "--device", "cpu", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["clients"] == 2 and report["frames"] >= 300 and report["faults"] > 100
+    assert report["exits"] == [] and report["unanswered"] == 0 and report["answered_twice"] == 0
+    assert set(report["errors_by_code"]) <= {"-32700", "-32600", "-32601", "-32602", "-32800"}
+    assert all(report["checks"].values()) and "ok   every request id answered" in done.stdout
