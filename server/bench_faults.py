@@ -110,6 +110,7 @@ class FaultClient:
         self.frames_sent = 0
         self.faults = 0
         self.resync_s: list[float] = []
+        self.timeouts: list[str] = []
 
     async def start(self, init: dict[str, Any]) -> None:
         command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "ERROR"]
@@ -118,9 +119,12 @@ class FaultClient:
             stderr=asyncio.subprocess.DEVNULL, env=self.env,
         )  # fmt: skip
         self.reader = asyncio.ensure_future(self._read())
-        await self.request("initialize", {"capabilities": {}, "initializationOptions": init})
+        if await self.request("initialize", {"capabilities": {}, "initializationOptions": init}) is None:
+            raise RuntimeError(f"server {self.number} did not answer initialize")
         self.send({"jsonrpc": "2.0", "method": "initialized", "params": {}})
-        while (await self.request("canvas/stats", {"brief": True}))["result"]["engine"]["state"] == "loading":
+        while (stats := await self.request("canvas/stats", {"brief": True})) is not None and stats["result"]["engine"][
+            "state"
+        ] == "loading":
             await asyncio.sleep(0.2)
         self.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
             "uri": self.uri, "languageId": "python", "version": 1, "text": self.text}}})  # fmt: skip
@@ -150,12 +154,17 @@ class FaultClient:
             self.sent_ids[_key(message["id"])] += 1
         self.write(frame(json.dumps(message).encode()))
 
-    async def request(self, method: str, params: Any, timeout: float = 120) -> dict[str, Any]:
+    async def request(self, method: str, params: Any, timeout: float = 120) -> dict[str, Any] | None:
+        """The answer, or None (counted) when none came within `timeout`."""
         self.next_id += 1
         msg_id = f"c{self.number}-{self.next_id}"
         waiter = self.waiting[_key(msg_id)] = asyncio.get_running_loop().create_future()
         self.send({"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params})
-        return await asyncio.wait_for(waiter, timeout)
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            self.timeouts.append(f"{method}: no answer within {timeout:g} s")
+            return None
 
     # -- one step: typing, or a fault ---------------------------------------------------------------------------
 
@@ -200,8 +209,8 @@ class FaultClient:
             self.send(message)
             return
         started = time.perf_counter()
-        await self.request("canvas/stats", {"brief": True}, timeout=30)
-        self.resync_s.append(time.perf_counter() - started)
+        if await self.request("canvas/stats", {"brief": True}, timeout=30) is not None:
+            self.resync_s.append(time.perf_counter() - started)
 
 
 def _key(msg_id: Any) -> Any:
@@ -266,7 +275,7 @@ async def _drive(frames: int, clients: int, model: str | None, device: str, seed
     growth = [final[c.number] - warm[c.number] for c in fleet if final[c.number] is not None and c.number in warm]
     checks = {
         "no server exited": not exits,
-        "every request id answered": unanswered == 0,
+        "every request id answered": unanswered == 0 and not any(c.timeouts for c in fleet),
         "no request id answered twice": doubled == 0,
         "next valid request after garbage answered within 1 s": bool(resync) and resync[-1] <= 1.0,
         "RSS growth <= 50 MB a server": bool(growth) and max(growth) <= 50,
@@ -287,6 +296,7 @@ async def _drive(frames: int, clients: int, model: str | None, device: str, seed
         "resync_p50_ms": 1000 * resync[len(resync) // 2] if resync else None,
         "resync_max_ms": 1000 * resync[-1] if resync else None,
         "rss_growth_mb": growth,
+        "timeouts": [t for c in fleet for t in c.timeouts][:20],
         "checks": checks,
     }
 
@@ -308,6 +318,7 @@ def format_fault_soak(report: dict[str, Any]) -> str:
         f"valid request after garbage: p50 {report['resync_p50_ms']:.1f} ms, max {report['resync_max_ms']:.1f} ms",
         f"server RSS growth after the warm-up (MB): {', '.join(f'{g:+.1f}' for g in report['rss_growth_mb'])}",
         f"servers exited: {len(report['exits'])}",
+        *(f"  timeout: {timeout}" for timeout in report["timeouts"]),
     ]  # fmt: skip
     lines += [f"{'ok  ' if ok else 'FAIL'} {name}" for name, ok in report["checks"].items()]
     return "\n".join(lines)

@@ -8,8 +8,23 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import cattrs
+from cattrs.v import format_exception
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+# The largest token counts and windows taken (a bad value must not make a request run or wait without end).
+TOKENS = 8192
+CONTEXT = 1 << 20
+
+
+def _within(options: object, section: str, **ranges: tuple[float, float]) -> None:
+    """Each named option is null (where its default is) or a number in its [low, high] range; ValueError if not."""
+    for name, (low, high) in ranges.items():
+        value = getattr(options, name)
+        if value is not None and not low <= value <= high:
+            label = f"{section}.{name}" if section else name
+            raise ValueError(f"{label} must be in [{low:g}, {high:g}], got {value!r}")
 
 
 @dataclass
@@ -50,6 +65,9 @@ class EngineOptions:
     workspace_models: bool = True
     # "Learn this workspace": training minutes (None: the workspace recipe's).
     learn_minutes: float | None = None
+
+    def __post_init__(self) -> None:
+        _within(self, "engine", idle_exit_s=(0, 1e7), learn_minutes=(0.01, 1e5))
 
 
 @dataclass
@@ -92,10 +110,11 @@ class CompletionOptions:
     workspace_cache: float | None = None
 
     def __post_init__(self) -> None:
-        if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:
-            raise ValueError(f"completion.min_confidence must be null or in [0, 1], got {self.min_confidence}")
-        if self.workspace_cache is not None and not 0.0 <= self.workspace_cache <= 1.0:
-            raise ValueError(f"completion.workspace_cache must be null or in [0, 1], got {self.workspace_cache}")
+        _within(self, "completion", min_confidence=(0, 1), workspace_cache=(0, 1), entropy_bound=(0, 1e3),
+                gap_tokens_single_line=(1, TOKENS), gap_tokens_multi_line=(1, TOKENS),
+                max_new_tokens_single_line=(1, TOKENS), max_new_tokens_multi_line=(1, TOKENS), max_steps=(1, TOKENS),
+                prefix_tokens=(0, CONTEXT), suffix_tokens=(0, CONTEXT), context_tokens=(0, CONTEXT),
+                max_lines=(1, 10_000), debounce_ms=(0, 10_000))  # fmt: skip
 
 
 @dataclass
@@ -109,6 +128,10 @@ class FillOptions:
     rewrite_strength: float = 0.5
     # Denoising step cap; None keeps the model's own.
     max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _within(self, "fill", gap_tokens=(1, TOKENS), max_new_tokens=(1, TOKENS), max_holes=(1, 64),
+                rewrite_strength=(0, 1), max_steps=(1, TOKENS))  # fmt: skip
 
     def overrides(self, workspace_cache: float | None = None) -> dict[str, Any]:
         """The engine settings of a fill. The user asked for these regions: each answer has at least one token. The
@@ -126,6 +149,9 @@ class ServerConfig:
     languages: dict[str, bool] = field(default_factory=dict)
     # Completions remembered by context (LRU), answered without a model call.
     cache_size: int = 256
+
+    def __post_init__(self) -> None:
+        _within(self, "", cache_size=(0, 100_000))
 
     def enabled(self, language: str) -> bool:
         return self.languages.get(language, True)
@@ -157,16 +183,24 @@ def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def parse_config(options: Any) -> tuple[ServerConfig, str | None]:
-    """The configuration from a client's options, and an error message when they were invalid (defaults used)."""
+def parse_config(options: Any, current: ServerConfig | None = None) -> tuple[ServerConfig, str | None]:
+    """The configuration from a client's options, and an error message when they were invalid: then `current` is
+    kept (a settings change the server cannot read changes nothing), or the defaults when there is none yet."""
     if options is None:
-        return ServerConfig(), None
+        return current or ServerConfig(), None
     if isinstance(options, dict) and "canvas-ls" in options:  # didChangeConfiguration sends the whole section
         options = options["canvas-ls"]
+    fallback = "keeping the current ones" if current is not None else "using defaults"
     if not isinstance(options, dict):
-        return ServerConfig(), f"Invalid canvas-ls options, using defaults: expected an object, got {options!r}"
+        return current or ServerConfig(), f"Invalid canvas-ls options, {fallback}: expected an object, got {options!r}"
     try:
         return _converter.structure(options, ServerConfig), None
     except (cattrs.BaseValidationError, TypeError, ValueError, AttributeError) as exc:
-        details = cattrs.transform_error(exc) if isinstance(exc, cattrs.BaseValidationError) else [str(exc)]
-        return ServerConfig(), "Invalid canvas-ls options, using defaults: " + "; ".join(details)
+        details = (cattrs.transform_error(exc, format_exception=_reason) if isinstance(exc, cattrs.BaseValidationError)
+                   else [str(exc)])  # fmt: skip
+        return current or ServerConfig(), f"Invalid canvas-ls options, {fallback}: " + "; ".join(details)
+
+
+def _reason(exc: BaseException, wanted: Any) -> str:
+    """An option's error as the user should read it: our own range checks say which option and range."""
+    return str(exc) if type(exc) is ValueError else format_exception(exc, wanted)

@@ -80,6 +80,7 @@ class CanvasServer(LanguageServer):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shown_errors: set[str] = set()  # errors already shown to the user (each is shown once)
         self.dispatcher = Dispatcher(self.protocol)
+        self.initialized = False  # `initialize` handled: later options that cannot be read keep the current ones
 
     def start_io(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None:
         """Serve on stdio: frames read by `wire.Frames`, each message through `wire.Dispatcher` (not pygls's loop,
@@ -133,7 +134,7 @@ class CanvasServer(LanguageServer):
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
 
     def apply_config(self, options: Any) -> None:
-        config, error = parse_config(options)
+        config, error = parse_config(options, self.config if self.initialized else None)
         if error is not None:
             self.pending_messages.append(error)
         reload = config.engine != self.config.engine or self.backend.state == "idle"
@@ -198,6 +199,7 @@ def initialize(ls: CanvasServer, params: types.InitializeParams) -> None:
     ls.documents.encoding = ls.workspace.position_encoding or "utf-16"
     ls.initialization_options = params.initialization_options
     ls.apply_config(params.initialization_options)
+    ls.initialized = True
 
 
 @server.feature(types.INITIALIZED)

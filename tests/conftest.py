@@ -12,7 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CANVAS_LS_COMPILE", "off")
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Imported now, not lazily by its pytest plugin's end-of-session summary: CPython 3.11.7's ast.parse (pytest's
 # assertion rewriting) can fail there with "AST constructor recursion depth mismatch" (fixed in 3.11.8).
@@ -150,3 +152,15 @@ def linear_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     """Two adapters of the tiny model's attention and dense MLP (what `train --workspace` tunes on a base too big
     to tune fully): what one engine holds side by side."""
     return [random_adapter(tiny_model_dir, tmp_path_factory.mktemp(f"linear{seed}"), seed) for seed in (3, 4)]
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Any]:
+    """One `canvas-ls serve` over raw stdio (tests/test_stdio_robustness.py's client, initialized) for a module's tests
+    that only send frames and read their answers."""
+    from tests.test_stdio_robustness import start
+
+    client = start()
+    yield client
+    client.process.kill()
+    client.process.wait()

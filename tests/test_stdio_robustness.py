@@ -66,15 +66,6 @@ def start() -> RawClient:
     return client
 
 
-@pytest.fixture(scope="module")
-def shared() -> Iterator[RawClient]:
-    """One server for the tests that only send single frames and read their answers."""
-    client = start()
-    yield client
-    client.process.kill()
-    client.process.wait()
-
-
 @pytest.fixture
 def server() -> Iterator[RawClient]:
     client = start()
@@ -234,9 +225,17 @@ def test_a_cancelled_request_is_answered_with_request_cancelled(server: RawClien
         "uri": "file:///c.py", "languageId": "python", "version": 1, "text": text}}})  # fmt: skip
     server.send({"method": "workspace/didChangeConfiguration",
                  "params": {"settings": {"completion": {"debounce_ms": 5000}}}})  # fmt: skip
-    server.send({"id": 7, "method": "textDocument/inlineCompletion", "params": {
-        "textDocument": {"uri": "file:///c.py"}, "position": {"line": 1, "character": 4},
-        "context": {"triggerKind": 2}}})  # fmt: skip (automatic: debounced)
+    server.send(
+        {
+            "id": 7,
+            "method": "textDocument/inlineCompletion",
+            "params": {
+                "textDocument": {"uri": "file:///c.py"},
+                "position": {"line": 1, "character": 4},
+                "context": {"triggerKind": 2},
+            },
+        }
+    )  # fmt: skip (automatic: debounced)
     server.send({"method": "$/cancelRequest", "params": {"id": 7}})
     answer = server.read()
     while answer is not None and answer.get("id") != 7:
@@ -265,3 +264,22 @@ def test_frames_without_a_length_or_with_two_are_read_as_the_spec_allows(server:
     body = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "canvas/stats", "params": {"brief": True}}).encode()
     server.raw(b"Content-Length: 3\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # the last one counts
     assert server.read()["id"] == 2
+
+
+def test_settings_out_of_range_are_refused_and_the_current_ones_kept(server: RawClient) -> None:
+    """A debounce of 2**31 ms would have left every completion waiting for 24 days (found by `bench soak --fault`)."""
+    server.send({"method": "workspace/didChangeConfiguration",
+                 "params": {"settings": {"completion": {"debounce_ms": 2**31}}}})  # fmt: skip
+    shown = server.read()
+    assert shown["method"] == "window/showMessage", shown
+    assert shown["params"]["message"] == ("Invalid canvas-ls options, keeping the current ones: completion.debounce_ms "
+                                          "must be in [0, 10000], got 2147483648 @ $.completion")  # fmt: skip
+    server.send({"method": "textDocument/didOpen", "params": {"textDocument": {
+        "uri": "file:///d.py", "languageId": "python", "version": 1, "text": "x = 1\n"}}})  # fmt: skip
+    server.send({"id": 5, "method": "textDocument/inlineCompletion", "params": {
+        "textDocument": {"uri": "file:///d.py"}, "position": {"line": 1, "character": 0},
+        "context": {"triggerKind": 2}}})  # fmt: skip
+    answer = server.read(timeout=10)
+    while answer is not None and answer.get("id") != 5:
+        answer = server.read(timeout=10)
+    assert answer == {"jsonrpc": "2.0", "id": 5, "result": {"items": []}}  # at once: the backend fails, no wait

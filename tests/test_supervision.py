@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from canvas_ls.server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend
+from tests.test_wire import captured
 
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n"
 QUICK = {"max_new_tokens": 4, "max_steps": 2}
@@ -53,23 +54,12 @@ def test_a_handler_bug_is_logged_and_shown_once_and_a_client_mistake_is_not_show
 
     from canvas_ls.server.lsp import server
 
-    written: list[bytes] = []
-
-    class Sink:
-        def write(self, data: bytes) -> None:
-            written.append(data)
-
-        def close(self) -> None:
-            pass
-
-    writer = server.protocol.writer
-    server.protocol.set_writer(Sink())
     try:
-        for _ in range(3):
-            server.report_server_error(KeyError("uri"), FeatureRequestError)
-        server.report_server_error(JsonRpcInvalidParams("want a position"), FeatureRequestError)
+        with captured(server.protocol) as written:
+            for _ in range(3):
+                server.report_server_error(KeyError("uri"), FeatureRequestError)
+            server.report_server_error(JsonRpcInvalidParams("want a position"), FeatureRequestError)
     finally:
-        server.protocol.writer = writer
         server.shown_errors.clear()
     shown = [w for w in written if b"window/showMessage" in w]
     assert len(shown) == 1 and b"internal error (KeyError: 'uri'); the server goes on" in shown[0]

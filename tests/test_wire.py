@@ -5,12 +5,12 @@ answer, and the server keeps answering. Profiles: the default runs a few seconds
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from lsprotocol import types
@@ -19,7 +19,7 @@ from pygls.protocol import JsonRPCProtocol
 from canvas_ls.server import wire
 from canvas_ls.server.wire import Frames, Malformed
 from tests.conftest import fuzz
-from tests.test_stdio_robustness import RawClient, start
+from tests.test_stdio_robustness import RawClient
 
 # -- the adapter: pygls's private API that canvas-ls relies on, in one place -------------------------------------
 
@@ -33,6 +33,17 @@ def test_the_pygls_private_api_that_wire_uses_is_still_there() -> None:
     assert hasattr(server.protocol, "_converter") and callable(server.protocol._converter.unstructure)
     assert server.protocol._shutdown is False
     assert list(inspect.signature(JsonRPCProtocol.structure_message).parameters) == ["self", "data"]
+    with captured(server.protocol) as written:
+        wire.send(server.protocol, {"jsonrpc": "2.0", "id": 7, "result": None})
+    head, _, body = written[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"Content-Length: %d" % len(body)) and json.loads(body)["id"] == 7
+    position = wire.unstructure(server.protocol, types.Position(1, 2))
+    assert position == {"line": 1, "character": 2}
+
+
+@contextlib.contextmanager
+def captured(protocol: JsonRPCProtocol) -> Iterator[list[bytes]]:
+    """What the protocol writes while the block runs (its writer put back after)."""
     written: list[bytes] = []
 
     class Sink:
@@ -42,16 +53,12 @@ def test_the_pygls_private_api_that_wire_uses_is_still_there() -> None:
         def close(self) -> None:
             pass
 
-    writer = server.protocol.writer
-    server.protocol.set_writer(Sink())
+    writer = protocol.writer
+    protocol.set_writer(Sink())
     try:
-        wire.send(server.protocol, {"jsonrpc": "2.0", "id": 7, "result": None})
+        yield written
     finally:
-        server.protocol.writer = writer
-    head, _, body = written[0].partition(b"\r\n\r\n")
-    assert head.startswith(b"Content-Length: %d" % len(body)) and json.loads(body)["id"] == 7
-    position = wire.unstructure(server.protocol, types.Position(1, 2))
-    assert position == {"line": 1, "character": 2}
+        protocol.writer = writer
 
 
 # -- the frame reader, in-process --------------------------------------------------------------------------------
@@ -128,14 +135,6 @@ def test_garbage_without_line_ends_is_not_buffered() -> None:
 # -- a real server over stdio --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[RawClient]:
-    client = start()
-    yield client
-    client.process.kill()
-    client.process.wait()
-
-
 class Ids:
     next = 1000
 
@@ -186,9 +185,9 @@ def bodies(draw: st.DrawFn) -> tuple[bytes, Any]:
 @fuzz(400)
 @given(bodies())
 def test_any_json_body_is_answered_or_dropped_and_the_server_goes_on(
-    served: RawClient, body: tuple[bytes, Any]
+    shared: RawClient, body: tuple[bytes, Any]
 ) -> None:
-    exchange(served, *body)
+    exchange(shared, *body)
 
 
 # Each method the server registers, with valid params built from lsprotocol's types (or the custom method's
@@ -286,8 +285,8 @@ def _converter_protocol() -> JsonRPCProtocol:
 
 @fuzz(600)
 @given(method_calls())
-def test_every_method_with_mangled_params_is_answered_once(served: RawClient, call: tuple[bytes, Any]) -> None:
-    seen = exchange(served, *call)
+def test_every_method_with_mangled_params_is_answered_once(shared: RawClient, call: tuple[bytes, Any]) -> None:
+    seen = exchange(shared, *call)
     for message in seen:
         if "error" in message:  # the codes the spec names, never anything else
             assert message["error"]["code"] in (-32700, -32600, -32601, -32602, -32603, -32800, -32002), message
