@@ -5,8 +5,9 @@ loop that answers the editor never waits on the model. `ResidentBackend` talks t
 process per user, over its unix socket, and starts or restarts it as needed. `OpenAIBackend` asks any
 OpenAI-compatible completions server. All three follow `Backend`.
 
-Only this module imports `engine`, and only inside the worker (or `engine.paths`, which needs no torch): the
-server starts answering before torch is even imported.
+Only this module loads the engine (torch, transformers), and only inside the worker; the rest of the server imports
+only engine modules that need no torch (`paths`, `regions`, `confidence`, `workspaces`): the server starts answering
+before torch is even imported (tests/test_packaging.py checks it).
 """
 
 from __future__ import annotations

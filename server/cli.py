@@ -4,11 +4,13 @@
     canvas-ls fill FILE --hole L:C-L:C [--hole ...] [--rewrite L:C-L:C --strength S] [--json]
     canvas-ls serve [--tcp HOST:PORT]            the language server (stdio by default)
     canvas-ls engine [--socket PATH | --tcp HOST:PORT] [--compile auto|on|off]   the resident engine
-    canvas-ls train [--preset cpu|gpu] [--from MODEL] [--corpus DIR] [--lora RANK] [--minutes M]
-    canvas-ls bench infill|holes|calibrate|crossfile|lsp|engine|step|sampler|train ...
-    canvas-ls make-tiny-model DIR
+    canvas-ls train [--preset cpu|gpu] [--from MODEL] [--corpus DIR] [--workspace DIR] [--lora RANK] [--minutes M]
+    canvas-ls models [--json] [--remove DIR]      the workspace models installed
+    canvas-ls make-tiny-model DIR                 a tiny random model (tests, the editors' end-to-end runs)
+    canvas-ls bench infill|holes|calibrate|crossfile|repo|neovim|lsp|soak|sampler|engine|step|warmup|train ...
 
-Errors are one line on stderr (`canvas-ls: error: ...`) and exit status 2; stdout carries only the answer.
+Every option: docs/pages/cli.md (written from this parser). Errors are one line on stderr (`canvas-ls: error: ...`)
+and exit status 2; stdout carries only the answer.
 """
 
 from __future__ import annotations
@@ -465,7 +467,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     try:
         build_tiny_model(args.out, texts, infill=infill, writes=tuple(args.writes))
     except ValueError as exc:
-        raise SystemExit(f"canvas-ls make-tiny-model: {exc}") from None
+        raise CliError(f"make-tiny-model: {exc}") from None
     print(args.out)
     return 0
 

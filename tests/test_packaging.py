@@ -81,3 +81,14 @@ def test_the_installed_server_answers_initialize(venv: Path, tmp_path: Path) -> 
     first = json.JSONDecoder().raw_decode(body.decode())[0]
     assert first["id"] == 1 and first["result"]["serverInfo"]["name"] == "canvas-ls"
     assert "inlineCompletionProvider" in first["result"]["capabilities"]
+
+
+def test_the_server_starts_without_torch_matplotlib_or_a_benchmark() -> None:
+    """The language server answers before torch is imported (the backend loads the engine in its worker), and the
+    keystroke path imports no benchmark module and no plotting library."""
+    code = ("import sys, canvas_ls.server.lsp, canvas_ls.server.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'matplotlib') "
+            "or '.bench' in m))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
