@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from canvas_ls.engine import Engine
-from canvas_ls.engine.bench import load_tasks
 from canvas_ls.engine.engine import InfillRequest
+from canvas_ls.engine.tasks import load_tasks
 
 
 def run(engine: Engine, tasks: list, rows: int) -> tuple[list[str], float]:
@@ -28,7 +28,7 @@ def run(engine: Engine, tasks: list, rows: int) -> tuple[list[str], float]:
 def main(model: str, out: Path, device: str = "cuda", dtype: str = "auto", dataset: Path | None = None) -> None:
     tasks = load_tasks(dataset, limit=16, cursor="indented") if dataset else []
     if not tasks:  # the evaluation set does not travel: made-up single-line holes
-        from canvas_ls.engine.bench import Task
+        from canvas_ls.engine.tasks import Task
 
         tasks = [Task(f"t{i}", f"def f{i}(x):\n    y = x * {i}\n    ", "\n    return y\n", "", None, None)
                  for i in range(16)]  # fmt: skip

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.architecture import small_config
-from canvas_ls.engine.bench import timed
-from canvas_ls.engine.bench_step import full_width_config, random_model
+from canvas_ls.bench.core import timed
+from canvas_ls.engine.architecture import full_width_config, random_model, small_config
 from canvas_ls.engine.experts_kernel import kernel_experts
 from canvas_ls.engine.quantize import dequantized_experts, quantize_model
 

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from canvas_ls.engine.adapters import add_lora, trainable_parameters
-from canvas_ls.engine.bench_step import full_width_config, random_model
+from canvas_ls.engine.architecture import full_width_config, random_model
 from canvas_ls.engine.corpus import CorpusFile
 from canvas_ls.engine.plan import training_plan
 from canvas_ls.engine.quantize import int4_capable, quantize_model

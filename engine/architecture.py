@@ -135,3 +135,48 @@ def write_tokens(model: DiffusionGemmaForBlockDiffusion, tokens: list[int]) -> N
     head.zero_()
     for rank, token in enumerate(tokens):
         head[token, 0] = 3.0 - rank  # the state's first component is ~sqrt(hidden_size) = 8: logits 24, 16...
+
+
+# DiffusionGemma 26B-A4B's text geometry as its published config.json gives it (google/diffusiongemma-26B-A4B-it):
+# 30 layers (5 sliding : 1 full), hidden 2816, 128 experts of 704 (top 8) beside a dense MLP of 2112, 262k vocabulary.
+FULL_WIDTH = dict(
+    vocab_size=262144,
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=2,
+    head_dim=256,
+    global_head_dim=512,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    sliding_window=1024,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=131072,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+
+def full_width_config(layers: int = 30) -> DiffusionGemmaConfig:
+    """DiffusionGemma 26B-A4B's geometry (its first `layers` layers keep the 5:1 sliding/full pattern)."""
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    text = DiffusionGemmaTextConfig(**{**FULL_WIDTH, "num_hidden_layers": layers, "layer_types": layer_types})
+    return DiffusionGemmaConfig(text_config=text, vision_config=small_vision_config(), canvas_length=256,
+                                boi_token_id=3, eoi_token_id=4, image_token_id=5)  # fmt: skip
+
+
+def random_model(config: DiffusionGemmaConfig, device: torch.device, dtype: torch.dtype) -> Any:
+    """A model of `config` with random weights, built directly on `device` in `dtype` (26B parameters in bf16 fit an
+    H200; on the CPU only a few layers do)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DiffusionGemmaForBlockDiffusion(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()

@@ -38,7 +38,7 @@ def model_config(start_from: str | None, preset: str, vocab_size: int) -> Any:
     from canvas_ls.engine.training import PRESETS
 
     if start_from == "full-width":
-        from canvas_ls.engine.bench_step import full_width_config
+        from canvas_ls.engine.architecture import full_width_config
 
         return full_width_config()
     if start_from:

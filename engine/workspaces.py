@@ -189,7 +189,7 @@ def install(root: Path, run_dir: Path, base: str | None, summary: dict[str, Any]
         "stopped": summary.get("stopped"),
         "recipe": recipe,
         "held_out": {"before": _evals(summary, "eval_before_"), "after": _evals(summary, "eval_")},
-        "display": summary.get("display"),  # its own display threshold (`bench_calibrate.calibrate_folder`), if any
+        "display": summary.get("display"),  # its own display threshold (`calibration.calibrate_folder`), if any
     }
     temporary = folder / f".{ENTRY_FILE}.tmp"
     temporary.write_text(json.dumps(record, indent=2))

@@ -286,11 +286,11 @@ async def completion(ls: CanvasServer, params: types.CompletionParams) -> types.
 async def fill(ls: CanvasServer, params: Any) -> dict[str, Any]:
     """`canvas/fill` {textDocument: {uri}, position}: the edit and the engine's whole result."""
     uri = _get(_get(params, "textDocument"), "uri")
-    position = _get(params, "position")
-    line, character = _get(position, "line"), _get(position, "character")
-    if not isinstance(uri, str) or not isinstance(line, int) or not isinstance(character, int):
-        raise JsonRpcInvalidParams("canvas/fill wants {textDocument: {uri}, position: {line, character}}")
-    outcome, span = await _complete(ls, uri, types.Position(line, character))
+    position = _position(_get(params, "position"))
+    if not isinstance(uri, str) or position is None:
+        raise JsonRpcInvalidParams("canvas/fill wants {textDocument: {uri}, position: {line, character}} (LSP "
+                                   "positions: integers from 0 to 2**31 - 1)")  # fmt: skip
+    outcome, span = await _complete(ls, uri, types.Position(*position))
     return {
         "source": outcome.source,
         "detail": outcome.detail,
@@ -312,11 +312,12 @@ async def prefetch(ls: CanvasServer, params: Any) -> dict[str, bool] | None:
     rest of its debounce."""
     document_id, position = _get(params, "textDocument"), _get(params, "position")
     uri, version = _get(document_id, "uri"), _get(document_id, "version")
-    line, character = _get(position, "line"), _get(position, "character")
-    if not isinstance(uri, str) or not isinstance(line, int) or not isinstance(character, int):
+    at = _position(position)
+    if not isinstance(uri, str) or at is None:
         raise JsonRpcInvalidParams(
             f"{PREFETCH_METHOD} wants {{textDocument: {{uri}}, position: {{line, character}}, wait?}}"
         )
+    line, character = at
     wait = _get(params, "wait") is True
     document = ls.documents.get(uri)
     if document is None or (isinstance(version, int) and version != document.version):
@@ -375,6 +376,14 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
 
 def _get(value: Any, key: str) -> Any:
     return value.get(key) if isinstance(value, dict) else getattr(value, key, None)
+
+
+def _position(value: Any) -> tuple[int, int] | None:
+    """(line, character) of a JSON position whose two fields are LSP uintegers (0 to 2**31 - 1); None if not."""
+    point = (_get(value, "line"), _get(value, "character"))
+    if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31 for v in point):
+        return point
+    return None
 
 
 # -- several regions in one canvas: code actions, their commands, and canvas/fillRegions --------------------------
@@ -504,11 +513,10 @@ def _regions(document: Document, params: Any) -> list[Region]:
     index = document.index
     given = _get(params, "regions")
     if given is None:
-        position = _get(params, "position")
-        line, character = _get(position, "line"), _get(position, "character")
-        if not isinstance(line, int) or not isinstance(character, int):
+        position = _position(_get(params, "position"))
+        if position is None:
             raise ValueError("give 'regions' or a 'position' {line, character}")
-        scope = find_holes(document, index.offset(line, character))
+        scope = find_holes(document, index.offset(*position))
         if scope is None:
             raise ValueError("no function or class here to fill holes in")
         if not scope.holes:
@@ -520,10 +528,10 @@ def _regions(document: Document, params: Any) -> list[Region]:
     regions = []
     for number, item in enumerate(given, 1):
         span, strength = _get(item, "range"), _get(item, "strength")
-        start, end = _get(span, "start"), _get(span, "end")
-        points = [_get(start, "line"), _get(start, "character"), _get(end, "line"), _get(end, "character")]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in points):
+        start, end = _position(_get(span, "start")), _position(_get(span, "end"))
+        if start is None or end is None:
             raise ValueError(f"region {number}: want a range {{start: {{line, character}}, end: ...}}")
+        points = [*start, *end]
         strength = 1.0 if strength is None else strength
         if isinstance(strength, bool) or not isinstance(strength, int | float):
             raise ValueError(f"region {number}: strength must be a number")

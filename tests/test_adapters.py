@@ -11,8 +11,7 @@ from transformers import DiffusionGemmaForBlockDiffusion
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.adapters import adapter_size, add_lora, trainable_parameters
-from canvas_ls.engine.architecture import small_config
-from canvas_ls.engine.bench_step import full_width_config
+from canvas_ls.engine.architecture import full_width_config, small_config
 from canvas_ls.engine.tokenizer import train_tokenizer
 from tests.conftest import random_adapter, tokenizer_texts
 from tests.test_cli import cli

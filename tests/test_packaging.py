@@ -92,3 +92,12 @@ def test_the_server_starts_without_torch_matplotlib_or_a_benchmark() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_runtime_install_pulls_no_matplotlib() -> None:
+    """`pip install .` is the language server and the engine: the benchmarks' plotting library is an extra."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.lower().startswith("matplotlib")]
+    assert project["optional-dependencies"]["bench"] == ["matplotlib>=3.8"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from canvas_ls.engine import Engine, ModelLoadError
-from canvas_ls.engine.bench_step import full_width_config
+from canvas_ls.engine.architecture import full_width_config
 from canvas_ls.engine.loading import load_model
 from canvas_ls.engine.quantize import (
     is_quantized,

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
+from canvas_ls.bench.soak import rss_mb
 from canvas_ls.engine import Engine
-from canvas_ls.server.bench_soak import rss_mb
 from tests.conftest import fuzz
 from tests.test_adapters import PROMPTS
 

@@ -92,7 +92,7 @@ def test_entropy_stopping_matches_transformers_criterion() -> None:
 
 
 def test_bench_sampler_reports_torch_and_leaves_fused_to_cuda() -> None:
-    from canvas_ls.engine.bench import format_sampler, run_sampler
+    from canvas_ls.bench.core import format_sampler, run_sampler
 
     report = run_sampler("cpu", canvases=(4,), vocabs=(100,), steps=2)
     [row] = report["rows"]

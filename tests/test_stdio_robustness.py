@@ -283,3 +283,11 @@ def test_settings_out_of_range_are_refused_and_the_current_ones_kept(server: Raw
     while answer is not None and answer.get("id") != 5:
         answer = server.read(timeout=10)
     assert answer == {"jsonrpc": "2.0", "id": 5, "result": {"items": []}}  # at once: the backend fails, no wait
+
+
+@pytest.mark.parametrize("position", [{"line": -1, "character": 0}, {"line": 0, "character": 10**30}, {"line": 2**31}])
+def test_a_position_out_of_the_lsp_range_is_invalid_params(shared: RawClient, position: dict[str, int]) -> None:
+    """Found by `bench soak --fault`: canvas/fill built an lsprotocol Position from it, which raised (-32603)."""
+    code, text = error(shared, json.dumps({"jsonrpc": "2.0", "id": 8, "method": "canvas/fill", "params": {
+        "textDocument": {"uri": "file:///x.py"}, "position": position}}).encode(), 8)  # fmt: skip
+    assert code == -32602 and "integers from 0 to 2**31 - 1" in text

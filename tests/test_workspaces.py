@@ -224,7 +224,7 @@ async def test_learn_this_workspace_tunes_installs_and_lists_the_model(
 
 def test_bench_repo_measures_each_recipe_against_minutes(tiny_model_dir: Path, tmp_path: Path,
                                                          replay_corpus: Path) -> None:  # fmt: skip
-    from canvas_ls.engine import bench_repo
+    from canvas_ls.bench import repo as bench_repo
 
     repo = tmp_path / "repo"
     for number, text in enumerate(tokenizer_texts()[:10]):

