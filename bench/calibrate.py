@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.bench.core import figure
-from canvas_ls.engine.confidence import MODES, SCORES
-from canvas_ls.server.calibration import best_precision
+from ..engine.confidence import MODES, SCORES
+from ..server.calibration import best_precision
+from .core import figure
 
 
 def _pct(value: float | None) -> str:

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine import confidence as calibration
-from canvas_ls.engine.paths import cache_dir
-from canvas_ls.engine.settings import QUANTIZE_CHOICES as QUANTIZE
-from canvas_ls.engine.workspaces import RECIPES as RECIPE_NAMES
-from canvas_ls.server.cli import (
+from ..engine import confidence as calibration
+from ..engine.paths import cache_dir
+from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
+from ..engine.workspaces import RECIPES as RECIPE_NAMES
+from ..server.cli import (
     WORKSPACE_CACHE_HELP,
     CliError,
     _load_engine,
@@ -230,7 +230,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_repo(args: argparse.Namespace) -> int:
-    from canvas_ls.bench import repo as bench_repo
+    from . import repo as bench_repo
 
     recipes = [name.strip() for name in args.recipes.split(",") if name.strip()]
     unknown = [name for name in recipes if name != "cache" and name.removesuffix("+cache") not in RECIPE_NAMES]
@@ -251,7 +251,7 @@ def _bench_repo(args: argparse.Namespace) -> int:
 
 
 def _bench_neovim(args: argparse.Namespace) -> int:
-    from canvas_ls.bench import neovim as bench_neovim
+    from . import neovim as bench_neovim
 
     try:
         report = bench_neovim.run(
@@ -272,10 +272,10 @@ def _bench_neovim(args: argparse.Namespace) -> int:
 
 
 def _bench_soak(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.soak import format_soak, plot_soak, run_soak
+    from .soak import format_soak, plot_soak, run_soak
 
     if args.fault:
-        from canvas_ls.bench.faults import format_fault_soak, run_fault_soak
+        from .faults import format_fault_soak, run_fault_soak
 
         report = run_fault_soak(args.frames, args.clients, args.model, args.device or "auto", args.seed)
         _report("soak-fault", report, format_fault_soak, args.out)
@@ -286,7 +286,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.core import format_engine, run_engine_bench
+    from .core import format_engine, run_engine_bench
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     clients = tuple(int(x) for x in args.clients.split(","))
@@ -299,7 +299,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_step(args: argparse.Namespace) -> int:
-    from canvas_ls.bench import step as bench_step
+    from . import step as bench_step
 
     out = _report_path("step", args.out)
     report = bench_step.run(
@@ -313,7 +313,7 @@ def _bench_step(args: argparse.Namespace) -> int:
 
 
 def _bench_warmup(args: argparse.Namespace) -> int:
-    from canvas_ls.bench import warmup as bench_warmup
+    from . import warmup as bench_warmup
 
     report = bench_warmup.run(args.model, args.dtype, args.starts, args.dataset, args.limit,
                               progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
@@ -325,19 +325,19 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _bench_sampler(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.core import format_sampler, run_sampler
+    from .core import format_sampler, run_sampler
 
     return _report("sampler", run_sampler(args.device, steps=args.steps), format_sampler, args.out)
 
 
 def _bench_train(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.core import format_train, run_train_bench
+    from .core import format_train, run_train_bench
 
     return _report("train", run_train_bench(args.preset, args.steps, args.runs), format_train, args.out)
 
 
 def _bench_lsp(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.lsp import LANGUAGES, format_report, run_lsp_bench
+    from .lsp import LANGUAGES, format_report, run_lsp_bench
 
     fixtures = Path(__file__).resolve().parent.parent / "fixtures"  # in a checkout (an editable install) only
     if not args.files and not fixtures.is_dir():
@@ -350,7 +350,7 @@ def _bench_lsp(args: argparse.Namespace) -> int:
 
 
 def _bench_infill(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.core import filler_code, format_table, prefix_latency, run_infill
+    from .core import filler_code, format_table, prefix_latency, run_infill
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
@@ -368,7 +368,7 @@ def _bench_infill(args: argparse.Namespace) -> int:
 
 
 def _bench_holes(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.holes import format_holes, plot_holes, run_holes
+    from .holes import format_holes, plot_holes, run_holes
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
@@ -385,9 +385,9 @@ def _bench_holes(args: argparse.Namespace) -> int:
 
 
 def _bench_calibrate(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.calibrate import format_calibrate, plot_calibrate
-    from canvas_ls.engine.corpus import read_repository_report
-    from canvas_ls.server.calibration import run_calibrate, write_threshold
+    from ..engine.corpus import read_repository_report
+    from ..server.calibration import run_calibrate, write_threshold
+    from .calibrate import format_calibrate, plot_calibrate
 
     for path in (*args.calibration, args.dataset):
         if path is not None and not path.is_file():
@@ -420,7 +420,7 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
 
 
 def _bench_crossfile(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.crossfile import format_crossfile, plot_crossfile, run_crossfile
+    from .crossfile import format_crossfile, plot_crossfile, run_crossfile
 
     for repo in args.repo:
         if not repo.is_dir():

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.engine import Engine
-from canvas_ls.engine.tasks import Task, edit_similarity, load_tasks, machine, normalise, passes
+from ..engine.engine import Engine
+from ..engine.tasks import Task, edit_similarity, load_tasks, machine, normalise, passes
 
 MODES = {"parallel": "diffusion", "left_to_right": "left_to_right"}
 
@@ -216,7 +216,7 @@ def _torch_step(logits: torch.Tensor, temperature: float, generator: torch.Gener
 
 
 def _fused_step(logits: torch.Tensor, temperature: float, generator: torch.Generator, sampler, stopping) -> None:
-    from canvas_ls.engine.sampling import step_stats_fused
+    from ..engine.sampling import step_stats_fused
 
     stats = step_stats_fused(logits.view(-1, logits.shape[-1]), temperature, generator)
     shape = logits.shape[:-1]
@@ -248,8 +248,8 @@ def run_sampler(device: str | None = None, canvases: tuple[int, ...] = (64, 256)
     """Median milliseconds per step, torch vs fused (fused only where the kernel runs: CUDA with triton)."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    from canvas_ls.engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
-    from canvas_ls.engine.sampling import fused_available
+    from ..engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
+    from ..engine.sampling import fused_available
 
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     fused_ok = fused_available(target) and target.type == "cuda"
@@ -291,7 +291,7 @@ def format_sampler(report: dict[str, Any]) -> str:
 def filler_code() -> str:
     """Real Python code to make long prefixes of: this package's own canvas module (it ships in every install, where
     the repository's fixtures do not)."""
-    from canvas_ls.engine import canvas
+    from ..engine import canvas
 
     return Path(canvas.__file__).read_text(encoding="utf-8")
 
@@ -473,9 +473,9 @@ def run_train_bench(preset: str = "cpu", steps: int = 5, runs: int = 3) -> dict[
     The two alternate on the same batches, `runs` times `steps` steps each, after one warm-up step each."""
     from transformers import AutoTokenizer
 
-    from canvas_ls.engine import DEFAULT_MODEL_DIR, corpus
-    from canvas_ls.engine.loading import quiet_libraries, resolve_device
-    from canvas_ls.engine.training import PRESETS, ExampleSampler, TrainConfig, collate, preset_model, train_step
+    from ..engine import DEFAULT_MODEL_DIR, corpus
+    from ..engine.loading import quiet_libraries, resolve_device
+    from ..engine.training import PRESETS, ExampleSampler, TrainConfig, collate, preset_model, train_step
 
     quiet_libraries()
     cfg = TrainConfig(**PRESETS[preset]["train"])

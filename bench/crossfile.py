@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.bench.core import figure
-from canvas_ls.engine.tasks import edit_similarity, machine, normalise
-from canvas_ls.server.config import CompletionOptions
-from canvas_ls.server.context import Skip, build_context
-from canvas_ls.server.crossfile import CrossFile, display_path, snippets, words
-from canvas_ls.server.documents import Document
+from ..engine.tasks import edit_similarity, machine, normalise
+from ..server.config import CompletionOptions
+from ..server.context import Skip, build_context
+from ..server.crossfile import CrossFile, display_path, snippets, words
+from ..server.documents import Document
+from .core import figure
 
 TYPING = {"single_line": True, "gap_tokens": 16, "max_new_tokens": 48}
 

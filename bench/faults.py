@@ -18,9 +18,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.bench.soak import rss_mb
-from canvas_ls.engine.tasks import machine
-from canvas_ls.server.wire import Frames, request_id
+from ..engine.tasks import machine
+from ..server.wire import Frames, request_id
+from .soak import rss_mb
 
 URI = "file:///faults/doc{}.py"
 SOURCE = "def total(items):\n    result = 0\n    for item in items:\n        result += item\n    return result\n\n"
@@ -264,7 +264,7 @@ async def _drive(frames: int, clients: int, model: str | None, device: str, seed
             await client.process.wait()
         client.reader.cancel()
     for socket in (runtime / "canvas-ls").glob("*.sock"):
-        from canvas_ls.server.backend import engine_health
+        from ..server.backend import engine_health
 
         health = engine_health(socket)
         if health is not None:

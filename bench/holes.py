@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.bench.core import figure
-from canvas_ls.engine.engine import Engine
-from canvas_ls.engine.regions import Hole
-from canvas_ls.engine.tasks import Task, edit_similarity, load_tasks, machine, normalise, passes, spread
+from ..engine.engine import Engine
+from ..engine.regions import Hole
+from ..engine.tasks import Task, edit_similarity, load_tasks, machine, normalise, passes, spread
+from .core import figure
 
 MODES = ("joint", "sequential")
 STRENGTHS = (0.3, 0.6, 1.0)

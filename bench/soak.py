@@ -30,8 +30,8 @@ from lsprotocol import types
 from prometheus_client.parser import text_string_to_metric_families
 from pygls.lsp.client import LanguageClient
 
-from canvas_ls.bench.lsp import start_session
-from canvas_ls.engine.tasks import machine
+from ..engine.tasks import machine
+from .lsp import start_session
 
 MAX_OPEN = 8
 WEIGHTS = {"edit": 40, "complete": 27, "cancel": 9, "prefetch": 9, "open": 7.5, "close": 7.5}
@@ -200,9 +200,9 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
     engine, health = _engine(runtime)
     engine_pid = health["pid"]
 
-    import canvas_ls.server
+    from .. import server
 
-    server_code = Path(canvas_ls.server.__file__).parent  # the language server's own modules, as documents
+    server_code = Path(server.__file__).parent  # the language server's own modules, as documents
     sources = [p.read_text(encoding="utf-8") for p in sorted(server_code.glob("*.py"))][:12]
     soak = Soak(client, sources, seed)
     warm_up = max(1, requests // 10)
@@ -303,7 +303,7 @@ def format_soak(report: dict[str, Any]) -> str:
 
 def plot_soak(report: dict[str, Any], path: Path) -> Path:
     """Resident memory of both processes against the requests sent."""
-    from canvas_ls.bench.core import figure
+    from .core import figure
 
     samples = report["samples"]
     with figure(path, (6.5, 3.6)) as (_, axis):

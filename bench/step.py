@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from canvas_ls.bench.core import synchronize, timed
-from canvas_ls.engine.architecture import full_width_config, random_model
-from canvas_ls.engine.canvas import BatchedKV, encode
-from canvas_ls.engine.compiled import compile_model
-from canvas_ls.engine.sampling import step_stats_rows
+from ..engine.architecture import full_width_config, random_model
+from ..engine.canvas import BatchedKV, encode
+from ..engine.compiled import compile_model
+from ..engine.sampling import step_stats_rows
+from .core import synchronize, timed
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -131,7 +131,7 @@ def run_step_bench(
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = model.config.text_config.vocab_size
-    from canvas_ls.engine.quantize import held_bytes, is_quantized
+    from ..engine.quantize import held_bytes, is_quantized
 
     report: dict[str, Any] = {
         "model": name,
@@ -243,8 +243,8 @@ def run(model_name: str | None, layers: int, device: str | None, dtype: str | No
     """`bench step` for a model folder or hub id (None: the shipped one) or, with model_name "full-width", for
     DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30); its layers' weights quantised as
     `quantize` says (eager only unless their experts run the GPU kernel: `quantize.compiles`)."""
-    from canvas_ls.engine.loading import load_model, resolve_device, resolve_dtype
-    from canvas_ls.engine.quantize import compiles, quantize_model, resolve
+    from ..engine.loading import load_model, resolve_device, resolve_dtype
+    from ..engine.quantize import compiles, quantize_model, resolve
 
     if model_name == "full-width":
         target = resolve_device(device)

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine.tasks import machine
+from ..engine.tasks import machine
 
 START = """
 import json, statistics, sys, time
 from pathlib import Path
-from canvas_ls.engine.tasks import load_tasks
-from canvas_ls.engine.engine import Engine, InfillRequest
+from ..engine.tasks import load_tasks
+from ..engine.engine import Engine, InfillRequest
 
 model, dtype, dataset, limit = sys.argv[1] or None, sys.argv[2], sys.argv[3], int(sys.argv[4])
 started = time.perf_counter()

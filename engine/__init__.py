@@ -13,7 +13,7 @@ import logging
 from importlib import import_module
 from typing import Any
 
-from canvas_ls.engine import lazy_torchao
+from . import lazy_torchao
 
 # transformers would import torchao (the `quantize` extra) in every process where it is installed: only where
 # quantised weights are asked for (`lazy_torchao`). torchao warns at import about CUDA extensions a CPU-only torch

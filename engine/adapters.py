@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.errors import ModelLoadError
-from canvas_ls.engine.workspaces import holds_beside_others
+from .errors import ModelLoadError
+from .workspaces import holds_beside_others
 
 TEXT_LAYERS = r".*(language_model|decoder)\.layers\.\d+\."
 LINEAR_TARGETS = TEXT_LAYERS + r"(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"

@@ -19,9 +19,9 @@ from transformers import (
     Gemma4VisionConfig,
 )
 
-from canvas_ls.engine.loading import quiet_libraries
-from canvas_ls.engine.settings import MODEL_SETTINGS_FILE
-from canvas_ls.engine.tokenizer import SPARES, train_tokenizer
+from .loading import quiet_libraries
+from .settings import MODEL_SETTINGS_FILE
+from .tokenizer import SPARES, train_tokenizer
 
 
 def small_config(

@@ -49,11 +49,11 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
-from canvas_ls.engine.compiled import CompiledDecoder
-from canvas_ls.engine.prefix_cache import PrefixCache
-from canvas_ls.engine.sampling import StepStats, step_stats_rows
-from canvas_ls.engine.settings import InfillSettings
-from canvas_ls.engine.token_cache import ORDERS, Caches, Found, lookups, mix_cache
+from .compiled import CompiledDecoder
+from .prefix_cache import PrefixCache
+from .sampling import StepStats, step_stats_rows
+from .settings import InfillSettings
+from .token_cache import ORDERS, Caches, Found, lookups, mix_cache
 
 
 class CancelToken(Protocol):

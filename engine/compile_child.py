@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from canvas_ls.engine.paths import DEFAULT_MODEL_DIR
+from .paths import DEFAULT_MODEL_DIR
 
 MODES = ("auto", "on", "off")
 

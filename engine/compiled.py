@@ -54,16 +54,16 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.compile_child import CompilerProcess, compile_mode
-from canvas_ls.engine.loading import decoder_experts
-from canvas_ls.engine.paths import cache_dir, lowest_priority
+from .compile_child import CompilerProcess, compile_mode
+from .loading import decoder_experts
+from .paths import cache_dir, lowest_priority
 
 log = logging.getLogger("canvas-ls.compiled")
 
 
 class CompiledDecoder:
     def __init__(self, model: Any, mode: str = "auto", backend: str = "inductor"):
-        from canvas_ls.engine.quantize import compiles, quantized_kind
+        from .quantize import compiles, quantized_kind
 
         self.model = model
         device = next(model.parameters()).device
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     `CompiledDecoder` runs when its graphs are not saved yet)."""
     import argparse
 
-    from canvas_ls.engine.engine import Engine
+    from .engine import Engine
 
     parser = argparse.ArgumentParser(prog="python -m canvas_ls.engine.compiled")
     parser.add_argument("model")

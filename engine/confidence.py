@@ -208,7 +208,7 @@ def model_display(model_dir: Path | None) -> Display:
     """The display policy of a model folder (the default policy when it has none)."""
     import json
 
-    from canvas_ls.engine.settings import MODEL_SETTINGS_FILE, SettingsError
+    from .settings import MODEL_SETTINGS_FILE, SettingsError
 
     path = None if model_dir is None else model_dir / MODEL_SETTINGS_FILE
     if path is None or not path.is_file():

@@ -154,7 +154,7 @@ REPLAY_BYTES = 20_000_000
 def replay_files() -> list[CorpusFile]:
     """General code to mix into a repository's tuning (`train --replay`): a smaller `collect`, built once per user
     and kept in the cache (its first HELD_OUT_FILES files are, as in a general run, never trained on)."""
-    from canvas_ls.engine.paths import cache_dir
+    from .paths import cache_dir
 
     path = cache_dir() / "replay-corpus.jsonl.gz"
     if not path.is_file():

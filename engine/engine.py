@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.adapters import AdapterSet
-from canvas_ls.engine.canvas import (
+from .adapters import AdapterSet
+from .canvas import (
     CancelToken,
     CanvasJob,
     CanvasOutput,
@@ -30,15 +30,15 @@ from canvas_ls.engine.canvas import (
     StepView,
     encode_prefixes,
 )
-from canvas_ls.engine.compile_child import CompilerProcess
-from canvas_ls.engine.compiled import CompiledDecoder, keep_inductor_cache
-from canvas_ls.engine.confidence import answer_support, model_display, sequence_score
-from canvas_ls.engine.loading import LoadedModel, load_model
-from canvas_ls.engine.prefix_cache import PrefixCache
-from canvas_ls.engine.regions import FillError, Hole, Region, regions_to_parts, split_parts
-from canvas_ls.engine.settings import InfillSettings, model_settings
-from canvas_ls.engine.token_cache import DOCUMENT_WEIGHT, Caches, TokenCache, WorkspaceCaches
-from canvas_ls.engine.tokenizer import TokenHealing
+from .compile_child import CompilerProcess
+from .compiled import CompiledDecoder, keep_inductor_cache
+from .confidence import answer_support, model_display, sequence_score
+from .loading import LoadedModel, load_model
+from .prefix_cache import PrefixCache
+from .regions import FillError, Hole, Region, regions_to_parts, split_parts
+from .settings import InfillSettings, model_settings
+from .token_cache import DOCUMENT_WEIGHT, Caches, TokenCache, WorkspaceCaches
+from .tokenizer import TokenHealing
 
 __all__ = [
     "Engine",

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.errors import ModelLoadError
-from canvas_ls.engine.paths import DEFAULT_MODEL_DIR
+from .errors import ModelLoadError
+from .paths import DEFAULT_MODEL_DIR
 
 __all__ = ["DEFAULT_MODEL_DIR", "LoadedModel", "load_model"]
 
@@ -87,7 +87,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     into the weights unless `merge_adapter` is False; never merged into quantised weights)."""
     from transformers import AutoConfig, AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
-    from canvas_ls.engine import quantize as quantization
+    from . import quantize as quantization
 
     quiet_libraries()
     target = resolve_device(device)
@@ -153,8 +153,8 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         use_dense_experts(model, encoder=target.type == "cpu" and weights_dtype == torch.bfloat16)
     model.eval()
     if adapter:
-        from canvas_ls.engine.adapters import apply_adapter
-        from canvas_ls.engine.workspaces import holds_beside_others
+        from .adapters import apply_adapter
+        from .workspaces import holds_beside_others
 
         folder_of_adapter = Path(adapter).expanduser()
         # peft's LoRA on a 3-D parameter (the experts') needs float weights

@@ -34,11 +34,11 @@ def model_config(start_from: str | None, preset: str, vocab_size: int) -> Any:
     (DiffusionGemma 26B-A4B's published geometry), or the preset's."""
     from transformers import AutoConfig
 
-    from canvas_ls.engine.architecture import small_config
-    from canvas_ls.engine.training import PRESETS
+    from .architecture import small_config
+    from .training import PRESETS
 
     if start_from == "full-width":
-        from canvas_ls.engine.architecture import full_width_config
+        from .architecture import full_width_config
 
         return full_width_config()
     if start_from:
@@ -53,8 +53,8 @@ def training_plan(config: Any, batch_size: int, prefix_tokens: int, canvas_token
     frozen base's layers in int8 or int4 under a LoRA run (`engine.quantize`'s bytes per weight)."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from canvas_ls.engine.adapters import add_lora, trainable_parameters
-    from canvas_ls.engine.quantize import WEIGHT_BYTES, model_weight_counts
+    from .adapters import add_lora, trainable_parameters
+    from .quantize import WEIGHT_BYTES, model_weight_counts
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft asks transformers about gradient checkpointing

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from canvas_ls.engine.errors import ModelLoadError
-from canvas_ls.engine.settings import QUANTIZE_CHOICES
+from .errors import ModelLoadError
+from .settings import QUANTIZE_CHOICES
 
 log = logging.getLogger("canvas-ls.quantize")
 # Bytes per weight of each kind, scales included (int8: one bf16 scale per row; int4: a bf16 scale and zero point
@@ -128,7 +128,7 @@ def weight_bytes(counts: dict[str, int], kind: str) -> int:
 
 def torchao_config(kind: str) -> Any:
     """transformers' quantization_config for `kind` ("int8" or "int4")."""
-    from canvas_ls.engine.lazy_torchao import want_torchao
+    from .lazy_torchao import want_torchao
 
     want_torchao()
     try:
@@ -144,7 +144,7 @@ def torchao_config(kind: str) -> Any:
     else:
         from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
 
-        from canvas_ls.engine.int4_experts import Int4ExpertsConfig
+        from .int4_experts import Int4ExpertsConfig
 
         weights = Int4WeightOnlyConfig(group_size=INT4_GROUP, set_inductor_config=False,
                                        int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)  # fmt: skip
@@ -205,7 +205,7 @@ def compiles(model: Any) -> bool:
     experts loop in Python over the experts the tokens picked."""
     if not is_quantized(model):
         return True
-    from canvas_ls.engine.experts_kernel import kernel_experts
+    from .experts_kernel import kernel_experts
 
     return model.model.decoder.layers[0].experts.config._experts_implementation == kernel_experts()
 
@@ -225,7 +225,7 @@ def use_quantized_experts(model: Any, grouped: bool | None = None, kernel: bool 
     tensors refuse)."""
     import copy
 
-    from canvas_ls.engine import experts_kernel
+    from . import experts_kernel
 
     first = model.model.decoder.layers[0].experts
     on_gpu = first.gate_up_proj.device.type == "cuda"

@@ -60,12 +60,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from canvas_ls.engine.canvas import InfillCancelled, StepView
-from canvas_ls.engine.engine import Engine, EngineBatch, InfillRequest
-from canvas_ls.engine.errors import ModelLoadError
-from canvas_ls.engine.paths import default_socket, document_repository
-from canvas_ls.engine.regions import FillError, Hole, parts_from_json, split_parts
-from canvas_ls.engine.settings import SettingsError
+from .canvas import InfillCancelled, StepView
+from .engine import Engine, EngineBatch, InfillRequest
+from .errors import ModelLoadError
+from .paths import default_socket, document_repository
+from .regions import FillError, Hole, parts_from_json, split_parts
+from .settings import SettingsError
 
 __all__ = ["EngineService", "ServeError", "check_address", "check_socket", "default_socket", "serve"]
 

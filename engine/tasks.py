@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from canvas_ls.engine.corpus import HELD_OUT_FILES
+from .corpus import HELD_OUT_FILES
 
 TEST_TIMEOUT_S = 10
 TEST_MEMORY_BYTES = 1 << 30
@@ -74,7 +74,7 @@ def typed(task: Task, cursor: str) -> Task:
 
 def repository_tasks(report: Path, limit: int | None = None) -> list[Task]:
     """`line_tasks` of the held-out files of a training run on a repository (its `repository_report.json`)."""
-    from canvas_ls.engine.corpus import read_repository_report
+    from .corpus import read_repository_report
 
     described = read_repository_report(report)
     root = Path(str(described["root"]))

@@ -249,7 +249,7 @@ class WorkspaceCaches:
                 self._ready.popitem(last=False)  # the least recently used: built again if asked for
 
     def _build(self, folder: str) -> None:
-        from canvas_ls.engine import corpus
+        from . import corpus
 
         with contextlib.suppress(AttributeError, OSError):  # this thread only: requests come first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from canvas_ls.engine.corpus import CorpusFile
-from canvas_ls.engine.loss import softcapped_cross_entropy
-from canvas_ls.engine.tokenizer import TokenHealing
+from .corpus import CorpusFile
+from .loss import softcapped_cross_entropy
+from .tokenizer import TokenHealing
 
 EOS_FILL_WEIGHT = 0.05
 
@@ -528,7 +528,7 @@ def train(
 ) -> dict[str, Any]:
     """Train `model` in place for cfg.minutes; checkpoints and a JSON-lines log go to `out_dir`. Resumable.
     `snapshot(folder)` exports the model at each of `cfg.snapshot_minutes` (outside the budget's clock)."""
-    from canvas_ls.engine.loading import resolve_device
+    from .loading import resolve_device
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -717,7 +717,7 @@ TRAINED_INFILL = {"layout": "canvas", "gap_tokens": 16, "suffix_head_tokens": 16
 
 def run_plan(cfg: TrainConfig, start_from: str | None, preset: str, vocab_size: int) -> dict[str, Any]:
     """`engine.plan.training_plan` for this run's model and settings."""
-    from canvas_ls.engine.plan import model_config, training_plan
+    from .plan import model_config, training_plan
 
     gap = max(cfg.gap_choices)
     canvas = gap + cfg.head_tokens + (gap if cfg.multi_gap_share > 0 else 0)  # several gaps: up to twice the slots
@@ -729,7 +729,7 @@ def preset_model(preset: str, vocab_size: int) -> Any:
     """A freshly initialised model of the preset's size."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from canvas_ls.engine.architecture import small_config
+    from .architecture import small_config
 
     return DiffusionGemmaForBlockDiffusion(small_config(vocab_size, sliding_window=512, **PRESETS[preset]["model"]))
 
@@ -756,15 +756,15 @@ def run(
     the adapter is megabytes, the merged copy the whole model)."""
     from transformers import AutoTokenizer
 
-    from canvas_ls.engine import corpus, plan
-    from canvas_ls.engine.loading import quiet_libraries, resolve_device
-    from canvas_ls.engine.settings import MODEL_SETTINGS_FILE
-    from canvas_ls.engine.tokenizer import train_tokenizer
+    from . import corpus, plan
+    from .loading import quiet_libraries, resolve_device
+    from .settings import MODEL_SETTINGS_FILE
+    from .tokenizer import train_tokenizer
 
     quiet_libraries()
     spec = PRESETS[preset]
     cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
-    from canvas_ls.engine.quantize import WEIGHT_BYTES
+    from .quantize import WEIGHT_BYTES
 
     if cfg.quantize not in WEIGHT_BYTES:  # none, int8, int4 (`auto` is the engine's, by free memory)
         raise TrainingError(f"unknown base quantisation '{cfg.quantize}' (use none, int8 or int4)")
@@ -839,7 +839,7 @@ def run(
         base_dtype = torch.bfloat16 if cfg.lora_rank and cfg.bf16 else torch.float32
         loading: dict[str, Any] = {"dtype": base_dtype}
         if quantized:  # int8 / int4 while the checkpoint loads, on the device (int4's packing runs on the GPU)
-            from canvas_ls.engine import quantize
+            from . import quantize
 
             device = resolve_device(cfg.device)
             loading["quantization_config"] = quantize.torchao_config(quantize.check_runs_here(cfg.quantize, device))
@@ -855,7 +855,7 @@ def run(
         model.set_experts_implementation(cfg.experts)
     adapted = None
     if cfg.lora_rank:
-        from canvas_ls.engine.adapters import add_lora
+        from .adapters import add_lora
 
         adapted = add_lora(model, cfg.lora_rank, cfg.lora_experts)
         for parameter in adapted.parameters():
@@ -880,7 +880,7 @@ def run(
 
     def snapshot(folder: Path) -> None:  # mid-run: the adapter alone (merging would end the LoRA), or the model
         if adapted is not None:
-            from canvas_ls.engine.adapters import save_adapter
+            from .adapters import save_adapter
 
             save_adapter(adapted, folder / "adapter")
         else:
@@ -892,7 +892,7 @@ def run(
 
     export = out_dir / "model"
     if adapted is not None:  # the adapter alone (for `--adapter`), and the model with it merged
-        from canvas_ls.engine.adapters import merged, save_adapter
+        from .adapters import merged, save_adapter
 
         save_adapter(adapted, out_dir / "adapter")
         if not export_merged or quantized:  # a merge would write float deltas into int8 / int4 weights

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine.paths import cache_dir
+from .paths import cache_dir
 
 ENTRY_FILE = "workspace.json"
 

@@ -124,7 +124,7 @@ class LocalBackend:
         def work() -> None:
             started = time.perf_counter()
             try:
-                from canvas_ls.engine import Engine
+                from ..engine import Engine
 
                 self._engine = Engine.load(model, None if device == "auto" else device, adapter=self.adapter,
                                            compile=self.compile, quantize=self.quantize)  # fmt: skip
@@ -146,7 +146,7 @@ class LocalBackend:
                      adapter: str | None = None) -> dict | None:  # fmt: skip
         """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed.
         `background`: work computed ahead (the server cancels it when a real request comes; one worker here)."""
-        from canvas_ls.engine.paths import document_repository
+        from ..engine.paths import document_repository
 
         workspace = document_repository(document)  # its token cache (`engine.token_cache`), once built
         return await self._call(cancel, lambda engine: engine.infill(prefix, suffix, overrides, cancel=cancel,
@@ -156,8 +156,8 @@ class LocalBackend:
                    document: str | None = None, adapter: str | None = None) -> dict | None:  # fmt: skip
         """Several holes in one canvas (`/v1/fill` segments): the engine's result, None when cancelled. Raises
         BackendError for a fill the engine cannot lay out."""
-        from canvas_ls.engine.paths import document_repository
-        from canvas_ls.engine.regions import parts_from_json, split_parts
+        from ..engine.paths import document_repository
+        from ..engine.regions import parts_from_json, split_parts
 
         def compute(engine: Any) -> Any:
             prefix, middle, suffix = split_parts(parts_from_json(segments))
@@ -169,7 +169,7 @@ class LocalBackend:
     async def _call(self, cancel: CancelFlag, compute: Callable[[Any], Any]) -> dict | None:
         """`compute(engine)` on the worker thread: its result as a dict, None when cancelled."""
         _check_ready(self.state, self.error)
-        from canvas_ls.engine import FillError, InfillCancelled, ModelLoadError
+        from ..engine import FillError, InfillCancelled, ModelLoadError
 
         engine = self._engine
 
@@ -210,7 +210,7 @@ class ResidentBackend:
     def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0, model: str | None = None,
                  device: str = "auto", adapter: str | None = None, compile: str = "auto",
                  quantize: str = "auto"):  # fmt: skip
-        from canvas_ls.engine.paths import default_socket
+        from ..engine.paths import default_socket
 
         self.adapter = adapter
         self.compile = compile  # the engine's --compile when this backend starts it

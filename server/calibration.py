@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine.confidence import (
+from ..engine.confidence import (
     HIDDEN,
     MIN_SHOWN,
     MODES,
@@ -42,16 +42,16 @@ from canvas_ls.engine.confidence import (
     judged_tokens,
     sequence_score,
 )
-from canvas_ls.engine.corpus import read_repository_report
-from canvas_ls.engine.engine import Engine
-from canvas_ls.engine.settings import MODEL_SETTINGS_FILE
-from canvas_ls.engine.tasks import Task, edit_similarity, load_tasks, machine, normalise, passes, typed
-from canvas_ls.server.completion import request_overrides
-from canvas_ls.server.config import CompletionOptions
-from canvas_ls.server.context import Skip, build_context
-from canvas_ls.server.documents import Document
-from canvas_ls.server.edits import checked_edit
-from canvas_ls.server.languages import language_for
+from ..engine.corpus import read_repository_report
+from ..engine.engine import Engine
+from ..engine.settings import MODEL_SETTINGS_FILE
+from ..engine.tasks import Task, edit_similarity, load_tasks, machine, normalise, passes, typed
+from .completion import request_overrides
+from .config import CompletionOptions
+from .context import Skip, build_context
+from .documents import Document
+from .edits import checked_edit
+from .languages import language_for
 
 GOOD_SIMILARITY = 0.7
 

@@ -25,11 +25,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from canvas_ls.engine import confidence as calibration
-from canvas_ls.engine.paths import cache_dir, lowest_priority
-from canvas_ls.engine.settings import QUANTIZE_CHOICES as QUANTIZE
-from canvas_ls.engine.workspaces import RECIPES as RECIPE_NAMES
-from canvas_ls.server.positions import PositionError, offset_at
+from ..engine import confidence as calibration
+from ..engine.paths import cache_dir, lowest_priority
+from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
+from ..engine.workspaces import RECIPES as RECIPE_NAMES
+from .positions import PositionError, offset_at
 
 WORKSPACE_CACHE_HELP = ("weight of the token cache of the user's code (the document's and its repository's; 0: off; "
                         "default: the model's)")  # fmt: skip
@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                        "training of the --from model, or the preset's; --from full-width: DiffusionGemma 26B-A4B's "
                        "geometry) against what the device has free, and exit")  # fmt: skip
 
-    from canvas_ls.bench.cli import add_parser as add_bench_parser
+    from ..bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(commands)
 
@@ -174,7 +174,7 @@ def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> No
 
 def _load_engine(args: argparse.Namespace, overrides: dict[str, Any] | None = None, **options: Any) -> Any:
     """The engine of the command's model arguments (`_model_arguments`)."""
-    from canvas_ls.engine import Engine
+    from ..engine import Engine
 
     return Engine.load(args.model, getattr(args, "device", None), overrides, dtype=args.dtype, adapter=args.adapter,
                        quantize=args.quantize, **options)  # fmt: skip
@@ -232,8 +232,8 @@ def _span(value: str) -> tuple[int, int, int, int]:
 
 
 def _fill(args: argparse.Namespace) -> int:
-    from canvas_ls.engine import FillError
-    from canvas_ls.engine.regions import Region, regions_to_parts, split_parts
+    from ..engine import FillError
+    from ..engine.regions import Region, regions_to_parts, split_parts
 
     text = _read(args.file)
     spans = [(span, 1.0) for span in args.hole] + [(span, args.strength) for span in args.rewrite]
@@ -274,7 +274,7 @@ def _read(path: Path) -> str:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from canvas_ls.engine.architecture import build_tiny_model
+    from ..engine.architecture import build_tiny_model
 
     # A tokenizer needs text to learn from: the Python standard library's json package is always there.
     sources = sorted(Path(json.__file__).parent.glob("*.py"))
@@ -300,7 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_level != "DEBUG":
         for chatty in ("pygls", "httpx"):  # each logs every message it sends at INFO
             logging.getLogger(chatty).setLevel(logging.WARNING)
-    from canvas_ls.server.lsp import server
+    from .lsp import server
 
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
@@ -313,7 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from canvas_ls.engine.compile_child import start_early
+    from ..engine.compile_child import start_early
 
     token = _token(args)
     host = port = None
@@ -326,7 +326,7 @@ def _engine(args: argparse.Namespace) -> int:
     # (torch, transformers: seconds), which its own then overlap; the warm-up reads it, or stops it if not needed
     early = start_early(args.model, args.device, args.dtype, args.compile, args.quantize)
     try:
-        from canvas_ls.engine.service import (
+        from ..engine.service import (
             EngineService,
             ServeError,
             check_address,
@@ -375,9 +375,9 @@ def _train(args: argparse.Namespace) -> int:
         return _train_plan(args)
     if args.low_priority:
         lowest_priority()
-    from canvas_ls.engine import workspaces
-    from canvas_ls.engine.loading import DEFAULT_MODEL_DIR
-    from canvas_ls.engine.training import TrainingError, run
+    from ..engine import workspaces
+    from ..engine.loading import DEFAULT_MODEL_DIR
+    from ..engine.training import TrainingError, run
 
     name = _recipe_name(args)
     if args.workspace and not args.recipe and args.lora is None and not _fits_fully(args):
@@ -431,7 +431,7 @@ def _calibrate_workspace_model(run_dir: Path, summary: dict[str, Any], report: A
     """A workspace's tuned model gets its own display threshold, calibrated on the repository's held-out lines
     (`server/calibration.py:calibrate_folder`); an adapter keeps its base's, and so does an interrupted run (the user
     asked it to stop). A calibration that fails leaves the model installed with its base's threshold."""
-    from canvas_ls.server.calibration import calibrate_folder
+    from .calibration import calibrate_folder
 
     model, held_out = run_dir / "model", run_dir / "repository_report.json"
     if summary.get("stopped") == "interrupted" or not model.is_dir() or not held_out.is_file():
@@ -453,8 +453,8 @@ def _fits_fully(args: argparse.Namespace) -> bool:
     """Whether full training of the --from model fits the device (`train --plan`'s arithmetic)."""
     if not args.start_from:
         return True  # the shipped model: megabytes
-    from canvas_ls.engine.loading import resolve_device
-    from canvas_ls.engine.plan import check
+    from ..engine.loading import resolve_device
+    from ..engine.plan import check
 
     cfg = replace(_plan_config(args), lora_rank=0)
     return check(_run_plan(cfg, args), resolve_device(cfg.device)) is None
@@ -463,9 +463,9 @@ def _fits_fully(args: argparse.Namespace) -> bool:
 def _fitting_base(args: argparse.Namespace) -> str:
     """The widest base (none, int8, int4) whose LoRA run fits the device (`train --plan`'s arithmetic); int4 only
     where it runs. None fitting: "none", and the run's own check says why."""
-    from canvas_ls.engine.loading import resolve_device
-    from canvas_ls.engine.plan import check
-    from canvas_ls.engine.quantize import int4_capable
+    from ..engine.loading import resolve_device
+    from ..engine.plan import check
+    from ..engine.quantize import int4_capable
 
     cfg = _lora_plan_config(_plan_config(args))
     device = resolve_device(cfg.device)
@@ -477,8 +477,8 @@ def _fitting_base(args: argparse.Namespace) -> str:
 
 def _models(args: argparse.Namespace) -> int:
     """The shipped model and every workspace model: for which repository, from which base, when, on how much."""
-    from canvas_ls.engine import workspaces
-    from canvas_ls.engine.settings import MODEL_SETTINGS_FILE
+    from ..engine import workspaces
+    from ..engine.settings import MODEL_SETTINGS_FILE
 
     if args.remove is not None:
         root = workspaces.repository_root(args.remove)
@@ -486,7 +486,7 @@ def _models(args: argparse.Namespace) -> int:
             raise CliError(f"no workspace model for {root}")
         print(f"removed the model tuned on {root}")
         return 0
-    from canvas_ls.engine.loading import DEFAULT_MODEL_DIR  # a path constant; loading imports torch: after --remove
+    from ..engine.loading import DEFAULT_MODEL_DIR  # a path constant; loading imports torch: after --remove
 
     shipped = json.loads((DEFAULT_MODEL_DIR / MODEL_SETTINGS_FILE).read_text()).get("trained", {})
     rows = [{"workspace": "(everywhere else)", "model": str(DEFAULT_MODEL_DIR), "kind": "shipped",
@@ -583,7 +583,7 @@ def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _recipe_name(args: argparse.Namespace) -> str | None:
     """The tuning recipe a `train` command runs: `--recipe`, or the workspace recipe with `--workspace`."""
-    from canvas_ls.engine import workspaces
+    from ..engine import workspaces
 
     return args.recipe or (workspaces.WORKSPACE_RECIPE if args.workspace else None)
 
@@ -591,7 +591,7 @@ def _recipe_name(args: argparse.Namespace) -> str | None:
 def _recipe_settings(args: argparse.Namespace, name: str | None) -> tuple[dict[str, Any], float]:
     """A `train` command's TrainConfig overrides (recipe `name`'s, the flags over them) and its general-code replay
     share (the recipe's unless `--replay`)."""
-    from canvas_ls.engine import workspaces
+    from ..engine import workspaces
 
     recipe, replay = workspaces.recipe(name) if name else ({}, 0.0)
     return {**recipe, **_train_overrides(args)}, replay if args.replay is None else args.replay
@@ -600,7 +600,7 @@ def _recipe_settings(args: argparse.Namespace, name: str | None) -> tuple[dict[s
 def _plan_config(args: argparse.Namespace) -> Any:
     """The TrainConfig a `train` command would run (its preset, its recipe and the flags over them), for the memory
     plan."""
-    from canvas_ls.engine.training import PRESETS, TrainConfig
+    from ..engine.training import PRESETS, TrainConfig
 
     return TrainConfig(**{**PRESETS[args.preset]["train"], **_recipe_settings(args, _recipe_name(args))[0]})
 
@@ -611,15 +611,15 @@ def _lora_plan_config(cfg: Any) -> Any:
 
 
 def _run_plan(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from canvas_ls.engine.training import PRESETS, run_plan
+    from ..engine.training import PRESETS, run_plan
 
     return run_plan(cfg, args.start_from, args.preset, PRESETS[args.preset]["vocab_size"])
 
 
 def _train_plan(args: argparse.Namespace) -> int:
     """Full and LoRA training of the run's model, side by side, against the device's free memory."""
-    from canvas_ls.engine.loading import resolve_device
-    from canvas_ls.engine.plan import GIB, available_bytes, format_plan
+    from ..engine.loading import resolve_device
+    from ..engine.plan import GIB, available_bytes, format_plan
 
     base = _plan_config(args)
     lora = _lora_plan_config(base)
@@ -640,13 +640,13 @@ class CliError(Exception):
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from canvas_ls.bench.cli import run
+    from ..bench.cli import run
 
     return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from canvas_ls.engine import ModelLoadError, SettingsError
+    from ..engine import ModelLoadError, SettingsError
 
     args = _parser().parse_args(argv)
     handlers = {

@@ -33,15 +33,15 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from canvas_ls.engine.confidence import HIDDEN, judge
-from canvas_ls.server.backend import BackendError, BackendNotReady, CancelFlag
-from canvas_ls.server.config import CompletionOptions, ServerConfig
-from canvas_ls.server.context import CompletionContext, Skip, build_context
-from canvas_ls.server.crossfile import Block, CrossFile
-from canvas_ls.server.documents import Document, DocumentStore
-from canvas_ls.server.edits import Edit, checked_edit
-from canvas_ls.server.positions import PositionError
-from canvas_ls.server.workspaces import RoutedBackend
+from ..engine.confidence import HIDDEN, judge
+from .backend import BackendError, BackendNotReady, CancelFlag
+from .config import CompletionOptions, ServerConfig
+from .context import CompletionContext, Skip, build_context
+from .crossfile import Block, CrossFile
+from .documents import Document, DocumentStore
+from .edits import Edit, checked_edit
+from .positions import PositionError
+from .workspaces import RoutedBackend
 
 log = logging.getLogger(__name__)
 # A prefetch's outcomes after which the request for its place is answered at once (from the cache, or typed through).

@@ -19,9 +19,9 @@ from typing import Literal
 
 from tree_sitter import Node
 
-from canvas_ls.server.config import CompletionOptions
-from canvas_ls.server.documents import Document
-from canvas_ls.server.languages import GRAMMARS, Grammar
+from .config import CompletionOptions
+from .documents import Document
+from .languages import GRAMMARS, Grammar
 
 CHARS_PER_TOKEN = 3.2
 CLOSERS = frozenset(")]}>\"'`;,")

@@ -23,9 +23,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from urllib.parse import unquote, urlparse
 
-from canvas_ls.server.context import CHARS_PER_TOKEN
-from canvas_ls.server.documents import Document
-from canvas_ls.server.languages import GRAMMARS
+from .context import CHARS_PER_TOKEN
+from .documents import Document
+from .languages import GRAMMARS
 
 CHUNK_LINES = 30
 QUERY_LINES = 30  # lines before the cursor whose identifiers make the query

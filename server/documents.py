@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from lsprotocol import types
 from tree_sitter import Parser, Tree
 
-from canvas_ls.server.languages import language_for, parser_for
-from canvas_ls.server.positions import LineIndex, PositionError, utf8
+from .languages import language_for, parser_for
+from .positions import LineIndex, PositionError, utf8
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from tree_sitter import Node
 
-from canvas_ls.server.context import CompletionContext, only_closers
-from canvas_ls.server.documents import Document
-from canvas_ls.server.positions import utf8
+from .context import CompletionContext, only_closers
+from .documents import Document
+from .positions import utf8
 
 # Lines around the edit that the syntax check re-parses (before and after): enough for the enclosing statement.
 CHECK_LINES = 60

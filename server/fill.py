@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from canvas_ls.engine.regions import FillError, Region, parts_to_json, regions_to_parts
-from canvas_ls.server.backend import Backend, BackendError, BackendNotReady, CancelFlag
-from canvas_ls.server.config import FillOptions
-from canvas_ls.server.context import prefix_window
-from canvas_ls.server.crossfile import Block
-from canvas_ls.server.documents import Document
-from canvas_ls.server.edits import Edit, adds_syntax_errors
-from canvas_ls.server.holes import inside_string_or_comment
+from ..engine.regions import FillError, Region, parts_to_json, regions_to_parts
+from .backend import Backend, BackendError, BackendNotReady, CancelFlag
+from .config import FillOptions
+from .context import prefix_window
+from .crossfile import Block
+from .documents import Document
+from .edits import Edit, adds_syntax_errors
+from .holes import inside_string_or_comment
 
 log = logging.getLogger(__name__)
 

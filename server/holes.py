@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from tree_sitter import Node
 
-from canvas_ls.server.context import _char_offset, _node_at
-from canvas_ls.server.documents import Document
-from canvas_ls.server.languages import GRAMMARS
+from .context import _char_offset, _node_at
+from .documents import Document
+from .languages import GRAMMARS
 
 COMMENTS = frozenset({"comment", "line_comment", "block_comment"})
 STRINGS = frozenset({"string", "string_literal", "raw_string_literal", "template_string", "interpreted_string_literal",

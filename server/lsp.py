@@ -20,18 +20,18 @@ from pygls.exceptions import JsonRpcException, JsonRpcInternalError, JsonRpcInva
 from pygls.io_ import StdoutWriter
 from pygls.lsp.server import LanguageServer
 
-from canvas_ls.engine.confidence import HIDDEN
-from canvas_ls.engine.regions import Region
-from canvas_ls.engine.workspaces import WORKSPACE_MINUTES, repository_root
-from canvas_ls.server.backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
-from canvas_ls.server.completion import PREFETCH_READY, Completer, Outcome
-from canvas_ls.server.config import ServerConfig, layered, parse_config
-from canvas_ls.server.documents import Document, DocumentStore
-from canvas_ls.server.fill import FillOutcome, Lead, fill_regions
-from canvas_ls.server.holes import find_holes
-from canvas_ls.server.positions import PositionError
-from canvas_ls.server.wire import Dispatcher, Frames, unstructure
-from canvas_ls.server.workspaces import Learner, LearnJob, RoutedBackend, uri_path
+from ..engine.confidence import HIDDEN
+from ..engine.regions import Region
+from ..engine.workspaces import WORKSPACE_MINUTES, repository_root
+from .backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
+from .completion import PREFETCH_READY, Completer, Outcome
+from .config import ServerConfig, layered, parse_config
+from .documents import Document, DocumentStore
+from .fill import FillOutcome, Lead, fill_regions
+from .holes import find_holes
+from .positions import PositionError
+from .wire import Dispatcher, Frames, unstructure
+from .workspaces import Learner, LearnJob, RoutedBackend, uri_path
 
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"

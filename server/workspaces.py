@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from canvas_ls.engine.workspaces import WorkspaceIndex, WorkspaceModel
-from canvas_ls.server.backend import Backend, CancelFlag
+from ..engine.workspaces import WorkspaceIndex, WorkspaceModel
+from .backend import Backend, CancelFlag
 
 log = logging.getLogger(__name__)
 

@@ -102,3 +102,14 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     reference = (tmp_path / "site" / "cli" / "index.html").read_text(encoding="utf-8")
     assert "canvas-ls bench soak" in reference and "--fault" in reference
     assert "Reliability" in (tmp_path / "site" / "reliability" / "index.html").read_text(encoding="utf-8")
+
+
+def test_the_code_map_names_every_module_and_only_modules_that_exist() -> None:
+    """ARCHITECTURE.md's code map: each package's section names each of its modules, and no module it does not have."""
+    text = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    for package in ("engine", "server", "bench"):
+        section = text.split(f"### `{package}/`", 1)[1].split("\n### ", 1)[0]
+        named = set(re.findall(r"`(\w+)\.py`", section))
+        modules = {p.stem for p in (REPO / package).glob("*.py")} - {"__init__"}
+        assert modules - named == set(), f"{package}/: modules the code map does not name"
+        assert named - modules == set(), f"{package}/: the code map names modules that do not exist"
