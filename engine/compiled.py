@@ -56,7 +56,7 @@ import torch
 
 from .compile_child import CompilerProcess, compile_mode
 from .loading import decoder_experts
-from .paths import cache_dir, lowest_priority
+from .paths import cache_dir, die_with_parent, lowest_priority
 
 log = logging.getLogger("canvas-ls.compiled")
 
@@ -435,13 +435,11 @@ def _graphs() -> int:
 
 
 def _die_with_parent() -> None:
-    """Linux: the compiling process ends when the engine that started it does (killed or exited mid-compile), instead
-    of compiling on for a minute with nobody to load its graphs."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+    """The compiling process ends when the engine that started it does (killed or exited mid-compile), instead of
+    compiling on for a minute with nobody to load its graphs."""
+    import signal
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGTERM)
 
 
 def warm_compiler_caches() -> threading.Thread:

@@ -34,6 +34,7 @@ from .compile_child import CompilerProcess
 from .compiled import CompiledDecoder, keep_inductor_cache
 from .confidence import answer_support, model_display, sequence_score
 from .loading import LoadedModel, load_model
+from .paths import PREFIX_CACHE_MB
 from .prefix_cache import PrefixCache
 from .regions import FillError, Hole, Region, regions_to_parts, split_parts
 from .settings import InfillSettings, model_settings
@@ -130,8 +131,8 @@ class InfillResult:
 class Engine:
     """One model, ready to fill gaps. Thread-safe: requests run one at a time on the model."""
 
-    def __init__(self, loaded: LoadedModel, overrides: dict[str, Any] | None = None, prefix_cache_mb: int = 256,
-                 compile: str = "off"):  # fmt: skip
+    def __init__(self, loaded: LoadedModel, overrides: dict[str, Any] | None = None,
+                 prefix_cache_mb: int = PREFIX_CACHE_MB, compile: str = "off"):  # fmt: skip
         self.loaded = loaded
         # The compiling process `canvas-ls engine` started before this engine loaded (`compile_child.start_early`):
         # the warm-up reads it, or stops it where it is not needed.
@@ -161,7 +162,7 @@ class Engine:
         model: str | None = None,
         device: str | None = None,
         overrides: dict[str, Any] | None = None,
-        prefix_cache_mb: int = 256,
+        prefix_cache_mb: int = PREFIX_CACHE_MB,
         dtype: str | None = None,
         compile: str = "off",
         adapter: str | None = None,

@@ -3,6 +3,7 @@ runtime folder with the resident engine's socket, lock and log; and how its back
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -11,6 +12,17 @@ from urllib.parse import unquote, urlparse
 
 # The model a user gets when they name none: trained by `canvas-ls train`, shipped inside the package.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+# A resident engine exits after this many seconds without requests (`canvas-ls engine --idle-exit`,
+# `engine.idle_exit_s`).
+IDLE_EXIT_S = 1800.0
+# The HTTP status of a request the engine dropped (its client went away, a newer request superseded it, a real
+# request preempted a background one): not an error, "cancelled".
+CANCELLED_STATUS = 499
+# The resident engine's defaults: requests sharing one decoder forward, the largest request body (a 1k-token prefix
+# is ~4 KB: this only stops abuse and accidents), and the prefix KV cache's bound in MB.
+MAX_BATCH = 8
+MAX_BODY_BYTES = 4 << 20
+PREFIX_CACHE_MB = 256
 
 
 def cache_dir() -> Path:
@@ -52,6 +64,21 @@ def lowest_priority() -> None:
         os.nice(19)
 
 
+def die_with_parent(signal_number: int) -> None:
+    """Linux: this process gets `signal_number` when the process that started it dies (PR_SET_PDEATHSIG); elsewhere
+    nothing."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal_number)  # PR_SET_PDEATHSIG
+
+
+def file_path(uri: str) -> str | None:
+    """The path a `file:` URI names (percent-decoded, not resolved); None for any other scheme."""
+    parsed = urlparse(uri)
+    return unquote(parsed.path) if parsed.scheme == "file" else None
+
+
 def document_repository(document: object) -> str | None:
     """The repository a document (a `file:` URI or a path) belongs to: the nearest folder above it holding `.git`
     (looked up once per folder, on the request path: no `git` process, unlike `workspaces.repository_root`); None
@@ -59,8 +86,7 @@ def document_repository(document: object) -> str | None:
     if not isinstance(document, str) or not document:
         return None
     if document.startswith("file:"):
-        parsed = urlparse(document)
-        path = unquote(parsed.path)
+        path = file_path(document) or ""
     elif "://" in document or document.startswith("untitled:"):
         return None
     else:

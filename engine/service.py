@@ -63,13 +63,11 @@ from starlette.routing import Route
 from .canvas import InfillCancelled, StepView
 from .engine import Engine, EngineBatch, InfillRequest
 from .errors import ModelLoadError
-from .paths import default_socket, document_repository
+from .paths import CANCELLED_STATUS, MAX_BATCH, MAX_BODY_BYTES, default_socket, document_repository
 from .regions import FillError, Hole, parts_from_json, split_parts
 from .settings import SettingsError
 
 __all__ = ["EngineService", "ServeError", "check_address", "check_socket", "default_socket", "serve"]
-
-DEFAULT_MAX_BODY = 4 << 20  # bytes; a 1k-token prefix is ~4 KB, so this only stops abuse and accidents
 
 
 class BadRequest(Exception):
@@ -79,8 +77,8 @@ class BadRequest(Exception):
 
 
 class EngineService:
-    def __init__(self, engine: Engine, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-                 idle_exit_s: float | None = None, max_batch: int = 8):  # fmt: skip
+    def __init__(self, engine: Engine, token: str | None = None, max_body: int = MAX_BODY_BYTES,
+                 idle_exit_s: float | None = None, max_batch: int = MAX_BATCH):  # fmt: skip
         self.engine = engine
         self.token = token
         self.max_body = max_body
@@ -165,7 +163,7 @@ class EngineService:
         result = await self._run(request, endpoint, prefix, suffix, settings, body.get("document"),
                                  background=priority == "background", adapter=_adapter(body))  # fmt: skip
         if result is None:
-            return JSONResponse({"cancelled": True}, status_code=499)
+            return JSONResponse({"cancelled": True}, status_code=CANCELLED_STATUS)
         return JSONResponse(result)
 
     async def fill(self, request: Request) -> Response:
@@ -183,7 +181,7 @@ class EngineService:
         result = await self._run(request, "fill", prefix, suffix, settings, body.get("document"), middle=middle,
                                  adapter=_adapter(body))  # fmt: skip
         if result is None:
-            return JSONResponse({"cancelled": True}, status_code=499)
+            return JSONResponse({"cancelled": True}, status_code=CANCELLED_STATUS)
         return JSONResponse(result)
 
     async def completions(self, request: Request) -> Response:
@@ -207,7 +205,7 @@ class EngineService:
         if not body.get("stream"):
             result = await self._run(request, "completions", prefix, suffix, settings, body.get("document"))
             if result is None:
-                return JSONResponse({"cancelled": True}, status_code=499)
+                return JSONResponse({"cancelled": True}, status_code=CANCELLED_STATUS)
             response = chunk(result["text"], _finish(result))
             produced = len(result["tokens"])
             response["usage"] = {"prompt_tokens": result["prefix_tokens"], "completion_tokens": produced,

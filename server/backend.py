@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from ..engine.paths import CANCELLED_STATUS, IDLE_EXIT_S
+
 log = logging.getLogger(__name__)
 
 
@@ -207,7 +209,7 @@ class ResidentBackend:
 
     adapters = True
 
-    def __init__(self, socket: str | None = None, idle_exit_s: float = 1800.0, model: str | None = None,
+    def __init__(self, socket: str | None = None, idle_exit_s: float = IDLE_EXIT_S, model: str | None = None,
                  device: str = "auto", adapter: str | None = None, compile: str = "auto",
                  quantize: str = "auto"):  # fmt: skip
         from ..engine.paths import default_socket
@@ -334,7 +336,7 @@ class ResidentBackend:
             self.restarts += 1
             self.load(self._model, self._device)
             raise BackendError(f"the engine went away during the {what} ({exc}); it is restarting") from exc
-        if response is None or response.status_code == 499:
+        if response is None or response.status_code == CANCELLED_STATUS:
             return None
         if response.status_code != 200:
             raise BackendError(_error_text(response))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import confidence as calibration
-from ..engine.paths import cache_dir, lowest_priority
+from ..engine.paths import IDLE_EXIT_S, MAX_BATCH, MAX_BODY_BYTES, PREFIX_CACHE_MB, cache_dir, lowest_priority
 from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from ..engine.workspaces import RECIPES as RECIPE_NAMES
 from .positions import PositionError, offset_at
@@ -82,10 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--token-file", type=Path, help="read the bearer token from this file")
     engine.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --tcp address")
     _model_arguments(engine)
-    engine.add_argument("--idle-exit", type=float, default=1800.0, help="exit after this many idle seconds (0: never)")
-    engine.add_argument("--max-body", type=int, default=4 << 20, help="largest request body, in bytes")
-    engine.add_argument("--max-batch", type=int, default=8, help="requests that may share decoder forwards")
-    engine.add_argument("--prefix-cache-mb", type=int, default=256, help="prefix KV cache bound (0: off)")
+    engine.add_argument(
+        "--idle-exit", type=float, default=IDLE_EXIT_S, help="exit after this many idle seconds (0: never)"
+    )
+    engine.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, help="largest request body, in bytes")
+    engine.add_argument("--max-batch", type=int, default=MAX_BATCH, help="requests that may share decoder forwards")
+    engine.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB, help="prefix KV cache bound (0: off)")
     engine.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="compile the batched step's decoder after start (requests run eager meanwhile); auto: "
                              "on, on the CPU by a background process only (1-2 min once, then loaded in ~3 s); "

@@ -10,6 +10,8 @@ from typing import Any, Literal
 import cattrs
 from cattrs.v import format_exception
 
+from ..engine.paths import IDLE_EXIT_S
+
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
@@ -51,7 +53,7 @@ class EngineOptions:
     # The resident engine's unix socket (None: the user's runtime folder, one socket per model and device) and its
     # idle timeout.
     socket: str | None = None
-    idle_exit_s: float = 1800.0
+    idle_exit_s: float = IDLE_EXIT_S
     # "openai" backend: the server's base URL, key (None: $CANVAS_LS_API_KEY), and model name.
     url: str | None = None
     api_key: str | None = None

@@ -113,10 +113,6 @@ def _char_offset(document: Document, point: tuple[int, int]) -> int:
     return index.starts[row] + len(line_bytes[:column].decode("utf-8", "surrogatepass"))
 
 
-def _line_start(text: str, offset: int) -> int:
-    return text.rfind("\n", 0, offset) + 1
-
-
 def _prefix_window(document: Document, offset: int, budget_tokens: int, grammar: Grammar | None,
                    node: Node | None) -> str:  # fmt: skip
     text = document.text

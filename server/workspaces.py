@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import signal
@@ -24,8 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
+from ..engine.paths import die_with_parent, file_path
 from ..engine.workspaces import WorkspaceIndex, WorkspaceModel
 from .backend import Backend, CancelFlag
 
@@ -34,12 +33,8 @@ log = logging.getLogger(__name__)
 
 def uri_path(uri: str | None) -> Path | None:
     """The file a `file:` URI names (resolved), or None for other schemes."""
-    if not uri:
-        return None
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
-        return None
-    return Path(unquote(parsed.path)).resolve()
+    path = file_path(uri) if uri else None
+    return None if path is None else Path(path).resolve()
 
 
 class RoutedBackend:
@@ -99,10 +94,6 @@ class RoutedBackend:
         self.workspace_backends.clear()
 
     # -- requests ----------------------------------------------------------------------------------------------
-
-    def backend_for(self, document: str | None) -> Backend:
-        """The backend that answers for this document right now."""
-        return self.select(document)[1]
 
     def route(self, document: str | None) -> str:
         """Which model answers this document now: "" for the configured one, else the workspace model's folder."""
@@ -176,8 +167,7 @@ class RoutedBackend:
 def _interrupted_with_parent() -> None:
     """In the training child: SIGINT when the server dies (an editor closed without a clean shutdown), as when it
     shuts down cleanly: the run stops, installs what it learnt, and the next "Learn" resumes it (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGINT)
 
 
 @dataclass

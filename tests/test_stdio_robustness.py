@@ -291,3 +291,23 @@ def test_a_position_out_of_the_lsp_range_is_invalid_params(shared: RawClient, po
     code, text = error(shared, json.dumps({"jsonrpc": "2.0", "id": 8, "method": "canvas/fill", "params": {
         "textDocument": {"uri": "file:///x.py"}, "position": position}}).encode(), 8)  # fmt: skip
     assert code == -32602 and "integers from 0 to 2**31 - 1" in text
+
+
+def test_a_request_within_the_debounce_supersedes_the_one_before(server: RawClient) -> None:
+    """Typing fast: a completion asked for while the previous one waits out its debounce ends that one ("superseded",
+    no model call); the newer one goes on to the model (here a server that does not answer: its error)."""
+    server.send({"method": "workspace/didChangeConfiguration",
+                 "params": {"settings": {"completion": {"debounce_ms": 400}}}})  # fmt: skip
+    server.send({"method": "textDocument/didOpen", "params": {"textDocument": {
+        "uri": "file:///e.py", "languageId": "python", "version": 1, "text": "def f(x):\n    return x\n"}}},
+    )  # fmt: skip
+    where = {"textDocument": {"uri": "file:///e.py"}, "position": {"line": 1, "character": 12}}  # after "return x"
+    server.send({"id": 1, "method": "canvas/fill", "params": where})
+    server.send({"id": 2, "method": "canvas/fill", "params": {**where, "position": {"line": 2, "character": 0}}})
+    answers = {}
+    while len(answers) < 2:
+        message = server.read()
+        assert message is not None
+        if message.get("id") in (1, 2):
+            answers[message["id"]] = message["result"]["source"]
+    assert answers == {1: "superseded", 2: "error:http://127.0.0.1:9 is unreachable: All connection attempts failed"}

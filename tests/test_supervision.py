@@ -5,6 +5,7 @@ mid-request is tested in test_resident.py (test_kill_9_mid_request_answers_empty
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 
@@ -64,3 +65,22 @@ def test_a_handler_bug_is_logged_and_shown_once_and_a_client_mistake_is_not_show
     shown = [w for w in written if b"window/showMessage" in w]
     assert len(shown) == 1 and b"internal error (KeyError: 'uri'); the server goes on" in shown[0]
     assert sum("KeyError" in r.getMessage() and r.exc_info is not None for r in caplog.records) == 3
+
+
+def test_a_failed_model_call_is_logged_each_time_and_shown_once() -> None:
+    from canvas_ls.server.lsp import server
+
+    try:
+        with captured(server.protocol) as written:
+            for _ in range(3):
+                server.show_error_once("http://127.0.0.1:9 is unreachable")
+            server.show_error_once("the engine went away")
+    finally:
+        server.shown_errors.clear()
+    logged = [w for w in written if b"window/logMessage" in w]
+    shown = [w for w in written if b"window/showMessage" in w]
+    assert len(logged) == 4
+    assert [json.loads(w.partition(b"\r\n\r\n")[2])["params"]["message"] for w in shown] == [
+        "canvas-ls: completion failed: http://127.0.0.1:9 is unreachable",
+        "canvas-ls: completion failed: the engine went away",
+    ]

@@ -318,3 +318,54 @@ def test_the_learned_message_says_what_the_tuned_model_will_show() -> None:
     failed = {"error": "OSError: no space left on device"}
     assert _shown_while_typing(failed) == "; its display threshold stays the base's (OSError: no space left on device)"
     assert _shown_while_typing(None) == ""  # an adapter or an interrupted run: nothing was calibrated
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc (S sleeping, T stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def test_a_learning_run_is_stopped_while_the_model_answers_and_resumed_after() -> None:
+    """`Learner.hold` (a model call starts) stops every run with SIGSTOP; `release` continues them once
+    `resume_after_s` has passed without another call; `interrupt` of a held run continues it so that it sees its
+    SIGINT. The run here is a real child process (a sleeping Python)."""
+    from canvas_ls.server.workspaces import Learner, LearnJob
+
+    learner = Learner(resume_after_s=0.2)
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
+    job = learner.jobs[Path("/repo")] = LearnJob(Path("/repo"), child)
+    try:
+        learner.hold()
+        await asyncio.sleep(0.1)
+        assert job.held and process_state(child.pid) == "T"
+        learner.release()
+        learner.hold()  # another call within resume_after_s: still stopped
+        learner.release()
+        await asyncio.sleep(0.1)
+        assert process_state(child.pid) == "T"
+        await asyncio.sleep(0.4)
+        assert not job.held and process_state(child.pid) == "S"
+        learner.hold()
+        learner.interrupt(Path("/repo"))  # stopped when interrupted: continued, so that the SIGINT ends it
+        assert await asyncio.wait_for(child.wait(), 10) != 0 and job.interrupted and not job.held
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+
+
+def test_retargeting_the_default_backend_drops_the_old_base_s_workspace_models() -> None:
+    from canvas_ls.server.workspaces import RoutedBackend
+
+    class Stub:
+        def __init__(self) -> None:
+            self.stopped = False
+
+        def shutdown(self) -> None:
+            self.stopped = True
+
+    old = Stub()
+    routed = RoutedBackend(Stub(), lambda model, adapter: Stub(), "base-a", True)  # type: ignore[arg-type]
+    routed.workspace_backends[("tuned-from-a", None)] = old  # type: ignore[assignment]
+    routed.retarget("base-b", False)
+    assert (routed.base, routed.enabled, routed.workspace_backends, old.stopped) == ("base-b", False, {}, True)
