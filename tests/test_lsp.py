@@ -361,11 +361,11 @@ async def test_a_prefetch_answers_the_request_that_follows(client: LanguageClien
     request_first = asyncio.ensure_future(fill(client, "b.py", COMMENT_POS))  # a prefetch right behind the request
     await asyncio.sleep(0)  # for the same place neither cancels the request nor starts a second model call
     await prefetch(client, "b.py", COMMENT_POS)
-    assert (await request_first)["source"] in ("model", "rejected")  # a model call either way
+    assert (await request_first)["result"] is not None  # answered by its own model call (not cancelled or joined)
     await prefetch(client, "b.py", types.Position(1, 0), version=7)  # changes still on their way: nothing starts
     await prefetch(client, "b.py", types.Position(5, 4), version=None)  # elsewhere: the request supersedes it
     elsewhere = await fill(client, "b.py", types.Position(4, 11))
-    assert elsewhere["source"] in ("model", "rejected")
+    assert elsewhere["result"] is not None
     stats = await request(client, "canvas/stats", {})
     assert stats["prefetch"] == {"started": 2, "used": 1} and stats["modelCalls"] == 4  # none for the race
     with pytest.raises(Exception, match="canvas/prefetch wants"):
@@ -473,7 +473,7 @@ async def test_newer_request_supersedes_the_older(slow_client: LanguageClient, w
     make_fast(slow_client, writing_model_dir)
     newer = await fill(slow_client, "a.py", types.Position(4, 11))
     assert (await asyncio.wait_for(older, 60))["source"] == "cancelled"
-    assert newer["source"] in ("model", "rejected")
+    assert newer["result"] is not None  # the newer request reached the model
 
 
 # -- bad input: the server answers empty (or with a clear error) and stays up --------------------------------------
@@ -498,7 +498,7 @@ async def test_position_past_the_end(client: LanguageClient, position: types.Pos
     if position.line == 99:
         assert (await fill(client, "a.py", position))["source"] == "skip:position past the end"
     else:  # past the end of the line: the end of the line, as the spec says
-        assert (await fill(client, "a.py", position))["source"] in ("model", "rejected")
+        assert (await fill(client, "a.py", position))["result"] is not None  # asked at the line's end
     assert await inline(client, "a.py", types.Position(99, 0)) == []
     await still_up(client)
 
@@ -543,7 +543,7 @@ async def test_a_5_mb_file(client: LanguageClient) -> None:
     open_doc(client, "big.py", text)
     line = text.split("\n")[last_comment]
     response = await fill(client, "big.py", types.Position(last_comment, len(line)))
-    assert response["source"] in ("model", "rejected")
+    assert response["result"] is not None
     assert response["result"]["prefix_tokens"] <= 1024 + 1  # the window, not 5 MB, reached the model
     await still_up(client)
 
