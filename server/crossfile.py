@@ -21,8 +21,8 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from urllib.parse import unquote, urlparse
 
+from ..engine.paths import file_path
 from .context import CHARS_PER_TOKEN
 from .documents import Document
 from .languages import GRAMMARS
@@ -233,10 +233,12 @@ def _anchor(document: Document, offset: int) -> tuple[int, int]:
 def display_path(uri: str, current: str) -> str:
     """How a snippet's file is named in its header: relative to the current document's folder when under it."""
     path, here = _path(uri), os.path.dirname(_path(current))
+    if not path:  # a document with an empty URI or path (found by tests/test_wire.py's fuzzer: relpath raised)
+        return uri or "(untitled)"
     relative = os.path.relpath(path, here) if here else path
     return relative if not relative.startswith("..") else os.path.basename(path)
 
 
 def _path(uri: str) -> str:
-    parsed = urlparse(uri)
-    return unquote(parsed.path) if parsed.scheme == "file" else uri
+    path = file_path(uri)
+    return uri if path is None else path

@@ -1,37 +1,33 @@
-"""The language server: short handlers that hand off to `completion.Completer`.
-
-Only this module knows about LSP messages. Nothing here writes to stdout: in stdio mode stdout is the protocol
-stream, so logs go to stderr (or a file) and, for what the user should see, to `window/logMessage`.
+"""The language server's handlers: short functions that hand off to `completion.Completer`, `fill.fill_regions` and
+the `Learner`; the server object they run on is `session.CanvasServer`, and every message reaches them through
+`wire.Dispatcher`. Only these three modules know about LSP messages. Nothing here writes to stdout: in stdio mode
+stdout is the protocol stream, so logs go to stderr (or a file) and, for what the user should see, to
+`window/logMessage`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from lsprotocol import types
-from pygls.exceptions import JsonRpcException, JsonRpcInternalError, JsonRpcInvalidParams
-from pygls.io_ import StdoutWriter
-from pygls.lsp.server import LanguageServer
+from pygls.exceptions import JsonRpcInvalidParams
 
 from ..engine.confidence import HIDDEN
 from ..engine.regions import Region
 from ..engine.workspaces import WORKSPACE_MINUTES, repository_root
-from .backend import Backend, CancelFlag, LocalBackend, OpenAIBackend, ResidentBackend
-from .completion import PREFETCH_READY, Completer, Outcome
-from .config import ServerConfig, layered, parse_config
-from .documents import Document, DocumentStore
+from .backend import CancelFlag
+from .completion import PREFETCH_READY, Outcome
+from .config import layered
+from .documents import Document
 from .fill import FillOutcome, Lead, fill_regions
 from .holes import find_holes
 from .positions import PositionError
-from .wire import Dispatcher, Frames, unstructure
-from .workspaces import Learner, LearnJob, RoutedBackend, uri_path
+from .session import CanvasServer
+from .wire import unstructure
+from .workspaces import LearnJob, uri_path
 
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"
@@ -41,154 +37,6 @@ FILL_REGIONS_METHOD = "canvas/fillRegions"
 FILL_HOLES_COMMAND = "canvas-ls.fillHoles"
 REWRITE_COMMAND = "canvas-ls.rewriteSelection"
 LEARN_COMMAND = "canvas-ls.learnWorkspace"
-VERSION = "0.1.0"
-
-
-def make_backend(config: ServerConfig, learner: Learner | None = None,
-                 notify: Callable[[str], None] | None = None) -> RoutedBackend:  # fmt: skip
-    """The configured backend, behind the router that sends a workspace's documents to its own model (and holds
-    `learner`'s runs while a model answers; `notify` tells the user when a workspace model is in use)."""
-    options = config.engine
-    if options.backend == "openai":
-        key = options.api_key or os.environ.get("CANVAS_LS_API_KEY")
-        remote = OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
-                               options.fim_template)  # fmt: skip
-        return RoutedBackend(remote, lambda model, adapter: remote, options.model, False, notify, learner)
-
-    def make(model: str | None, adapter: str | None, socket: str | None = None) -> Backend:
-        if options.backend == "resident":
-            return ResidentBackend(socket, options.idle_exit_s, model, options.device, adapter, options.compile,
-                                   options.quantize)  # fmt: skip
-        return LocalBackend(adapter, options.compile, options.quantize)
-
-    default = make(options.model, options.adapter, options.socket)
-    # a workspace model applies to the configured model as it is, not to one with an adapter of the user's own
-    enabled = options.workspace_models and not options.adapter
-    return RoutedBackend(default, make, options.model, enabled, notify, learner)
-
-
-class CanvasServer(LanguageServer):
-    def __init__(self) -> None:
-        super().__init__("canvas-ls", VERSION)
-        self.documents = DocumentStore()
-        self.config = ServerConfig()
-        self.learner = Learner()
-        self.backend = make_backend(self.config, self.learner, self.log_to_client)
-        self.completer = Completer(self.backend, self.config, self.documents)
-        self.pending_messages: list[str] = []
-        self.initialization_options: Any = None  # what the editor started the server with; settings go over it
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.shown_errors: set[str] = set()  # errors already shown to the user (each is shown once)
-        self.dispatcher = Dispatcher(self.protocol)
-        self.initialized = False  # `initialize` handled: later options that cannot be read keep the current ones
-
-    def start_io(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None:
-        """Serve on stdio: frames read by `wire.Frames`, each message through `wire.Dispatcher` (not pygls's loop,
-        which stops on a message it cannot type and answers nothing for a request it cannot read)."""
-        self._stop_event = threading.Event()
-        self.protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))
-        try:
-            asyncio.run(self.serve_frames(stdin or sys.stdin.buffer, self._stop_event))
-        except BrokenPipeError:
-            log.error("the client went away; shutting down")
-        except (KeyboardInterrupt, SystemExit):
-            pass
-        finally:
-            self.shutdown()
-
-    async def serve_frames(self, stdin: BinaryIO, stop: threading.Event) -> None:
-        """Read stdin in chunks (off the loop) until it closes; every frame to the dispatcher."""
-        loop = asyncio.get_running_loop()
-        read = getattr(stdin, "read1", stdin.read)
-        frames = Frames()
-        while not stop.is_set():
-            chunk = await loop.run_in_executor(self.thread_pool, read, 1 << 16)
-            if not chunk:
-                return  # the client closed stdin
-            for item in frames.feed(chunk):
-                self.dispatcher.receive(item)
-
-    def report_server_error(self, error: Exception, source: Any) -> None:
-        """An exception in a handler (pygls has answered a request with -32603 already): its traceback to the log,
-        and the user told once per kind of error. A client's mistake (invalid params, a cancelled request) is only in
-        its answer."""
-        if isinstance(error, JsonRpcException) and not isinstance(error, JsonRpcInternalError):
-            return  # the client's mistake (invalid params, a cancelled request): its answer says so
-        log.error("%s, %s: %s", getattr(source, "__name__", source), type(error).__name__, error, exc_info=error)
-        key = f"{type(error).__name__}: {error}"
-        if key not in self.shown_errors and len(self.shown_errors) < 100:
-            self.shown_errors.add(key)
-            message = f"canvas-ls: internal error ({key}); the server goes on, details in its log"
-            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
-
-    def log_to_client(self, message: str, kind: types.MessageType = types.MessageType.Info) -> None:
-        log.info(message)
-        self.window_log_message(types.LogMessageParams(type=kind, message=f"canvas-ls: {message}"))
-
-    def show_error_once(self, error: str) -> None:
-        """A failed model call: logged always, shown to the user the first time this error is seen."""
-        self.log_to_client(f"completion failed: {error}", types.MessageType.Error)
-        if error not in self.shown_errors and len(self.shown_errors) < 100:
-            self.shown_errors.add(error)
-            message = f"canvas-ls: completion failed: {error}"
-            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
-
-    def apply_config(self, options: Any) -> None:
-        config, error = parse_config(options, self.config if self.initialized else None)
-        if error is not None:
-            self.pending_messages.append(error)
-        reload = config.engine != self.config.engine or self.backend.state == "idle"
-        # A local backend reloads in place (model or device); any other change gets a new backend object.
-        changed = config.engine != self.config.engine
-        in_place = {config.engine.backend, self.config.engine.backend} == {"local"}
-        if changed and not (in_place and config.engine.adapter == self.config.engine.adapter):
-            self.backend.shutdown()
-            self.backend = make_backend(config, self.learner, self.log_to_client)
-            self.completer.backend = self.backend
-        elif changed:  # the same local backend, another model: its workspace models are another base's
-            self.backend.retarget(config.engine.model, config.engine.workspace_models)
-        self.config = config
-        self.completer.config = config
-        if reload and self.loop is not None:
-            self.loop.create_task(self.load_model())
-
-    async def begin_progress(self, token: str, title: str, message: str, cancellable: bool = False,
-                             percentage: int | None = None) -> bool:  # fmt: skip
-        """Server-initiated work-done progress, when the client supports it; False when it does not (or refused)."""
-        if not (self.client_capabilities.window and self.client_capabilities.window.work_done_progress):
-            return False
-        try:
-            await self.work_done_progress.create_async(token)
-            begin = types.WorkDoneProgressBegin(title=title, message=message, cancellable=cancellable,
-                                                percentage=percentage)  # fmt: skip
-            self.work_done_progress.begin(token, begin)
-            return True
-        except Exception as exc:  # a client that refuses progress still gets its completions
-            log.warning("no work-done progress: %s", exc)
-            return False
-
-    async def load_model(self) -> None:
-        """Load (or reload) the model in the worker, shown as work-done progress when the client supports it."""
-        token = f"canvas-ls/load/{id(self)}/{self.backend.state}"
-        progress = await self.begin_progress(token, "canvas-ls", "loading the model")
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        options, backend = self.config.engine, self.backend
-        self.log_to_client(f"loading model {options.model or '(default)'} on {options.device}")
-        backend.load(options.model, options.device, lambda _: loop.call_soon_threadsafe(done.set_result, None))
-        await done
-        if backend is not self.backend or backend.state == "loading":  # a newer configuration's load reports
-            message = f"model {options.model or '(default)'} replaced by a newer configuration"
-            self.log_to_client(message)
-        elif backend.state == "ready":
-            message = f"model {backend.model_name} ready in {backend.load_seconds:.1f} s"
-            self.log_to_client(message)
-        else:
-            message = f"model failed to load: {backend.error}"
-            self.log_to_client(message, types.MessageType.Error)
-            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
-        if progress:
-            self.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
 
 
 server = CanvasServer()

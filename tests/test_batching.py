@@ -163,7 +163,7 @@ def test_a_request_joins_a_running_batch_between_steps(tiny_engine: Engine) -> N
 def test_a_real_request_preempts_a_full_batch_of_background_work(tiny_engine: Engine) -> None:
     """The resident engine's scheduler with room for one row, taken by background work: a real request that
     arrives is still seen, the background row is stopped before the next step, and the real one runs."""
-    from canvas_ls.engine.service import Batcher
+    from canvas_ls.engine.batcher import Batcher
 
     preempted: list[int] = []
     batcher = Batcher(tiny_engine, max_batch=1, on_preempt=lambda: preempted.append(1))

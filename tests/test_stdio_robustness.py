@@ -311,3 +311,17 @@ def test_a_request_within_the_debounce_supersedes_the_one_before(server: RawClie
         if message.get("id") in (1, 2):
             answers[message["id"]] = message["result"]["source"]
     assert answers == {1: "superseded", 2: "error:http://127.0.0.1:9 is unreachable: All connection attempts failed"}
+
+
+def test_a_document_opened_with_an_empty_uri_does_not_break_the_others(server: RawClient) -> None:
+    """Found by tests/test_wire.py's long fuzz: an open document with an empty URI made every completion in another
+    document of its language fail (-32603: naming its snippets' file raised)."""
+    for uri, text in (("", "def helper():\n    return 1\n"), ("file:///g.py", "def f(x):\n    return x\n")):
+        server.send({"method": "textDocument/didOpen", "params": {"textDocument": {
+            "uri": uri, "languageId": "python", "version": 1, "text": text}}})  # fmt: skip
+    server.send({"id": 3, "method": "canvas/fill", "params": {"textDocument": {"uri": "file:///g.py"},
+                                                              "position": {"line": 1, "character": 12}}})  # fmt: skip
+    answer = server.read()
+    while answer is not None and answer.get("id") != 3:
+        answer = server.read()
+    assert answer["result"]["source"] == "error:http://127.0.0.1:9 is unreachable: All connection attempts failed"
