@@ -28,7 +28,8 @@ from ..server.cli import (
 
 
 def add_parser(commands: Any) -> None:
-    """`canvas-ls bench` and its subcommands, on the CLI's subparsers."""
+    """`canvas-ls bench` and its subcommands, on the CLI's subparsers. (Long by nature: one block of declarations per
+    benchmark, read as the command's reference; docs/pages/cli.md is written from it.)"""
     bench = commands.add_parser("bench", help="benchmarks (figures, not pass/fail)")
     benches = bench.add_subparsers(dest="bench", required=True)
     infill = benches.add_parser(

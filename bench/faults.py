@@ -269,6 +269,14 @@ async def _drive(frames: int, clients: int, model: str | None, device: str, seed
         health = engine_health(socket)
         if health is not None:
             os.kill(health["pid"], 15)
+    report = _tally(fleet, warm, final, exits)
+    return {"machine": machine(), "model": model or "(default)", "clients": clients, "seconds": seconds,
+            "typing_requests": sum(typed.values()), **report}  # fmt: skip
+
+
+def _tally(fleet: list[FaultClient], warm: dict[int, float], final: dict[int, float | None],
+           exits: list[int]) -> dict[str, Any]:  # fmt: skip
+    """What the clients saw, added up, and the checks on it."""
     sent = sum(len(c.sent_ids) for c in fleet)
     unanswered = sum(1 for c in fleet for k in c.sent_ids if c.answers[k] == 0)
     doubled = sum(1 for c in fleet for k, n in c.answers.items() if n > c.sent_ids.get(k, 0) and c.sent_ids.get(k))
@@ -286,13 +294,8 @@ async def _drive(frames: int, clients: int, model: str | None, device: str, seed
         "RSS growth <= 50 MB a server": bool(growth) and max(growth) <= 50,
     }
     return {
-        "machine": machine(),
-        "model": model or "(default)",
-        "clients": clients,
         "frames": sum(c.frames_sent for c in fleet),
         "faults": sum(c.faults for c in fleet),
-        "typing_requests": sum(typed.values()),
-        "seconds": seconds,
         "request_ids": sent,
         "unanswered": unanswered,
         "answered_twice": doubled,

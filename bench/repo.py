@@ -93,6 +93,8 @@ def run(
     progress: Callable[[str], None] = print,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    # One run's sequence (~80 lines): the repository split, the base measured, then each recipe trained and measured
+    # at each snapshot, the report checkpointed after each.
     from ..engine.loading import DEFAULT_MODEL_DIR
 
     base = base or str(DEFAULT_MODEL_DIR)

@@ -189,6 +189,7 @@ def _metrics(engine: httpx.Client) -> dict[str, float]:
 
 
 async def _drive(requests: int, model: str | None, device: str, seed: int, runtime: Path) -> dict[str, Any]:
+    # One soak's sequence (~85 lines): start, send, sample memory along the way, drain, read the counters, check.
     messages: list[str] = []
     stderr: list[bytes] = []
     command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING"]

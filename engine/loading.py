@@ -84,7 +84,8 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     """Load `name` (a folder or a hub id; None: the shipped default model) onto `device` (None: best available),
     in `dtype` (None: the fastest exact-enough one for that device, see `resolve_dtype`), its layers' weights
     quantised as `quantize` says (None: "auto", see `engine.quantize`), with a LoRA `adapter` folder applied (merged
-    into the weights unless `merge_adapter` is False; never merged into quantised weights)."""
+    into the weights unless `merge_adapter` is False; never merged into quantised weights). (~95 lines: the steps of
+    one load in the order transformers needs them: resolve, configure quantisation, load, adapt, patch, report.)"""
     from transformers import AutoConfig, AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
     from . import quantize as quantization
