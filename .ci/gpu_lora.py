@@ -17,9 +17,10 @@ from transformers import AutoTokenizer
 from canvas_ls.engine.adapters import add_lora, trainable_parameters
 from canvas_ls.engine.architecture import full_width_config, random_model
 from canvas_ls.engine.corpus import CorpusFile
+from canvas_ls.engine.examples import ExampleSampler, collate
 from canvas_ls.engine.plan import training_plan
 from canvas_ls.engine.quantize import int4_capable, quantize_model
-from canvas_ls.engine.training import ExampleSampler, TrainConfig, collate, train_step
+from canvas_ls.engine.training import TrainConfig, train_step
 
 
 def main(out: Path, layers: int = 30) -> None:

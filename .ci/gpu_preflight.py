@@ -15,7 +15,8 @@ import torch
 from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
 from canvas_ls.engine import corpus
-from canvas_ls.engine.training import BatchStream, TrainConfig, TrainingError, train_step
+from canvas_ls.engine.examples import BatchStream
+from canvas_ls.engine.training import TrainConfig, TrainingError, train_step
 
 VARIANTS = [  # (attention, experts, bf16, cuDNN attention): `train` turns cuDNN's off (its masked backward is NaN)
     ("sdpa", None, True, False),

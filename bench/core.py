@@ -474,8 +474,9 @@ def run_train_bench(preset: str = "cpu", steps: int = 5, runs: int = 3) -> dict[
     from transformers import AutoTokenizer
 
     from ..engine import DEFAULT_MODEL_DIR, corpus
+    from ..engine.examples import ExampleSampler, collate
     from ..engine.loading import quiet_libraries, resolve_device
-    from ..engine.training import PRESETS, ExampleSampler, TrainConfig, collate, preset_model, train_step
+    from ..engine.training import PRESETS, TrainConfig, preset_model, train_step
 
     quiet_libraries()
     cfg = TrainConfig(**PRESETS[preset]["train"])

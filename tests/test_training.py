@@ -15,9 +15,10 @@ from transformers import DiffusionGemmaForBlockDiffusion
 
 from canvas_ls.engine.architecture import small_config
 from canvas_ls.engine.corpus import CorpusFile, decontamination_report, is_permissive
+from canvas_ls.engine.examples import BatchStream, ExampleSampler, collate
 from canvas_ls.engine.loss import CHUNK_ROWS, softcapped_cross_entropy
 from canvas_ls.engine.tokenizer import TokenHealing, train_tokenizer
-from canvas_ls.engine.training import BatchStream, ExampleSampler, TrainConfig, collate, evaluate, train
+from canvas_ls.engine.training import TrainConfig, evaluate, train
 from tests.conftest import tokenizer_texts
 
 
