@@ -248,8 +248,7 @@ def run_sampler(device: str | None = None, canvases: tuple[int, ...] = (64, 256)
     """Median milliseconds per step, torch vs fused (fused only where the kernel runs: CUDA with triton)."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    from ..engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
-    from ..engine.sampling import fused_available
+    from ..engine.sampling import EntropyStableAndConfident, SeededEntropyBoundSampler, fused_available
 
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     fused_ok = fused_available(target) and target.type == "cuda"

@@ -25,8 +25,9 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..engine.architecture import full_width_config, random_model
-from ..engine.canvas import BatchedKV, encode
+from ..engine.canvas import BatchedKV
 from ..engine.compiled import compile_model
+from ..engine.encoding import encode
 from ..engine.sampling import step_stats_rows
 from .core import synchronize, timed
 

@@ -24,34 +24,37 @@ gaps together, one entropy budget); each gap's answer ends at its own first EOS.
 grown and the canvas re-run from the drafts so far (it cannot be encoded: clamped text follows it), up to its token
 budget, or reported truncated. A rewrite gap starts from the span's current tokens with a share `strength` renoised.
 
-The sampler, the temperature schedule and the stopping rule are transformers' own DiffusionGemma classes; the
-only subclass adds a torch.Generator so that one request's noise is reproducible and independent of any other.
+The sampler, the temperature schedule and the stopping rule are transformers' DiffusionGemma classes (seeded per
+request in `sampling.py`); the prefixes are encoded by `encoding.py`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Protocol
 
 import torch
-from torch.distributions import Categorical
 from transformers import DynamicCache
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-    EntropyBoundSampler,
     EntropyBoundSamplerConfig,
     LinearTemperatureScheduleLogitsProcessor,
-    StableAndConfidentStoppingCriteria,
 )
 
 from .compiled import CompiledDecoder
+from .encoding import EncodedPrefix, encode, encode_prefixes, left_pad
 from .prefix_cache import PrefixCache
-from .sampling import StepStats, step_stats_rows
+from .sampling import (
+    EntropyStableAndConfident,
+    LeftToRightSampler,
+    SeededEntropyBoundSampler,
+    StepStats,
+    make_generator,
+    step_stats_rows,
+)
 from .settings import InfillSettings
 from .token_cache import ORDERS, Caches, Found, lookups, mix_cache
 
@@ -85,8 +88,7 @@ class DenoiseParams:
     # tokens allowed in the first canvas's first gap slot ([V] bool: those starting with it, and the stop ids).
     healed: str = ""
     first_slot_allowed: torch.Tensor | None = None
-    # The token n-gram cache of the document and its workspace, mixed into the gap logits at
-    # settings.workspace_cache (`token_cache`)
+    # The n-gram cache of the document and its workspace, mixed into the gap logits (`token_cache`)
     token_cache: Caches | None = None
 
     @property
@@ -151,232 +153,6 @@ class CanvasOutput:
     denoise_seconds: float = 0.0
     prefix_reused: int = 0  # prefix tokens whose encoder KV came from the prefix cache
     gaps: list[GapOutput] = field(default_factory=list)  # per gap, in canvas order (one: the fields above)
-
-
-class SeededEntropyBoundSampler(EntropyBoundSampler):
-    """transformers' EntropyBoundSampler, drawing its noise from a per-request generator."""
-
-    def __init__(
-        self,
-        config: EntropyBoundSamplerConfig,
-        canvas_length: int,
-        vocab_size: int,
-        max_denoising_steps: int,
-        generator: torch.Generator,
-    ):
-        super().__init__(config, canvas_length, vocab_size, max_denoising_steps)
-        self.generator = generator
-
-    def initialize_canvas(self, batch_size: int, device: torch.device) -> torch.LongTensor:
-        return torch.randint(
-            0, self.vocab_size, (batch_size, self.canvas_length), device=device, generator=self.generator
-        )
-
-    def accept_canvas(self, current_canvas, denoiser_canvas, logits, cur_step):  # type: ignore[override]
-        return self.accept_entropy(current_canvas, denoiser_canvas, Categorical(logits=logits).entropy())
-
-    def accept_entropy(self, current: torch.Tensor, proposal: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-        """The parent's entropy-bound rule on per-token entropies [B, G] computed once per step (fused on GPU):
-        accept the k lowest-entropy tokens with sum(entropy) - max(entropy) <= bound."""
-        ordered, order = torch.sort(entropy, dim=-1)
-        chosen = torch.cumsum(ordered, dim=-1) - ordered <= self.entropy_bound
-        self.accepted_token_mask = torch.scatter(torch.zeros_like(chosen), -1, order, chosen)
-        return torch.where(self.accepted_token_mask, proposal, current)
-
-
-class EntropyStableAndConfident(StableAndConfidentStoppingCriteria):
-    """transformers' stopping rule, reading per-token entropies computed once per step instead of the logits.
-
-    With `stop_ids`, the rule looks only at the answer: the slots up to and including the first stop token of the
-    argmax canvas (what `_close_canvas` keeps). The EOS fill after it can still flicker without holding the answer
-    back, as an autoregressive decoder stops at its EOS without settling what would come after."""
-
-    def __call__(self, argmax_canvas, logits=None, token_entropy=None, stop_ids=None, gap_starts=None, **kwargs):  # type: ignore[override]
-        """`gap_starts` ([G] long, several gaps): each slot's gap's first slot; the answer scope is then per gap."""
-        if token_entropy is None:
-            return super().__call__(argmax_canvas, logits)
-        scope = torch.ones_like(argmax_canvas, dtype=torch.bool)
-        if stop_ids is not None:
-            is_stop = torch.isin(argmax_canvas, stop_ids)
-            before = is_stop.cumsum(dim=-1) - is_stop.long()  # stop tokens before this slot
-            if gap_starts is not None:
-                before = before - before[:, gap_starts]  # ...within its own gap
-            scope = before == 0
-            argmax_canvas = argmax_canvas.masked_fill(~scope, -2)  # past the answer: a constant, always stable
-        # The parent's stability bookkeeping, fed a one-class stand-in (entropy 0, so "confident" always holds)...
-        stand_in = torch.zeros((*argmax_canvas.shape, 1), device=argmax_canvas.device)
-        stable = super().__call__(argmax_canvas, stand_in)
-        # ...and the confidence test on the real entropies, over the scope.
-        mean_entropy = (token_entropy * scope).sum(dim=-1) / scope.sum(dim=-1)
-        return stable & (mean_entropy < self.confidence_threshold)
-
-
-class LeftToRightSampler(SeededEntropyBoundSampler):
-    """One token per step, left to right, greedy: the baseline every parallel decode is measured against."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.committed = 0  # slots [0, committed) hold their final tokens
-
-    def accept_entropy(self, current: torch.Tensor, proposal: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-        """Commit the next slot's proposal (the loop passes the argmax: greedy)."""
-        mask = torch.zeros_like(current, dtype=torch.bool)
-        mask[:, : self.committed + 1] = True
-        self.accepted_token_mask = mask
-        chosen = current.clone()
-        chosen[:, self.committed] = proposal[:, self.committed]
-        self.committed += 1
-        return chosen
-
-    def finished(self, canvas: torch.Tensor, stop: torch.Tensor) -> bool:
-        """Done once the committed run ends with a stop token or fills the gap."""
-        return self.committed >= self.canvas_length or bool(torch.isin(canvas[0, self.committed - 1], stop))
-
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
-
-
-@torch.inference_mode()
-def encode(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int) -> None:
-    """Run the causal encoder over `ids` ([1, n]) at positions start..start+n-1, appending to `cache`."""
-    positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
-    model.model.encoder(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-
-
-@dataclass
-class EncodedPrefix:
-    cache: DynamicCache  # the encoder KV of the whole prefix
-    reused: int  # tokens that came from a prefix-cache snapshot
-    seconds: float  # the encode's wall time (shared by the prefixes encoded together)
-
-
-def encode_prefixes(model: Any, id_lists: list[Sequence[int]], prefix_cache: PrefixCache | None) -> list[EncodedPrefix]:
-    """Encode several prefixes together (each reusing a snapshot when the cache holds one)."""
-    started = time.perf_counter()
-
-    def new_cache() -> DynamicCache:
-        return DynamicCache(config=model.config.get_text_config(decoder=True))
-
-    def cropped(cache: DynamicCache, remove: int) -> DynamicCache:
-        copied = copy.deepcopy(cache)
-        copied.crop(-remove)
-        return copied
-
-    if prefix_cache is not None:
-        window = getattr(model.config.get_text_config(), "sliding_window", None) or 1 << 30
-        held = prefix_cache.encode_many(id_lists, new_cache, partial(encode_rows, model), cropped, window - 1)
-    else:
-        held = [(new_cache(), 0) for _ in id_lists]
-        encode_rows(model, [cache for cache, _ in held], list(id_lists), [0] * len(id_lists))
-    seconds = time.perf_counter() - started
-    return [EncodedPrefix(cache, reused, seconds) for cache, reused in held]
-
-
-@torch.inference_mode()
-def encode_rows(model: Any, caches: list[DynamicCache], id_lists: list[Sequence[int]], starts: list[int]) -> None:
-    """Append id_lists[r] to caches[r] at positions starts[r]..., rows of similar lengths in one encoder forward: the
-    resident engine encodes the prefixes of requests that arrive together at once (one forward's fixed cost, not
-    one each).
-
-    Rows differ in cached and new lengths, so each row's cache is left-padded and so are its new tokens; the
-    masks are built from positions (causal, and the sliding window for sliding layers), exactly what each row's
-    own forward would see. Padding queries attend only to themselves (no all-masked rows, no NaN). After the
-    forward each row's new keys and values are appended to its own cache, which crops its sliding layers itself.
-    """
-    rows = sorted(((c, list(ids), s) for c, ids, s in zip(caches, id_lists, starts, strict=True) if len(ids)),
-                  key=lambda row: len(row[1]))  # fmt: skip
-    # Rows of similar lengths go together: padding 20 new tokens up to 2,000 would cost more than it saves.
-    group: list[tuple[DynamicCache, list[int], int]] = []
-    for row in rows:
-        if group and len(row[1]) > PAD_RATIO * len(group[0][1]) + PAD_SLACK:
-            _encode_group(model, group)
-            group = []
-        group.append(row)
-    if group:
-        _encode_group(model, group)
-
-
-# A batched encode takes rows whose new lengths are within PAD_RATIO x + PAD_SLACK of the shortest one.
-PAD_RATIO, PAD_SLACK = 2, 32
-
-
-def _encode_group(model: Any, rows: list[tuple[DynamicCache, list[int], int]]) -> None:
-    device = model.device
-    if len(rows) == 1:
-        cache, ids, start = rows[0]
-        encode(model, torch.tensor([ids], dtype=torch.long, device=device), cache, start)
-        return
-    config = model.config.get_text_config()
-    width = max(len(ids) for _, ids, _ in rows)
-    new_pad = torch.tensor([width - len(ids) for _, ids, _ in rows], device=device)  # [B]
-    input_ids = torch.tensor([[0] * (width - len(ids)) + ids for _, ids, _ in rows], device=device)  # [B, N]
-    ends = torch.tensor([start + len(ids) for _, ids, start in rows], device=device)
-    positions = (ends[:, None] - width + torch.arange(width, device=device)[None, :]).clamp_(min=0)  # [B, N]
-    query_ok = torch.arange(width, device=device)[None, :] >= new_pad[:, None]  # [B, N] real tokens
-    appending = _AppendingRows([c for c, _, _ in rows], config.layer_types, device)
-    masks = {}
-    for kind, cached in appending.cached.items():  # cached: [B] entries each row's cache holds for this kind
-        past = int(cached.max())
-        past_positions = torch.tensor([s for _, _, s in rows], device=device)[:, None] - past + torch.arange(
-            past, device=device)[None, :]  # fmt: skip
-        past_ok = torch.arange(past, device=device)[None, :] >= (past - cached)[:, None]  # left padding off
-        key_positions = torch.cat([past_positions, positions], dim=1)  # [B, P + N]
-        key_ok = torch.cat([past_ok, query_ok], dim=1)
-        allowed = key_ok[:, None, :] & (key_positions[:, None, :] <= positions[:, :, None])  # [B, N, P + N]
-        if kind == "sliding_attention":
-            allowed &= key_positions[:, None, :] > positions[:, :, None] - config.sliding_window
-        own = torch.zeros_like(allowed)
-        own[:, :, past:] = torch.eye(width, dtype=torch.bool, device=device)
-        masks[kind] = torch.where(query_ok[:, :, None], allowed, own)[:, None]  # [B, 1, N, P + N]
-    model.model.encoder(input_ids=input_ids, position_ids=positions, cache=appending,
-                        attention_mask=masks)  # fmt: skip
-    appending.commit(new_pad.tolist())
-
-
-class _AppendingRows:
-    """The cache an encoder forward over several rows reads and writes: each layer returns the rows' own cached
-    keys (left-padded to one length) followed by the new ones; `commit` appends the new ones to each row's cache.
-    """
-
-    is_compileable = False
-
-    def __init__(self, caches: list[DynamicCache], layer_types: list[str], device: torch.device):
-        self.caches, self.layer_types = caches, layer_types
-        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.cached: dict[str, torch.Tensor] = {}  # layer type -> [B] entries held per row (on the model's device)
-        for index, kind in enumerate(layer_types):
-            held = [self._held(cache, index) for cache in caches]
-            self.cached.setdefault(kind, torch.tensor(held, device=device))
-
-    @staticmethod
-    def _held(cache: DynamicCache, index: int) -> int:
-        layer = cache.layers[index] if index < len(cache.layers) else None
-        keys = getattr(layer, "keys", None) if layer is not None and layer.is_initialized else None
-        return 0 if keys is None or keys.numel() == 0 else keys.shape[2]
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        self.new[layer_idx] = (keys, values)
-        width = int(self.cached[self.layer_types[layer_idx]].max())
-        if width == 0:
-            return keys, values
-        empty = keys.new_zeros((1, keys.shape[1], 0, keys.shape[3]))
-        held = self.cached[self.layer_types[layer_idx]].tolist()
-        past_keys = [c.layers[layer_idx].keys if n else empty for c, n in zip(self.caches, held, strict=True)]
-        past_values = [c.layers[layer_idx].values if n else empty for c, n in zip(self.caches, held, strict=True)]
-        return (torch.cat([_left_pad(past_keys, width), keys], dim=2),
-                torch.cat([_left_pad(past_values, width), values], dim=2))  # fmt: skip
-
-    def commit(self, pads: list[int]) -> None:
-        for layer_idx, (keys, values) in sorted(self.new.items()):
-            for row, (cache, pad) in enumerate(zip(self.caches, pads, strict=True)):
-                cache.update(keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:], layer_idx)
 
 
 _SERIALS = itertools.count()
@@ -713,7 +489,7 @@ class BatchedKV:
             keys = [c.layers[index].keys for c in caches]  # each [1, H, L_b, D]
             values = [c.layers[index].values for c in caches]
             width = max(k.shape[2] for k in keys)
-            self.layers.append(_PaddedLayer(_left_pad(keys, width), _left_pad(values, width)))
+            self.layers.append(_PaddedLayer(left_pad(keys, width), left_pad(values, width)))
             self.lengths.setdefault(kind, torch.tensor([k.shape[2] for k in keys], device=keys[0].device))
 
     def masks(self, canvas_lengths: list[int], width: int) -> dict[str, torch.Tensor]:
@@ -735,10 +511,6 @@ class BatchedKV:
 class _PaddedLayer:
     keys: torch.Tensor
     values: torch.Tensor
-
-
-def _left_pad(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
-    return torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors], dim=0)
 
 
 class DenoisingBatch:

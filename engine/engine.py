@@ -28,11 +28,11 @@ from .canvas import (
     InfillCancelled,
     Segment,
     StepView,
-    encode_prefixes,
 )
 from .compile_child import CompilerProcess
 from .compiled import CompiledDecoder, keep_inductor_cache
 from .confidence import answer_support, model_display, sequence_score
+from .encoding import encode_prefixes
 from .loading import LoadedModel, load_model
 from .paths import PREFIX_CACHE_MB
 from .prefix_cache import PrefixCache

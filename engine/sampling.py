@@ -18,8 +18,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.distributions import Categorical
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+    EntropyBoundSampler,
+    EntropyBoundSamplerConfig,
+    StableAndConfidentStoppingCriteria,
+)
 
 try:  # triton is a Linux x86_64 dependency; elsewhere the torch path serves
     import triton
@@ -166,3 +173,95 @@ def step_stats_rows(logits: torch.Tensor, temperatures: Sequence[float], generat
         uniform[row, :n] = torch.rand((n, 1), generator=generator, device=logits.device)
     stats = _torch_stats(logits * inverse, uniform)  # fp32 by type promotion, in one op
     return [stats.map(lambda t, row=row, n=n: t[row : row + 1, :n]) for row, n in enumerate(lengths)]
+
+
+# -- the samplers a canvas's steps use: transformers' entropy-bound sampler, seeded, and a left-to-right baseline --
+
+
+class SeededEntropyBoundSampler(EntropyBoundSampler):
+    """transformers' EntropyBoundSampler, drawing its noise from a per-request generator."""
+
+    def __init__(
+        self,
+        config: EntropyBoundSamplerConfig,
+        canvas_length: int,
+        vocab_size: int,
+        max_denoising_steps: int,
+        generator: torch.Generator,
+    ):
+        super().__init__(config, canvas_length, vocab_size, max_denoising_steps)
+        self.generator = generator
+
+    def initialize_canvas(self, batch_size: int, device: torch.device) -> torch.LongTensor:
+        return torch.randint(
+            0, self.vocab_size, (batch_size, self.canvas_length), device=device, generator=self.generator
+        )
+
+    def accept_canvas(self, current_canvas, denoiser_canvas, logits, cur_step):  # type: ignore[override]
+        return self.accept_entropy(current_canvas, denoiser_canvas, Categorical(logits=logits).entropy())
+
+    def accept_entropy(self, current: torch.Tensor, proposal: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """The parent's entropy-bound rule on per-token entropies [B, G] computed once per step (fused on GPU):
+        accept the k lowest-entropy tokens with sum(entropy) - max(entropy) <= bound."""
+        ordered, order = torch.sort(entropy, dim=-1)
+        chosen = torch.cumsum(ordered, dim=-1) - ordered <= self.entropy_bound
+        self.accepted_token_mask = torch.scatter(torch.zeros_like(chosen), -1, order, chosen)
+        return torch.where(self.accepted_token_mask, proposal, current)
+
+
+class EntropyStableAndConfident(StableAndConfidentStoppingCriteria):
+    """transformers' stopping rule, reading per-token entropies computed once per step instead of the logits.
+
+    With `stop_ids`, the rule looks only at the answer: the slots up to and including the first stop token of the
+    argmax canvas (what `_close_canvas` keeps). The EOS fill after it can still flicker without holding the answer
+    back, as an autoregressive decoder stops at its EOS without settling what would come after."""
+
+    def __call__(self, argmax_canvas, logits=None, token_entropy=None, stop_ids=None, gap_starts=None, **kwargs):  # type: ignore[override]
+        """`gap_starts` ([G] long, several gaps): each slot's gap's first slot; the answer scope is then per gap."""
+        if token_entropy is None:
+            return super().__call__(argmax_canvas, logits)
+        scope = torch.ones_like(argmax_canvas, dtype=torch.bool)
+        if stop_ids is not None:
+            is_stop = torch.isin(argmax_canvas, stop_ids)
+            before = is_stop.cumsum(dim=-1) - is_stop.long()  # stop tokens before this slot
+            if gap_starts is not None:
+                before = before - before[:, gap_starts]  # ...within its own gap
+            scope = before == 0
+            argmax_canvas = argmax_canvas.masked_fill(~scope, -2)  # past the answer: a constant, always stable
+        # The parent's stability bookkeeping, fed a one-class stand-in (entropy 0, so "confident" always holds)...
+        stand_in = torch.zeros((*argmax_canvas.shape, 1), device=argmax_canvas.device)
+        stable = super().__call__(argmax_canvas, stand_in)
+        # ...and the confidence test on the real entropies, over the scope.
+        mean_entropy = (token_entropy * scope).sum(dim=-1) / scope.sum(dim=-1)
+        return stable & (mean_entropy < self.confidence_threshold)
+
+
+class LeftToRightSampler(SeededEntropyBoundSampler):
+    """One token per step, left to right, greedy: the baseline every parallel decode is measured against."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.committed = 0  # slots [0, committed) hold their final tokens
+
+    def accept_entropy(self, current: torch.Tensor, proposal: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """Commit the next slot's proposal (the loop passes the argmax: greedy)."""
+        mask = torch.zeros_like(current, dtype=torch.bool)
+        mask[:, : self.committed + 1] = True
+        self.accepted_token_mask = mask
+        chosen = current.clone()
+        chosen[:, self.committed] = proposal[:, self.committed]
+        self.committed += 1
+        return chosen
+
+    def finished(self, canvas: torch.Tensor, stop: torch.Tensor) -> bool:
+        """Done once the committed run ends with a stop token or fills the gap."""
+        return self.committed >= self.canvas_length or bool(torch.isin(canvas[0, self.committed - 1], stop))
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

@@ -12,7 +12,8 @@ import torch
 from transformers import DynamicCache
 
 from canvas_ls.engine import Engine, InfillCancelled
-from canvas_ls.engine.canvas import StepView, encode, encode_rows
+from canvas_ls.engine.canvas import StepView
+from canvas_ls.engine.encoding import encode, encode_rows
 from canvas_ls.engine.engine import InfillRequest
 from tests.test_canvas import EOS, confident
 

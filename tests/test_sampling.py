@@ -13,8 +13,12 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
-from canvas_ls.engine.canvas import EntropyStableAndConfident, SeededEntropyBoundSampler
-from canvas_ls.engine.sampling import step_stats_fused, step_stats_torch
+from canvas_ls.engine.sampling import (
+    EntropyStableAndConfident,
+    SeededEntropyBoundSampler,
+    step_stats_fused,
+    step_stats_torch,
+)
 
 
 def generator(seed: int = 0) -> torch.Generator:
