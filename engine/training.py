@@ -195,7 +195,9 @@ def train(
     snapshot: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """Train `model` in place for cfg.minutes; checkpoints and a JSON-lines log go to `out_dir`. Resumable.
-    `snapshot(folder)` exports the model at each of `cfg.snapshot_minutes` (outside the budget's clock)."""
+    `snapshot(folder)` exports the model at each of `cfg.snapshot_minutes` (outside the budget's clock). (~165 lines:
+    one loop's set-up, steps, evaluations, checkpoints and stop in the order they happen, sharing the run's state; a
+    candidate to split into a run-state object.)"""
     from .loading import resolve_device
 
     if cfg.threads:
@@ -421,7 +423,8 @@ def run(
     `repository`, train on that folder's own source (`corpus.collect_repository`): a `held_out` share of its whole
     files is evaluated before and after, and general-corpus files make up `replay` of the training bytes. A LoRA run
     exports out_dir/adapter, and out_dir/model with the adapter merged unless `export_merged` is False (a big base:
-    the adapter is megabytes, the merged copy the whole model)."""
+    the adapter is megabytes, the merged copy the whole model). (~170 lines: a `canvas-ls train` command's stages in
+    order: corpus, tokenizer, model, adapter, loop, export; a candidate to split by stage.)"""
     from transformers import AutoTokenizer
 
     from . import corpus, plan
