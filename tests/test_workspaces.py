@@ -260,13 +260,13 @@ def test_a_base_too_big_to_tune_fully_learns_an_adapter(tiny_model_dir: Path, mo
     """`train --workspace` on a model whose full training cannot fit the device (DiffusionGemma on one GPU) takes the
     LoRA recipe; the shipped model, megabytes, always trains fully."""
     from canvas_ls.engine import plan
-    from canvas_ls.server import cli
+    from canvas_ls.server import cli, train_cli
 
     args = cli._parser().parse_args(["train", "--workspace", ".", "--from", str(tiny_model_dir)])
-    assert cli._fits_fully(args)
+    assert train_cli._fits_fully(args)
     monkeypatch.setattr(plan, "available_bytes", lambda device: (1 << 20, "a 1 MiB device"))
-    assert not cli._fits_fully(args)
-    assert cli._fits_fully(cli._parser().parse_args(["train", "--workspace", "."]))
+    assert not train_cli._fits_fully(args)
+    assert train_cli._fits_fully(cli._parser().parse_args(["train", "--workspace", "."]))
 
 
 def test_every_recipe_is_a_training_configuration() -> None:
@@ -285,10 +285,10 @@ def test_every_recipe_is_a_training_configuration() -> None:
 def test_the_training_plan_is_the_recipes() -> None:
     """`train --plan --recipe NAME` counts the run that recipe makes: a moving average's copy of the weights, a LoRA
     recipe's adapter."""
-    from canvas_ls.server import cli
+    from canvas_ls.server import cli, train_cli
 
     def plan_of(*argv: str) -> Any:
-        return cli._plan_config(cli._parser().parse_args(["train", "--plan", *argv]))
+        return train_cli._plan_config(cli._parser().parse_args(["train", "--plan", *argv]))
 
     assert plan_of("--recipe", "editor-ema").ema == workspaces.RECIPES["editor-ema"]["ema"] > 0
     assert plan_of("--recipe", "lora").lora_rank == workspaces.RECIPES["lora"]["lora_rank"]
