@@ -113,3 +113,10 @@ def test_the_code_map_names_every_module_and_only_modules_that_exist() -> None:
         modules = {p.stem for p in (REPO / package).glob("*.py")} - {"__init__"}
         assert modules - named == set(), f"{package}/: modules the code map does not name"
         assert named - modules == set(), f"{package}/: the code map names modules that do not exist"
+
+
+def test_the_readme_s_links_lead_somewhere() -> None:
+    """The README is read on the repository's page, where mkdocs checks nothing: its relative links must exist."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    links = [link for link in re.findall(r"\]\(([^)#]+)", text) if "://" not in link]
+    assert links and [link for link in links if not (REPO / link).exists()] == []
