@@ -10,6 +10,7 @@ import torch
 from canvas_ls.engine import Engine, FillError, Hole, InfillCancelled
 from canvas_ls.engine.canvas import CanvasJob, DenoisingBatch, GapSpec, StepView
 from canvas_ls.engine.engine import InfillRequest
+from canvas_ls.engine.prefix_cache import PrefixCache
 from tests.test_canvas import EOS, PREFIX, SUFFIX, confident, prefix_len
 
 MIDDLE = "    return total / len(values)\n\n\ndef spread(values):\n"
@@ -158,11 +159,13 @@ def test_a_confident_model_keeps_a_lightly_renoised_span(tiny_engine: Engine) ->
     assert result.gaps[0]["text"] == "return total * 2"
 
 
-def test_a_fill_reuses_the_prefix_kv_of_the_last_one(tiny_engine: Engine) -> None:
+def test_a_fill_reuses_the_prefix_kv_of_the_last_one(tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an empty prefix cache of the engine's own size (the session's engine may hold this prefix from other tests)
+    monkeypatch.setattr(tiny_engine, "prefix_cache", PrefixCache(tiny_engine.prefix_cache.max_bytes))
     long_prefix = PREFIX * 12  # past the prefix cache's 64-token grid
     first = tiny_engine.fill(long_prefix, [Hole(), MIDDLE, Hole()], SUFFIX, PLAIN)
     again = tiny_engine.fill(long_prefix + "    x = 1\n", [Hole(), MIDDLE, Hole()], SUFFIX, PLAIN)
-    assert first.prefix_reused_tokens == 0 or first.prefix_reused_tokens < again.prefix_reused_tokens
+    assert first.prefix_reused_tokens == 0
     assert again.prefix_reused_tokens >= 64
 
 
