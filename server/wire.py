@@ -200,8 +200,12 @@ class Dispatcher:
         elif not self.initialized and method != types.EXIT:
             self._refuse(request, method, SERVER_NOT_INITIALIZED, f"Server not initialized: {method} before initialize")
             return
-        handled = self.protocol.fm.features.keys() | self.protocol.fm.builtin_features.keys() | {types.CANCEL_REQUEST}
-        if method not in handled:
+        features = self.protocol.fm
+        if (
+            method not in features.features
+            and method not in features.builtin_features
+            and method != types.CANCEL_REQUEST
+        ):
             if request is not None:
                 self.reply_error(request, types.ErrorCodes.MethodNotFound, f"Method not found: {method[:200]}")
             else:  # an unknown notification is ignored (for `$/` ones, the spec says so)
