@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 SCORES: tuple[str, ...] = ("min", "mean", "geometric", "useful", "anchored")
 # "useful": an answer writing this many characters (its blanks aside) is worth a whole line; "anchored": a copied
@@ -148,23 +148,32 @@ def confident_head(token_texts: Sequence[str], confidence: Sequence[float], kind
     return "".join(token_texts[:kept]).removeprefix(healed)
 
 
-def judge(answer: dict[str, Any], shown: str, threshold: float, around: tuple[str, str]) -> tuple[float, str]:
-    """An engine answer (`InfillResult` fields: token_texts, confidence, score_kind, healed) as the editor would
-    show `shown` of it between the document's text `around` it (before, after): the score of the tokens that write
-    `shown`, and their confident head at `threshold`."""
+class Written(Protocol):
+    """An answer's tokens as the display decision reads them (`InfillResult`, the server's `Answer`)."""
+
+    token_texts: Sequence[str]
+    confidence: Sequence[float]
+    healed: str  # the prefix text the first token re-writes (token healing)
+    score_kind: str | None
+
+
+def judge(answer: Written, shown: str, threshold: float, around: tuple[str, str]) -> tuple[float, str]:
+    """An answer as the editor would show `shown` of it between the document's text `around` it (before, after):
+    the score of the tokens that write `shown`, and their confident head at `threshold`. The one place the server
+    decides what to show; `bench calibrate` scores its answers the same way."""
     texts, confidence, written = judged_tokens(answer, shown)
-    kind = answer["score_kind"]
+    kind = answer.score_kind or "geometric"
     support = answer_support(kind, shown, around)
-    head = confident_head(texts, confidence, kind, threshold, answer.get("healed", ""), support)
+    head = confident_head(texts, confidence, kind, threshold, answer.healed, support)
     return sequence_score(confidence, kind, written, support), head
 
 
-def judged_tokens(answer: dict[str, Any], shown: str) -> tuple[list[str], list[float], str]:
-    """The tokens of an engine answer that write `shown` (its texts and confidences) and the text they write, the
-    healed prefix text aside: what a score of `shown` is computed from."""
-    count = shown_tokens(answer["token_texts"], answer.get("healed", ""), shown)
-    texts, confidence = list(answer["token_texts"][:count]), list(answer["confidence"][:count])
-    return texts, confidence, "".join(texts).removeprefix(answer.get("healed", ""))
+def judged_tokens(answer: Written, shown: str) -> tuple[list[str], list[float], str]:
+    """The tokens of an answer that write `shown` (its texts and confidences) and the text they write, the healed
+    prefix text aside: what a score of `shown` is computed from."""
+    count = shown_tokens(answer.token_texts, answer.healed, shown)
+    texts, confidence = list(answer.token_texts[:count]), list(answer.confidence[:count])
+    return texts, confidence, "".join(texts).removeprefix(answer.healed)
 
 
 MODES: tuple[str, ...] = ("single_line", "multi_line")  # the server's requests: a line begun, a blank line

@@ -3,7 +3,8 @@
 `LocalBackend` loads the engine in this process on one worker thread and runs every infill there, so the event
 loop that answers the editor never waits on the model. `ResidentBackend` talks to `canvas-ls engine`, one shared
 process per user, over its unix socket, and starts or restarts it as needed. `OpenAIBackend` asks any
-OpenAI-compatible completions server. All three follow `Backend`.
+OpenAI-compatible completions server. All three follow `Backend`, and every request ends in one typed `Reply`:
+`Answer`, `Cancelled` or `Failed` (nothing is raised into the server, no dict whose shape depends on the backend).
 
 Only this module loads the engine (torch, transformers), and only inside the worker; the rest of the server imports
 only engine modules that need no torch (`paths`, `regions`, `confidence`, `workspaces`): the server starts answering
@@ -19,8 +20,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,19 +63,74 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-class BackendNotReady(Exception):
-    """The model is still loading, or failed to load; the message says which."""
+@dataclass(frozen=True)
+class Gap:
+    """One gap of a fill, as the engine wrote it."""
+
+    text: str
+    ended: bool  # the model closed it (EOS); False: it filled its token budget without closing it
 
 
-class BackendError(Exception):
-    """The model's server answered with an error; the message says what it said."""
+@dataclass(frozen=True)
+class Answer:
+    """What the model wrote for a request. The server decides what to show from the tokens (`engine.confidence.judge`
+    scores the part it shows, against the whole document, as `bench calibrate` measured): the engine's own `score`
+    of the whole answer is for its HTTP and command-line callers, and stays in `details`. A server that gives no
+    per-token confidences (OpenAI-compatible ones) leaves `score_kind` None: its answers are shown as they are."""
+
+    text: str
+    token_texts: tuple[str, ...] = ()
+    confidence: tuple[float, ...] = ()
+    healed: str = ""  # the prefix text the first token re-writes (token healing); not in `text`
+    score_kind: str | None = None
+    min_confidence: float = 0.0  # the threshold calibrated for this model and kind of request (0: show everything)
+    gaps: tuple[Gap, ...] = ()  # per gap of a fill, in document order
+    steps: int = 0
+    engine_ms: float | None = None  # the engine's own encode + denoise time; None where the server does not say
+    details: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the backend's whole answer
+
+    @classmethod
+    def from_engine(cls, result: Mapping[str, Any]) -> Answer:
+        """An answer of canvas-ls's engine (`InfillResult`, in this process or from `/v1/infill` and `/v1/fill`)."""
+        return cls(
+            text=result["text"],
+            token_texts=tuple(result["token_texts"]),
+            confidence=tuple(result["confidence"]),
+            healed=result["healed"],
+            score_kind=result["score_kind"],
+            min_confidence=result["min_confidence"],
+            gaps=tuple(Gap(gap["text"], gap["stop_reason"] == "eos") for gap in result["gaps"]),
+            steps=result["steps"],
+            engine_ms=result["encode_ms"] + result["denoise_ms"],
+            details=result,
+        )
+
+    def cached(self) -> Answer:
+        """What a completion cache keeps of it (the tokens the display decision reads, not the engine's report)."""
+        return Answer(self.text, self.token_texts, self.confidence, self.healed, self.score_kind, self.min_confidence)
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The request's cancel flag won (a newer keystroke, the editor gave up, the engine dropped background work)."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """No answer, and why, in words for the user. `loading`: the model is loading (or failed to load), which is not
+    an error of this request."""
+
+    reason: str
+    loading: bool = False
+
+
+Reply = Answer | Cancelled | Failed
 
 
 class Backend(Protocol):
-    """What the server asks of where the model runs. `infill` and `fill` return the engine's result as a dict, or
-    None when `cancel` won; they raise BackendNotReady (loading, or failed to load) and BackendError (the engine
-    refused the request, failed, or went away: with the reason), never None for an error. `background`: work
-    computed ahead, which the engine may drop for real requests."""
+    """What the server asks of where the model runs. `infill` and `fill` end in one `Reply` and raise nothing: an
+    engine that refused the request, failed or went away is a `Failed` with the reason. `background`: work computed
+    ahead, which the engine may drop for real requests."""
 
     state: str  # "idle", "loading", "ready" or "failed"
     error: str | None
@@ -86,19 +143,18 @@ class Backend(Protocol):
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> dict | None: ...  # fmt: skip
+                     adapter: str | None = None) -> Reply: ...  # fmt: skip
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> dict | None: ...  # fmt: skip
+                   document: str | None = None, adapter: str | None = None) -> Reply: ...  # fmt: skip
 
     def shutdown(self) -> None: ...
 
 
-def _check_ready(state: str, error: str | None) -> None:
-    if state != "ready":
-        raise BackendNotReady(
-            f"the model failed to load: {error}" if state == "failed" else "the model is still loading"
-        )
+def _not_ready(state: str, error: str | None) -> Failed | None:
+    if state == "ready":
+        return None
+    return Failed(f"the model failed to load: {error}" if state == "failed" else "the model is still loading", True)
 
 
 class LocalBackend:
@@ -145,9 +201,8 @@ class LocalBackend:
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> dict | None:  # fmt: skip
-        """The engine's result as a dict, or None when cancelled. Raises BackendNotReady while loading/failed.
-        `background`: work computed ahead (the server cancels it when a real request comes; one worker here)."""
+                     adapter: str | None = None) -> Reply:  # fmt: skip
+        """`background`: work computed ahead (the server cancels it when a real request comes; one worker here)."""
         from ..engine.paths import document_repository
 
         workspace = document_repository(document)  # its token cache (`engine.token_cache`), once built
@@ -155,9 +210,8 @@ class LocalBackend:
                                                                      adapter=adapter, workspace=workspace))  # fmt: skip
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> dict | None:  # fmt: skip
-        """Several holes in one canvas (`/v1/fill` segments): the engine's result, None when cancelled. Raises
-        BackendError for a fill the engine cannot lay out."""
+                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+        """Several holes in one canvas (`/v1/fill` segments); Failed for a fill the engine cannot lay out."""
         from ..engine.paths import document_repository
         from ..engine.regions import parts_from_json, split_parts
 
@@ -168,28 +222,30 @@ class LocalBackend:
 
         return await self._call(cancel, compute)
 
-    async def _call(self, cancel: CancelFlag, compute: Callable[[Any], Any]) -> dict | None:
-        """`compute(engine)` on the worker thread: its result as a dict, None when cancelled."""
-        _check_ready(self.state, self.error)
+    async def _call(self, cancel: CancelFlag, compute: Callable[[Any], Any]) -> Reply:
+        """`compute(engine)` on the worker thread, as a Reply."""
+        not_ready = _not_ready(self.state, self.error)
+        if not_ready is not None:
+            return not_ready
         from ..engine import FillError, InfillCancelled, ModelLoadError
 
         engine = self._engine
 
-        def work() -> dict | None:
+        def work() -> Reply:
             if cancel.is_set():
-                return None
+                return Cancelled()
             try:
-                return compute(engine).to_dict()
+                return Answer.from_engine(compute(engine).to_dict())
             except (FillError, ModelLoadError) as exc:  # a fill it cannot lay out, an adapter it cannot load
-                raise BackendError(str(exc)) from exc
+                return Failed(str(exc))
             except InfillCancelled as stopped:
                 self.cancelled_after_steps = [*self.cancelled_after_steps[-99:], stopped.steps]
-                return None
+                return Cancelled()
             except Exception as exc:  # the engine broke (a bug, a device error): reload it, say so
                 log.exception("the engine failed; reloading it")
                 self.restarts += 1
                 self.load(*self._loaded_with)  # queued behind this call on the worker; requests wait meanwhile
-                raise BackendError(f"the engine failed ({type(exc).__name__}: {exc}); it is reloading") from exc
+                return Failed(f"the engine failed ({type(exc).__name__}: {exc}); it is reloading")
 
         future = asyncio.get_running_loop().run_in_executor(self._executor, work)
         try:
@@ -310,22 +366,24 @@ class ResidentBackend:
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> dict | None:  # fmt: skip
+                     adapter: str | None = None) -> Reply:  # fmt: skip
         """`background`: the engine runs it only when no real request waits, and drops it when one comes."""
         body = {"prefix": prefix, "suffix": suffix, **({"priority": "background"} if background else {})}
         return await self._post("/v1/infill", body, overrides, document, adapter, cancel, "completion")
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> dict | None:  # fmt: skip
-        """Several holes in one canvas through `/v1/fill`; None when cancelled. Raises BackendError with the
-        engine's reason when it refuses the fill or fails."""
+                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+        """Several holes in one canvas through `/v1/fill`; Failed with the engine's reason when it refuses the fill
+        or fails."""
         return await self._post("/v1/fill", {"segments": segments}, overrides, document, adapter, cancel, "fill")
 
     async def _post(self, path: str, body: dict[str, Any], overrides: dict[str, Any], document: str | None,
-                    adapter: str | None, cancel: CancelFlag, what: str) -> dict | None:  # fmt: skip
-        """The engine's answer; None only when `cancel` won (or the engine says the request was cancelled). An
-        engine that went away is restarted and the request fails with BackendError, as does one that refused it."""
-        _check_ready(self.state, self.error)
+                    adapter: str | None, cancel: CancelFlag, what: str) -> Reply:  # fmt: skip
+        """Cancelled when `cancel` won (or the engine says the request was cancelled). An engine that went away is
+        restarted and the request Failed, as is one that the engine refused."""
+        not_ready = _not_ready(self.state, self.error)
+        if not_ready is not None:
+            return not_ready
         body = {**body, "document": document, "settings": {k: v for k, v in overrides.items() if v is not None}}
         if adapter is not None:
             body["adapter"] = adapter
@@ -335,12 +393,12 @@ class ResidentBackend:
             log.warning("resident engine unreachable (%s); restarting it", exc)
             self.restarts += 1
             self.load(self._model, self._device)
-            raise BackendError(f"the engine went away during the {what} ({exc}); it is restarting") from exc
+            return Failed(f"the engine went away during the {what} ({exc}); it is restarting")
         if response is None or response.status_code == CANCELLED_STATUS:
-            return None
+            return Cancelled()
         if response.status_code != 200:
-            raise BackendError(_error_text(response))
-        return response.json()
+            return Failed(_error_text(response))
+        return Answer.from_engine(response.json())
 
     def shutdown(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
@@ -409,24 +467,28 @@ class OpenAIBackend:
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
                      document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> dict | None:  # fmt: skip
+                     adapter: str | None = None) -> Reply:  # fmt: skip
         body = completion_request(prefix, suffix, overrides, self.model, self.suffix_mode, self.template)
         try:
             response = await post_cancellable(self._client, "/v1/completions", body, cancel)
         except httpx.HTTPError as exc:
-            raise BackendError(f"{self.url} is unreachable: {exc}") from exc
+            return Failed(f"{self.url} is unreachable: {exc}")
         if response is None:
-            return None
+            return Cancelled()
         if response.status_code != 200:
-            raise BackendError(f"{self.url} answered {response.status_code}: {response.text[:200]}")
-        data = response.json()
-        choice = (data.get("choices") or [{}])[0]
-        return {"text": choice.get("text") or "", "finish_reason": choice.get("finish_reason"),
-                "usage": data.get("usage"), "model": data.get("model")}  # fmt: skip
+            return Failed(f"{self.url} answered {response.status_code}: {response.text[:200]}")
+        try:
+            data = response.json()
+            text = data["choices"][0].get("text") or ""
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return Failed(f"{self.url} answered something that is no completion: {response.text[:200]}")
+        if not isinstance(text, str):
+            return Failed(f"{self.url} answered a completion whose text is not a string: {text!r:.200}")
+        return Answer(text, details=data)
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> dict | None:  # fmt: skip
-        raise BackendError("filling several holes needs canvas-ls's own engine (engine.backend local or resident)")
+                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+        return Failed("filling several holes needs canvas-ls's own engine (engine.backend local or resident)")
 
     def shutdown(self) -> None:
         pass

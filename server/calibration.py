@@ -80,8 +80,10 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
             result = engine.infill(context.prefix, context.suffix, request_overrides(context, options, False))
         edit = None if result is None else checked_edit(document, context, result.text, options.max_lines)
         text = "" if edit is None else edit.text[offset - edit.start :]  # from the cursor on
-        answer = {"token_texts": [], "confidence": [], "healed": ""} if result is None else vars(result)
-        token_texts, confidence, tokens_write = judged_tokens(answer, text)  # scored as the server's `judge` does
+        if result is None:
+            token_texts, confidence, tokens_write = [], [], ""
+        else:  # scored as the server's `judge` does
+            token_texts, confidence, tokens_write = judged_tokens(result, text)
         written = bool(text.strip())
         support = copy_support(text, document.text[: edit.start], document.text[edit.end :]) if edit else 1.0
         solution = task.solution.rstrip("\r\n")
@@ -105,7 +107,7 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
             "support": round(support, 4),
             "confidence": confidence,
             "token_texts": token_texts,
-            "healed": answer["healed"],
+            "healed": "" if result is None else result.healed,
         })  # fmt: skip
         if progress is not None:
             progress(number, len(tasks))

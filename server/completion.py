@@ -30,11 +30,12 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine.confidence import HIDDEN, judge
-from .backend import BackendError, BackendNotReady, CancelFlag
+from .backend import Answer, CancelFlag, Cancelled, Failed
 from .config import CompletionOptions, ServerConfig
 from .context import CompletionContext, Skip, build_context
 from .crossfile import Block, CrossFile
@@ -46,8 +47,6 @@ from .workspaces import RoutedBackend
 log = logging.getLogger(__name__)
 # A prefetch's outcomes after which the request for its place is answered at once (from the cache, or typed through).
 PREFETCH_READY = frozenset({"prefetched", "cache", "typing"})
-# What the cache keeps of an engine result: enough to decide again what to show.
-_ANSWER_KEYS = ("text", "token_texts", "confidence", "score_kind", "min_confidence", "healed")
 
 
 def request_overrides(context: CompletionContext, options: CompletionOptions, invoked: bool) -> dict[str, Any]:
@@ -73,7 +72,7 @@ class Outcome:
     source: str  # "model", "cache", "typing", or why there is nothing: "skip:...", "stale", "hidden", "error:..."
     request_id: int
     elapsed_ms: float
-    result: dict[str, Any] | None = None  # the engine's full result, when the model ran
+    result: Mapping[str, Any] | None = None  # the backend's whole answer, when the model ran
     detail: str | None = None  # what the user should know: why the answer was hidden or cut
 
 
@@ -136,7 +135,7 @@ class Completer:
         self.documents = documents  # the other files, for context from them
         self.cross_file = CrossFile()
         # context key -> the model's answer (text, and its tokens' texts and confidences), before shaping
-        self.cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.cache: OrderedDict[str, Answer] = OrderedDict()
         self.remembered: dict[str, _Remembered] = {}
         self.in_flight: dict[str, tuple[str, CancelFlag]] = {}  # uri -> key and cancel flag of its newest model call
         self.ids = itertools.count(1)
@@ -242,48 +241,47 @@ class Completer:
             self._drop_speculations(running_only=True)  # real requests first
             self.stats.model_calls += 1
             called = time.perf_counter()
-            result = await self.backend.infill(context.prefix, context.suffix, overrides, cancel, document.uri)
-        except BackendNotReady as exc:
-            return nothing(f"not ready:{exc}")
-        except BackendError as exc:
-            log.error("request %d: %s", request_id, exc)
-            self.stats.errors += 1
-            self.stats.last_error = str(exc)
-            return nothing(f"error:{exc}")
+            reply = await self.backend.infill(context.prefix, context.suffix, overrides, cancel, document.uri)
         finally:
             if self.in_flight.get(document.uri, ("", None))[1] is cancel:
                 del self.in_flight[document.uri]
-        if result is None:
-            return nothing("cancelled")
-        engine_ms = result["encode_ms"] + result["denoise_ms"] if "encode_ms" in result else None
-        self.stats.call_ms.append(((time.perf_counter() - called) * 1000, engine_ms))
+        match reply:
+            case Cancelled():
+                return nothing("cancelled")
+            case Failed(reason, loading=True):
+                return nothing(f"not ready:{reason}")
+            case Failed(reason):
+                log.error("request %d: %s", request_id, reason)
+                self.stats.errors += 1
+                self.stats.last_error = reason
+                return nothing(f"error:{reason}")
+        self.stats.call_ms.append(((time.perf_counter() - called) * 1000, reply.engine_ms))
 
         # 6. Never answer for a document that has moved on.
         if document.version != version:
             return nothing("stale")
-        answer = {k: result[k] for k in _ANSWER_KEYS if k in result}
-        self._store(key, answer)
+        self._store(key, reply.cached())
         if prefetch:
-            return Outcome(None, "prefetched", request_id, 0.0, result=result)
-        outcome = self._answer(document, context, offset, answer, invoked, "model", request_id)
-        outcome.result = result
+            return Outcome(None, "prefetched", request_id, 0.0, result=reply.details)
+        outcome = self._answer(document, context, offset, reply, invoked, "model", request_id)
+        outcome.result = reply.details
         self._speculate(document, outcome.edit)
         return outcome
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
-    def _answer(self, document: Document, context: CompletionContext, offset: int, answer: dict[str, Any],
+    def _answer(self, document: Document, context: CompletionContext, offset: int, answer: Answer,
                 invoked: bool, source: str, request_id: int) -> Outcome:  # fmt: skip
         """The model's answer as the edit to show (shaped and syntax-checked): whole when the user asked for it or
         the model stands behind it, else its confident head, else nothing."""
         options = self.config.completion
-        edit = checked_edit(document, context, answer["text"], options.max_lines)
-        threshold = options.min_confidence if options.min_confidence is not None else answer.get("min_confidence", 0)
+        edit = checked_edit(document, context, answer.text, options.max_lines)
+        threshold = options.min_confidence if options.min_confidence is not None else answer.min_confidence
         detail = None
-        if edit is not None and not invoked and threshold > 0 and "score_kind" in answer:
+        if edit is not None and not invoked and threshold > 0 and answer.score_kind is not None:
             score, head = judge(answer, edit.text, threshold, (document.text[: edit.start], document.text[edit.end :]))
             if score < threshold:
-                why = f"confidence {score:.2f} below {threshold:.2f} ({answer['score_kind']} score)"
+                why = f"confidence {score:.2f} below {threshold:.2f} ({answer.score_kind} score)"
                 if threshold >= HIDDEN:  # a calibration that stands behind nothing here (or the user's 1.0)
                     why += "; nothing is shown here while typing: invoke a completion to see the model's answer"
                 cut = checked_edit(document, context, head, options.max_lines) if options.show_head else None
@@ -372,14 +370,12 @@ class Completer:
         ahead = _Speculation(key, document.text, edit, accepted.text, task=asyncio.current_task())
         self.speculations[document.uri] = ahead
         self.stats.speculated += 1
-        try:
-            result = await self.backend.infill(context.prefix, context.suffix, overrides, ahead.cancel, document.uri,
-                                               background=True)  # fmt: skip
-        except (BackendNotReady, BackendError) as exc:  # real requests report the engine's errors
-            log.info("speculation for %s: %s", document.uri, exc)
-            return
-        if result is not None and not ahead.cancel.is_set():
-            self._store(ahead.key, {k: result[k] for k in _ANSWER_KEYS if k in result})
+        reply = await self.backend.infill(context.prefix, context.suffix, overrides, ahead.cancel, document.uri,
+                                          background=True)  # fmt: skip
+        if isinstance(reply, Failed):  # real requests report the engine's errors
+            log.info("speculation for %s: %s", document.uri, reply.reason)
+        elif isinstance(reply, Answer) and not ahead.cancel.is_set():
+            self._store(ahead.key, reply.cached())
             ahead.done = True
 
     def changed(self, document: Document) -> None:
@@ -399,7 +395,7 @@ class Completer:
             if not (running_only and ahead.done):
                 self._drop(uri)
 
-    def _store(self, key: str, answer: dict[str, Any]) -> None:
+    def _store(self, key: str, answer: Answer) -> None:
         self.cache[key] = answer
         self.cache.move_to_end(key)
         while len(self.cache) > self.config.cache_size:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.regions import FillError, Region, parts_to_json, regions_to_parts
-from .backend import Backend, BackendError, BackendNotReady, CancelFlag
+from .backend import Backend, CancelFlag, Cancelled, Failed, Gap
 from .config import FillOptions
 from .context import prefix_window
 from .crossfile import Block
@@ -52,7 +53,7 @@ class FillOutcome:
     answers: list[RegionAnswer]  # in the order the regions were given
     error: str | None = None  # the fill did not run: why (bad regions, engine refused or failed)
     cancelled: bool = False
-    result: dict[str, Any] | None = None  # the engine's whole result
+    result: Mapping[str, Any] | None = None  # the engine's whole result
     elapsed_ms: float = 0.0
     context: list[str] = field(default_factory=list)  # "path:line" of each snippet of another file the model saw
 
@@ -92,26 +93,25 @@ async def fill_regions(document: Document, regions: list[Region], backend: Backe
         parts[0] = lead.block.text + prefix_window(document, len(parts[0]), lead.prefix_tokens)
         overrides["max_prefix_tokens"] = lead.prefix_tokens + lead.tokens
         context = [f"{snippet.path}:{snippet.line + 1}" for snippet in lead.block.snippets]
-    try:
-        result = await backend.fill(parts_to_json(parts), overrides, cancel, document.uri)
-    except (BackendError, BackendNotReady) as exc:
-        return FillOutcome(version, [], error=str(exc))
+    reply = await backend.fill(parts_to_json(parts), overrides, cancel, document.uri)
     elapsed = (time.perf_counter() - started) * 1000
-    if result is None:
+    if isinstance(reply, Failed):
+        return FillOutcome(version, [], error=reply.reason)
+    if isinstance(reply, Cancelled):
         return FillOutcome(version, [], cancelled=True, elapsed_ms=elapsed)
     ordered = sorted(range(len(regions)), key=lambda i: (regions[i].start, regions[i].end))
     answers: list[RegionAnswer | None] = [None] * len(regions)
-    for index, gap in zip(ordered, result["gaps"], strict=True):
+    for index, gap in zip(ordered, reply.gaps, strict=True):
         answers[index] = _answer(document, regions[index], gap)
-    log.info("fill %s v%d: %d regions, %d steps, %.0f ms", document.uri, version, len(regions), result["steps"],
+    log.info("fill %s v%d: %d regions, %d steps, %.0f ms", document.uri, version, len(regions), reply.steps,
              elapsed)  # fmt: skip
-    return FillOutcome(version, [a for a in answers if a is not None], result=result, elapsed_ms=elapsed,
+    return FillOutcome(version, [a for a in answers if a is not None], result=reply.details, elapsed_ms=elapsed,
                        context=context)  # fmt: skip
 
 
-def _answer(document: Document, region: Region, gap: dict[str, Any]) -> RegionAnswer:
-    text = gap["text"]
-    if gap["stop_reason"] == "truncated":
+def _answer(document: Document, region: Region, gap: Gap) -> RegionAnswer:
+    text = gap.text
+    if not gap.ended:
         return RegionAnswer(region, None, "truncated", REASONS["truncated"])
     if not text.strip():
         return RegionAnswer(region, None, "empty", REASONS["empty"])

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..engine.paths import die_with_parent, file_path
 from ..engine.workspaces import WorkspaceIndex, WorkspaceModel
-from .backend import Backend, CancelFlag
+from .backend import Backend, CancelFlag, Reply
 
 log = logging.getLogger(__name__)
 
@@ -96,37 +96,53 @@ class RoutedBackend:
     # -- requests ----------------------------------------------------------------------------------------------
 
     def route(self, document: str | None) -> str:
-        """Which model answers this document now: "" for the configured one, else the workspace model's folder."""
-        return self.select(document)[0]
-
-    def select(self, document: str | None) -> tuple[str, Backend, str | None]:
-        """(route, backend, adapter) for this document. A workspace's LoRA adapter of the configured model goes to
-        the configured model's own engine, which holds it beside the others (one copy of the base, whatever the
-        number of workspaces); a workspace's tuned model gets a backend of its own, which answers once it has
-        loaded (created and started on the first request of its repository's files); else the configured one."""
-        if not self.enabled or document is None:
-            return "", self.default, None
-        if document not in self._paths:
-            if len(self._paths) > 4096:
-                self._paths.clear()
-            self._paths[document] = uri_path(document)
-        path = self._paths[document]
-        entry = self.index.for_path(path, self.base) if path is not None else None
+        """Which model answers this document now: "" for the configured one, else the workspace model's folder (and
+        adapter). A pure lookup that starts nothing: the completion cache's key reads it on every keystroke."""
+        entry = self._entry(document)
         if entry is None:
-            return "", self.default, None
+            return ""
+        model, adapter = entry.runs_as
+        own = self.workspace_backends.get(entry.runs_as)
+        ready = self._shared(entry) or (own is not None and own.state == "ready")
+        return f"{model}|{adapter}" if ready else ""
+
+    def select(self, document: str | None) -> tuple[Backend, str | None]:
+        """(backend, adapter) that answer this document's request now. A workspace's LoRA adapter of the configured
+        model goes to the configured model's own engine, which holds it beside the others (one copy of the base,
+        whatever the number of workspaces); a workspace's tuned model gets a backend of its own, which answers once
+        it has loaded (created and started here, on the first request of its repository's files); else the
+        configured one."""
+        entry = self._entry(document)
+        if entry is None:
+            return self.default, None
         key = entry.runs_as
-        if self.default.adapters and entry.shares_base:
+        if self._shared(entry):
             if entry.root not in self._announced:
                 self._announced.add(entry.root)
                 self.notify(f"documents under {entry.root} answer with the adapter tuned on it")
-            return f"{key[0]}|{key[1]}", self.default, key[1]
+            return self.default, key[1]
         backend = self.workspace_backends.get(key)
         if backend is None:
             backend = self.workspace_backends[key] = self.make(*key)
             self.notify(f"loading the model tuned on {entry.root}")
             loop = asyncio.get_running_loop()  # the load ends on a worker thread: report it on the server's loop
             backend.load(key[0], self._device, lambda done: loop.call_soon_threadsafe(self._loaded, entry, done))
-        return (f"{key[0]}|{key[1]}", backend, None) if backend.state == "ready" else ("", self.default, None)
+        return (backend, None) if backend.state == "ready" else (self.default, None)
+
+    def _entry(self, document: str | None) -> WorkspaceModel | None:
+        """The workspace model of this document's repository, if any (paths of URIs remembered, up to 4096)."""
+        if not self.enabled or document is None:
+            return None
+        if document not in self._paths:
+            if len(self._paths) > 4096:
+                self._paths.clear()
+            self._paths[document] = uri_path(document)
+        path = self._paths[document]
+        return self.index.for_path(path, self.base) if path is not None else None
+
+    def _shared(self, entry: WorkspaceModel) -> bool:
+        """Whether the workspace's model is an adapter the configured model's engine answers with."""
+        return self.default.adapters and entry.shares_base
 
     def _loaded(self, entry: WorkspaceModel, backend: Backend) -> None:
         if backend.state == "ready":
@@ -136,14 +152,14 @@ class RoutedBackend:
                         "answers there")  # fmt: skip
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False) -> dict | None:  # fmt: skip
-        _, backend, adapter = self.select(document)
+                     document: str | None = None, background: bool = False) -> Reply:  # fmt: skip
+        backend, adapter = self.select(document)
         with self._learning_held():
             return await backend.infill(prefix, suffix, overrides, cancel, document, background, adapter)
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None) -> dict | None:  # fmt: skip
-        _, backend, adapter = self.select(document)
+                   document: str | None = None) -> Reply:  # fmt: skip
+        backend, adapter = self.select(document)
         with self._learning_held():
             return await backend.fill(segments, overrides, cancel, document, adapter)
 

@@ -120,6 +120,20 @@ def fixed_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ending_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose every answer is one word, then the end: it ranks EOS first, "code" second and " None"
+    third in every slot, and its canvas_ls.json bars EOS from each gap's first slot (min_new_tokens 1). Every gap is
+    filled with "code", or "None" where the prefix ends with a space (token healing re-writes it: " None"), and
+    closed: fills and completions whose outcome the tests know."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("ending"),
+        tokenizer_texts(),
+        infill={"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 16, "min_new_tokens": 1},
+        writes=("<eos>", "code", " None"),
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir: Path) -> Engine:
     return Engine.load(str(tiny_model_dir), "cpu")
 

@@ -21,6 +21,7 @@ from canvas_ls.engine.confidence import (
     sequence_score,
     shown_tokens,
 )
+from canvas_ls.server.backend import Answer
 from canvas_ls.server.calibration import auroc, choose, curve, held_up, pick
 from tests.conftest import FIXTURES
 from tests.test_cli import cli
@@ -75,7 +76,7 @@ def test_a_copied_line_counts_as_far_as_its_surroundings_agree() -> None:
         sequence_score(confidence, "anchored", answer)
     assert confident_head(texts, confidence, "anchored", 0.5, support=1.0) == answer
     assert confident_head(texts, confidence, "anchored", 0.5, support=0.25) == ""
-    score, _ = judge({"token_texts": texts, "confidence": confidence, "score_kind": "anchored"}, answer, 0.5,
+    score, _ = judge(Answer(answer, tuple(texts), tuple(confidence), score_kind="anchored"), answer, 0.5,
                      ("def mean(path):\n    print(path)\n    ", after))  # fmt: skip
     assert score == pytest.approx(useful * 8 / LINE_CHARS)
 
@@ -96,7 +97,7 @@ def test_only_the_tokens_that_write_what_is_shown_are_judged() -> None:
     assert shown_tokens(texts, "  ", "if x:") == 3  # the first line (healed indentation first)
     assert shown_tokens(texts, "  ", "if x") == 2
     assert shown_tokens(texts, "  ", "something else") == 5  # not a start of the answer: all tokens
-    answer = {"token_texts": texts, "confidence": [0.9, 0.9, 0.9, 0.01, 0.01], "score_kind": "min", "healed": "  "}
+    answer = Answer("if x:", tuple(texts), (0.9, 0.9, 0.9, 0.01, 0.01), healed="  ", score_kind="min")
     score, head = judge(answer, "if x:", 0.5, ("def f(x):\n  ", "\n"))
     assert score == 0.9 and head == "if x:\n"  # the junk after the line break does not count
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from canvas_ls.server.backend import BackendError, BackendNotReady, CancelFlag, LocalBackend
+from canvas_ls.server.backend import Answer, CancelFlag, Failed, LocalBackend
 from tests.test_wire import captured
 
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n"
@@ -34,17 +34,16 @@ async def test_a_broken_local_engine_is_reloaded_and_the_next_request_answered(t
         raise RuntimeError("device lost")
 
     broken.infill = dies  # the engine breaks mid-request
-    with pytest.raises(BackendError, match=r"the engine failed \(RuntimeError: device lost\); it is reloading"):
-        await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
+    failed = await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
+    assert failed == Failed("the engine failed (RuntimeError: device lost); it is reloading")
     assert backend.restarts == 1
     for _ in range(600):  # requests meanwhile are told the model is loading, not failed
-        try:
-            result = await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
+        reply = await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
+        if not isinstance(reply, Failed):
             break
-        except BackendNotReady as exc:
-            assert "still loading" in str(exc)
-            await asyncio.sleep(0.05)
-    assert backend._engine is not broken and isinstance(result["text"], str) and result["steps"] >= 1
+        assert reply == Failed("the model is still loading", loading=True)
+        await asyncio.sleep(0.05)
+    assert backend._engine is not broken and isinstance(reply, Answer) and reply.steps >= 1
     backend.shutdown()
 
 
