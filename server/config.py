@@ -143,10 +143,45 @@ class FillOptions:
 
 
 @dataclass
+class NextEditOptions:
+    # `canvas/nextEdit`: after an edit, the edits that should follow it, at the cursor or elsewhere.
+    # Which predictors run: "repeat" (the last edit's substitution at analogous sites, no model) and "canvas" (the
+    # window around the cursor rewritten by the model, conditioned on the recent edits).
+    predictors: list[str] = field(default_factory=lambda: ["repeat", "canvas"])
+    # The canvas predictor's window: this many lines before and after the cursor's line.
+    window_lines: int = 20
+    # Share of the window's tokens renoised (low: the model keeps most of the text, rewriting what it doubts).
+    strength: float = 0.3
+    # Shown only at or above these confidences (per predictor). The canvas's is not calibrated yet: high.
+    min_confidence: dict[str, float] = field(default_factory=lambda: {"repeat": 0.5, "canvas": 0.9})
+    # Sites suggested at most, and the other open documents a rename is repeated in (nearest first).
+    max_sites: int = 8
+    max_documents: int = 8
+    # Recent edits shown to the model before the window, newest last.
+    history_edits: int = 4
+    # Denoising step cap; None keeps the model's own.
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _within(self, "next_edit", window_lines=(0, 500), strength=(0.01, 1), max_sites=(1, 100),
+                max_documents=(0, 100), history_edits=(0, 16), max_steps=(1, TOKENS))  # fmt: skip
+        if unknown := [name for name in self.predictors if name not in PREDICTORS]:
+            raise ValueError(f"next_edit.predictors: unknown {unknown}; known: {list(PREDICTORS)}")
+        for name, value in self.min_confidence.items():
+            if name not in PREDICTORS or not 0 <= value <= 1:
+                raise ValueError(f"next_edit.min_confidence: want {{predictor: 0..1}} for {list(PREDICTORS)}, "
+                                 f"got {name!r}: {value!r}")  # fmt: skip
+
+
+PREDICTORS = ("repeat", "canvas")
+
+
+@dataclass
 class ServerConfig:
     engine: EngineOptions = field(default_factory=EngineOptions)
     completion: CompletionOptions = field(default_factory=CompletionOptions)
     fill: FillOptions = field(default_factory=FillOptions)
+    next_edit: NextEditOptions = field(default_factory=NextEditOptions)
     # Per-language switch, by LSP languageId or canonical name ("python": false); a language not listed is on.
     languages: dict[str, bool] = field(default_factory=dict)
     # Completions remembered by context (LRU), answered without a model call.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from lsprotocol import types
 from tree_sitter import Parser, Tree
 
+from .history import Change, EditHistory
 from .languages import language_for, parser_for
 from .positions import LineIndex, PositionError, utf8
 
@@ -29,6 +30,7 @@ class Document:
     encoding: str = "utf-16"  # the negotiated LSP position encoding
     parser: Parser | None = None
     tree: Tree | None = None
+    history: EditHistory = field(default_factory=EditHistory, repr=False)  # its recent edits (next-edit suggestions)
     _index: LineIndex | None = field(default=None, repr=False)
 
     @classmethod
@@ -56,10 +58,12 @@ class Document:
             return False
         for change in changes:
             if isinstance(change, types.TextDocumentContentChangePartial):
-                self._apply_range(change.range, change.text)
+                made = self._apply_range(change.range, change.text)
             else:
+                made = Change.between(self.text, change.text)
                 self.text = change.text
                 self.reparse()
+            self.history.record(made, version)
         self.version = version
         return True
 
@@ -71,7 +75,7 @@ class Document:
         copy._replace(start, end, new_text)
         return copy
 
-    def _apply_range(self, span: types.Range, new_text: str) -> None:
+    def _apply_range(self, span: types.Range, new_text: str) -> Change:
         index = self.index
         try:
             start = index.offset(span.start.line, span.start.character)
@@ -79,7 +83,10 @@ class Document:
         except PositionError:  # a range past the end: clamp to the end of the text
             start = min(len(self.text), _safe_offset(index, span.start))
             end = min(len(self.text), _safe_offset(index, span.end))
-        self._replace(min(start, end), max(start, end), new_text)
+        start, end = min(start, end), max(start, end)
+        made = Change(start, self.text[start:end], new_text)
+        self._replace(start, end, new_text)
+        return made
 
     def _replace(self, start: int, end: int, new_text: str) -> None:
         index = self.index
@@ -135,6 +142,7 @@ class DocumentStore:
     def close(self, uri: str) -> None:
         document = self._documents.pop(uri, None)
         if document is not None:
+            document.history.clear()
             self.recent[uri] = document
             while len(self.recent) > RECENT_DOCUMENTS:
                 self.recent.popitem(last=False)

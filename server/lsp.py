@@ -34,6 +34,7 @@ FILL_METHOD = "canvas/fill"
 STATS_METHOD = "canvas/stats"
 PREFETCH_METHOD = "canvas/prefetch"
 FILL_REGIONS_METHOD = "canvas/fillRegions"
+NEXT_EDIT_METHOD = "canvas/nextEdit"
 FILL_HOLES_COMMAND = "canvas-ls.fillHoles"
 REWRITE_COMMAND = "canvas-ls.rewriteSelection"
 LEARN_COMMAND = "canvas-ls.learnWorkspace"
@@ -85,6 +86,7 @@ def did_change(ls: CanvasServer, params: types.DidChangeTextDocumentParams) -> N
 @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
 def did_close(ls: CanvasServer, params: types.DidCloseTextDocumentParams) -> None:
     ls.completer.forget(params.text_document.uri)
+    ls.next_edits.forget(params.text_document.uri)
     ls.documents.close(params.text_document.uri)
 
 
@@ -175,6 +177,48 @@ async def prefetch(ls: CanvasServer, params: Any) -> dict[str, bool] | None:
         return None
     outcome = await asyncio.shield(task)  # a cancelled wait leaves the completion running for the request
     return {"ready": outcome.source in PREFETCH_READY}
+
+
+@server.feature(NEXT_EDIT_METHOD)
+async def next_edit(ls: CanvasServer, params: Any) -> dict[str, Any]:
+    """`canvas/nextEdit` {textDocument: {uri, version?}, position}: after the user's recent edits in the document,
+    the edits that should follow (`server/nextedit.py`), each {textDocument: {uri}, range, newText, confidence,
+    predictor, away}, for the document version that was read (`version`); none, with `reason`, when there is nothing
+    to suggest, the request was superseded, or the document changed meanwhile (`version` given and not the
+    document's: answered at once, stale)."""
+    document_id = _get(params, "textDocument")
+    uri, version, at = _get(document_id, "uri"), _get(document_id, "version"), _position(_get(params, "position"))
+    if not isinstance(uri, str) or at is None or not (version is None or isinstance(version, int)):
+        raise JsonRpcInvalidParams(f"{NEXT_EDIT_METHOD} wants {{textDocument: {{uri, version?}}, position: {{line, "
+                                   "character}} (LSP positions: integers from 0 to 2**31 - 1)")  # fmt: skip
+    document = ls.documents.get(uri)
+    if document is None:
+        return {"version": None, "edits": [], "reason": f"{uri} is not open"}
+    if version is not None and version != document.version:
+        return {"version": document.version, "edits": [], "reason": "stale: the document is at another version"}
+    try:
+        offset = document.index.offset(*at)
+    except PositionError:
+        raise JsonRpcInvalidParams(f"{NEXT_EDIT_METHOD}: the position is past the end of the document") from None
+    options = ls.config.next_edit
+    others = [] if options.max_documents == 0 else ls.documents.others(document)
+    outcome = await ls.next_edits.suggest(document, offset, [d for d in others if ls.documents.get(d.uri)],
+                                          ls.backend, options, ls.config.completion.prefix_tokens)  # fmt: skip
+    if outcome.failed:
+        ls.show_error_once(outcome.reason or "the model failed")
+    edits = []
+    for suggestion in outcome.suggestions:
+        index = (ls.documents.get(suggestion.uri) or document).index
+        edits.append({
+            "textDocument": {"uri": suggestion.uri},
+            "range": unstructure(ls.protocol, types.Range(types.Position(*index.position(suggestion.start)),
+                                                          types.Position(*index.position(suggestion.end)))),
+            "newText": suggestion.text,
+            "confidence": suggestion.confidence,
+            "predictor": suggestion.predictor,
+            "away": suggestion.away,
+        })  # fmt: skip
+    return {"version": outcome.version, "edits": edits, "reason": outcome.reason}
 
 
 @server.feature(STATS_METHOD)

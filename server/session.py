@@ -21,6 +21,7 @@ from .backend import Backend, LocalBackend, OpenAIBackend, ResidentBackend
 from .completion import Completer
 from .config import ServerConfig, parse_config
 from .documents import DocumentStore
+from .nextedit import NextEdits
 from .wire import Dispatcher, Frames
 from .workspaces import Learner, RoutedBackend
 
@@ -59,6 +60,7 @@ class CanvasServer(LanguageServer):
         self.learner = Learner()
         self.backend = make_backend(self.config, self.learner, self.log_to_client)
         self.completer = Completer(self.backend, self.config, self.documents)
+        self.next_edits = NextEdits()
         self.pending_messages: list[str] = []
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
         self.loop: asyncio.AbstractEventLoop | None = None

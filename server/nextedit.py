@@ -1,0 +1,291 @@
+"""Next-edit suggestions: after the user edits, the edits that should follow, at the cursor or away from it.
+
+    the document's recent edits (`server/history.py`) -> each predictor -> suggestions at or above its confidence
+    -> edits, the ones at the cursor's line first, then the nearest below it, above it, in the other documents
+
+Two predictors, one interface (`Suggestion`s with a confidence):
+- `repeat` (no model): the last edit's substitution at the other places its old text still stands. A renamed
+  identifier is renamed wherever it stands as a name (not inside strings or comments), in this document and in the
+  other open documents of its language; an edit of a call's arguments is widened to the call on its line (an added
+  argument: `f(a)` -> `f(a, b)`), any other to the word before it (`timeout=30` -> `timeout=60`), and repeated where
+  that text stands.
+- `canvas`: the window around the cursor rewritten in one canvas (a span rewrite of `Engine.fill`: the model starts
+  from the window's text with a share of its tokens renoised and rewrites what it doubts), the recent edits before
+  it as comment lines. An unchanged window is no suggestion; otherwise the changed span is one edit, dropped when it
+  adds syntax errors.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..engine.confidence import sequence_score
+from ..engine.regions import Hole, parts_to_json
+from .backend import Answer, Backend, CancelFlag, Cancelled, Failed
+from .config import NextEditOptions
+from .context import prefix_window
+from .crossfile import COMMENT
+from .documents import Document
+from .edits import Edit, adds_syntax_errors
+from .history import Change, UserEdit
+from .positions import utf8
+
+IDENTIFIER = re.compile(r"[^\W\d]\w*\Z")
+OPENERS, CLOSERS = "([{", ")]}"
+SUFFIX_CHARS = 2_000  # the text after the window the canvas sees
+MAX_WINDOW_CHARS = 12_000  # a window over this (minified code, one huge line) is not rewritten
+CONFIDENCE = {"rename": 0.9, "text": 0.7}  # `repeat`'s, in the document; one tenth less in the other documents
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    uri: str
+    start: int  # offsets in that document
+    end: int
+    text: str
+    confidence: float
+    predictor: str  # "repeat" or "canvas"
+    away: bool  # not on the cursor's line (the editor shows it as a jump)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """The last edit as a substitution to repeat: `old` -> `new`; `rename` when both are identifiers."""
+
+    old: str
+    new: str
+    rename: bool
+
+
+def pattern(document: Document, edit: UserEdit) -> Pattern | None:
+    """The last edit widened to whole words, and, unless it renamed an identifier: an edit that added or removed an
+    argument (a comma or bracket) to the call or bracket it sits in on its line, any other to the word before it.
+    None for what is not worth repeating: multi-line edits, edits over their size cap, text with no name in it."""
+    text = document.text
+    if edit.huge or text[edit.start : edit.end] != edit.inserted:
+        return None
+    left, right = _word_start(text, edit.start), _word_end(text, edit.end)
+    old = text[left : edit.start] + edit.removed + text[edit.end : right]
+    new = text[left:right]
+    if IDENTIFIER.match(old) and IDENTIFIER.match(new):
+        return Pattern(old, new, True)
+    if "\n" in old or "\n" in new:
+        return None
+    line_start = text.rfind("\n", 0, left) + 1
+    line_end = len(text) if text.find("\n", right) < 0 else text.find("\n", right)
+    opening = closing = None
+    if any(char in ",()[]{}" for char in edit.removed + edit.inserted):  # the arguments changed: the whole call
+        opening = _unclosed(text, line_start, left)
+        closing = _closing(text, right, line_end, opening) if opening is not None else None
+    if opening is not None and closing is not None:
+        left, right = _word_start(text, opening), closing + 1  # the call: its name, its brackets
+    else:
+        while left > line_start and not text[left - 1].isspace() and not _word(text[left - 1]):
+            left -= 1  # "=" of `timeout=30`, "." of `self.size`
+        left = _word_start(text, left)
+    old = text[left : edit.start] + edit.removed + text[edit.end : right]
+    if not re.search(r"[^\W\d]", old) or len(old.strip()) < 3:
+        return None
+    return Pattern(old, text[left:right], False)
+
+
+def repeat(document: Document, offset: int, others: list[Document], options: NextEditOptions) -> list[Suggestion]:
+    """The last edit's substitution at the other places its old text stands (`pattern`), nearest first."""
+    last = document.history.last
+    found = pattern(document, last) if last is not None else None
+    if found is None or found.old == found.new:
+        return []
+    left = r"(?<!\w)" if _word(found.old[0]) else ""
+    right = r"(?!\w)" if _word(found.old[-1]) else ""
+    regex = re.compile(left + re.escape(found.old) + right)
+    line = document.index.line_of(offset)
+    kind = "rename" if found.rename else "text"
+    suggestions: list[Suggestion] = []
+    for number, other in enumerate([document, *others[: options.max_documents]]):
+        confidence = CONFIDENCE[kind] - (0.1 if number else 0.0)
+        for match in regex.finditer(other.text):
+            if found.rename and not _a_name(other, match.start(), match.end()):
+                continue
+            away = other is not document or other.index.line_of(match.start()) != line
+            suggestions.append(Suggestion(other.uri, match.start(), match.end(), found.new, confidence, "repeat", away))
+    return sorted(suggestions, key=lambda s: _distance(s, document, offset))[: options.max_sites]
+
+
+def _distance(suggestion: Suggestion, document: Document, offset: int) -> tuple[int, int, int]:
+    """Order: this document (its cursor line, then below the cursor, then above), then the others."""
+    if suggestion.uri != document.uri:
+        return (3, 0, suggestion.start)
+    if not suggestion.away:
+        return (0, 0, suggestion.start)
+    return (1, suggestion.start - offset, 0) if suggestion.start >= offset else (2, offset - suggestion.start, 0)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The lines around the cursor that the canvas rewrites: offsets [start, end) of `text`."""
+
+    start: int
+    end: int
+    text: str
+
+
+def window(document: Document, offset: int, lines: int) -> Window:
+    index = document.index
+    line = index.line_of(offset)
+    first, last = max(0, line - lines), min(len(index.starts) - 1, line + lines)
+    start = index.starts[first]
+    end = index.starts[last + 1] if last + 1 < len(index.starts) else len(document.text)
+    return Window(start, end, document.text[start:end])
+
+
+def edits_block(document: Document, count: int) -> str:
+    """The document's last `count` edits as comment lines, newest last: what the canvas is conditioned on."""
+    mark = COMMENT.get(document.language, "//")
+    edits = [edit for edit in document.history.edits if not edit.huge][-count:] if count else []
+    if not edits:
+        return ""
+    lines = [f"{mark} recent edits, newest last:"]
+    lines += [f"{mark} {edit.removed!r} -> {edit.inserted!r}" for edit in edits]
+    return "\n".join(lines) + "\n"
+
+
+async def rewrite(document: Document, offset: int, backend: Backend, options: NextEditOptions,
+                  cancel: CancelFlag, prefix_tokens: int) -> Suggestion | Failed | Cancelled | None:  # fmt: skip
+    """The window around `offset` rewritten by the model: the changed span as a Suggestion, None when the model
+    left the window as it was (or its answer did not end, or adds syntax errors)."""
+    around = window(document, offset, options.window_lines)
+    if not around.text.strip() or len(around.text) > MAX_WINDOW_CHARS:
+        return None
+    prefix = edits_block(document, options.history_edits) + prefix_window(document, around.start, prefix_tokens)
+    suffix = document.text[around.end : around.end + SUFFIX_CHARS]
+    parts: list[str | Hole] = [prefix, Hole(around.text, options.strength), suffix]
+    overrides = {"max_steps": options.max_steps, "workspace_cache": 0.0}
+    reply = await backend.fill(parts_to_json(parts), overrides, cancel, document.uri)
+    if not isinstance(reply, Answer):
+        return reply
+    (gap,) = reply.gaps
+    if not gap.ended or gap.text == around.text:
+        return None
+    change = Change.between(around.text, gap.text)
+    start = around.start + change.start
+    edit = Edit(start, start + len(change.removed), change.inserted)
+    if adds_syntax_errors(document, edit):
+        return None
+    confidence = sequence_score(list(reply.confidence), "geometric", gap.text)
+    line = document.index.line_of(offset)
+    away = not (document.index.line_of(edit.start) <= line <= document.index.line_of(edit.end))
+    return Suggestion(document.uri, edit.start, edit.end, edit.text, round(confidence, 4), "canvas", away)
+
+
+def _a_name(document: Document, start: int, end: int) -> bool:
+    """Whether text[start:end] is a name in the syntax tree (an identifier node, not words in a string or comment);
+    True where there is no grammar."""
+    if document.tree is None:
+        return True
+    first = len(utf8(document.text[:start]))
+    node = document.tree.root_node.descendant_for_byte_range(first, first + len(utf8(document.text[start:end])))
+    return node is not None and "identifier" in node.type
+
+
+def _word(char: str) -> bool:
+    return char.isalnum() or char == "_"
+
+
+def _word_start(text: str, offset: int) -> int:
+    while offset > 0 and _word(text[offset - 1]):
+        offset -= 1
+    return offset
+
+
+def _word_end(text: str, offset: int) -> int:
+    while offset < len(text) and _word(text[offset]):
+        offset += 1
+    return offset
+
+
+def _unclosed(text: str, start: int, end: int) -> int | None:
+    """The innermost bracket opened in text[start:end] and not closed there."""
+    depth = 0
+    for position in range(end - 1, start - 1, -1):
+        if text[position] in CLOSERS:
+            depth += 1
+        elif text[position] in OPENERS:
+            if depth == 0:
+                return position
+            depth -= 1
+    return None
+
+
+def _closing(text: str, start: int, end: int, opening: int) -> int | None:
+    """Where the bracket at `opening` closes, searching text[start:end]."""
+    want, depth = CLOSERS[OPENERS.index(text[opening])], 0
+    for position in range(start, end):
+        if text[position] in OPENERS:
+            depth += 1
+        elif text[position] in CLOSERS:
+            if depth == 0:
+                return position if text[position] == want else None
+            depth -= 1
+    return None
+
+
+@dataclass
+class Outcome:
+    """What a `canvas/nextEdit` request produced: the suggestions to show, and why there are none when so."""
+
+    version: int
+    suggestions: list[Suggestion]
+    reason: str | None = None  # "no recent edit", "superseded", "stale", the engine's error...
+    failed: bool = False  # the model failed (the reason is its error, for the user to see)
+
+
+class NextEdits:
+    """The server's next-edit requests: one running per document (a newer one cancels the older between denoising
+    steps), each answered for the document version it read."""
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str, CancelFlag] = {}
+        self.requests = 0
+        self.shown: dict[str, int] = {"repeat": 0, "canvas": 0}
+
+    async def suggest(self, document: Document, offset: int, others: list[Document], backend: Backend,
+                      options: NextEditOptions, prefix_tokens: int) -> Outcome:  # fmt: skip
+        self.requests += 1
+        version = document.version
+        if document.history.last is None:
+            return Outcome(version, [], "no recent edit in this document")
+        found: list[Suggestion] = []
+        if "repeat" in options.predictors:
+            found += repeat(document, offset, others, options)
+        reason, failed = None, False
+        if "canvas" in options.predictors and not found:  # the model only where the edit has no repeat
+            older = self.in_flight.get(document.uri)
+            if older is not None:
+                older.set()
+            cancel = self.in_flight[document.uri] = CancelFlag()
+            try:
+                answer = await rewrite(document, offset, backend, options, cancel, prefix_tokens)
+            finally:
+                if self.in_flight.get(document.uri) is cancel:
+                    del self.in_flight[document.uri]
+            if isinstance(answer, Suggestion):
+                found.append(answer)
+            elif isinstance(answer, Cancelled):
+                return Outcome(version, [], "superseded by a newer request")
+            elif isinstance(answer, Failed):
+                reason, failed = answer.reason, not answer.loading
+        if document.version != version:
+            return Outcome(version, [], "the document changed while the suggestion was computed")
+        shown = [s for s in found if s.confidence >= options.min_confidence.get(s.predictor, 0.0)]
+        for suggestion in shown:
+            self.shown[suggestion.predictor] += 1
+        if not shown and reason is None:
+            reason = "nothing to change" if not found else "below the confidence threshold"
+        return Outcome(version, shown, reason, failed and not shown)
+
+    def forget(self, uri: str) -> None:
+        """The document closed: its running request stops."""
+        running = self.in_flight.pop(uri, None)
+        if running is not None:
+            running.set()

@@ -1,0 +1,287 @@
+"""Next-edit suggestions: the edit history's coalescing, the repeat-the-edit predictor's patterns and sites, the canvas
+predictor on answers known in advance, and `canvas/nextEdit` through a real LSP client over stdio."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_lsp
+from lsprotocol import types
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Gap, Reply
+from canvas_ls.server.config import NextEditOptions, parse_config
+from canvas_ls.server.documents import Document
+from canvas_ls.server.history import MAX_EDIT_CHARS, MAX_EDITS, PAUSE_S, Change, EditHistory
+from canvas_ls.server.nextedit import NextEdits, pattern, repeat, window
+from tests.test_lsp import SERVE, open_doc, options, request, uri, wait_ready
+
+
+def typed(history: EditHistory, changes: list[tuple[int, str, str]], now: float = 0.0) -> None:
+    for step, (start, removed, inserted) in enumerate(changes):
+        history.record(Change(start, removed, inserted), step + 1, now + step * 0.1)
+
+
+def edits(history: EditHistory) -> list[tuple[int, str, str]]:
+    return [(edit.start, edit.removed, edit.inserted) for edit in history.edits]
+
+
+# -- the history --------------------------------------------------------------------------------------------------
+
+
+def test_a_name_retyped_character_by_character_is_one_edit() -> None:
+    history = EditHistory()  # "total = 0": "total" selected and typed over with "sum_"
+    typed(history, [(0, "total", "s"), (1, "", "u"), (2, "", "m"), (3, "", "_")])
+    assert edits(history) == [(0, "total", "sum_")]
+    typed(history, [(3, "_", "")], now=1.0)  # backspace inside what it wrote
+    assert edits(history) == [(0, "total", "sum")]
+
+
+def test_deleting_back_then_typing_is_one_edit_and_typing_back_the_old_text_is_none() -> None:
+    history = EditHistory()  # "x = total": backspace over "total" from its end, then "sum"
+    typed(history, [(8, "l", ""), (7, "a", ""), (6, "t", ""), (5, "o", ""), (4, "t", ""), (4, "", "s"), (5, "", "um")])
+    assert edits(history) == [(4, "total", "sum")]
+    typed(history, [(4, "sum", "total")], now=2.0)  # replaced back inside it: no edit left
+    assert edits(history) == []
+    typed(history, [(0, "", "a"), (1, "x", "")], now=3.0)  # typing, then deleting forward from its end
+    assert edits(history) == [(0, "x", "a")]
+
+
+def test_a_line_break_a_pause_or_a_change_elsewhere_starts_a_new_edit_and_older_ones_move() -> None:
+    history = EditHistory()
+    typed(history, [(10, "", "a"), (11, "", "\n")])  # Enter ends the line's edit
+    typed(history, [(12, "", "b")], now=PAUSE_S + 1)  # after a pause
+    typed(history, [(0, "", "xy")], now=PAUSE_S + 1.1)  # elsewhere, before the others: they move by 2
+    assert edits(history) == [(12, "", "a"), (13, "", "\n"), (14, "", "b"), (0, "", "xy")]
+    typed(history, [(13, "\nb", "")], now=PAUSE_S + 1.2)  # over two of them: context only from now on
+    assert [edit.huge for edit in history.edits] == [False, True, True, False, False]
+
+
+def test_the_history_is_bounded_and_a_huge_paste_is_context_only() -> None:
+    history = EditHistory()
+    for number in range(MAX_EDITS + 5):
+        history.record(Change(number * 10, "", "x"), number + 1, number * 10.0)
+    assert len(history.edits) == MAX_EDITS and history.edits[0].version == 6
+    history.record(Change(0, "", "p" * (MAX_EDIT_CHARS + 1)), 99, 10_000.0)
+    last = history.edits[-1]
+    assert last.huge and len(last.inserted) == MAX_EDIT_CHARS
+
+
+def test_a_whole_text_change_is_the_differing_middle() -> None:
+    assert Change.between("a = total + 1\n", "a = sum + 1\n") == Change(4, "total", "sum")
+    assert Change.between("abc", "abc") == Change(3, "", "")
+    assert Change.between("aaa", "aa") == Change(2, "a", "")
+    document = Document.open("file:///a.py", "x = 1\n", 1, "python")
+    document.apply(2, [types.TextDocumentContentChangeWholeDocument(text="x = 2\n")])
+    assert edits(document.history) == [(4, "1", "2")]
+
+
+# -- the repeat predictor -------------------------------------------------------------------------------------------
+
+SOURCE = """def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    print("total")  # total
+    return total / len(values)
+"""
+
+
+def edited(text: str, old: str, new: str, nth: int = 0) -> Document:
+    """The document after `old` (its nth occurrence) was replaced by `new`, with that edit in its history."""
+    start = -1
+    for _ in range(nth + 1):
+        start = text.index(old, start + 1)
+    document = Document.open("file:///mean.py", text, 1, "python")
+    change = types.TextDocumentContentChangePartial(
+        range=types.Range(types.Position(*document.index.position(start)),
+                          types.Position(*document.index.position(start + len(old)))), text=new)  # fmt: skip
+    document.apply(2, [change])
+    return document
+
+
+def test_a_rename_is_repeated_where_the_name_stands_as_a_name_nearest_below_first() -> None:
+    document = edited(SOURCE, "total", "acc")
+    cursor = document.text.index("acc") + 3
+    assert pattern(document, document.history.last) is not None
+    found = repeat(document, cursor, [], NextEditOptions())
+    lines = document.text.split("\n")
+    assert [(document.index.line_of(s.start), document.text[s.start : s.end], s.text) for s in found] == [
+        (3, "total", "acc"),
+        (5, "total", "acc"),
+    ]  # not the string's nor the comment's
+    assert {(s.predictor, s.confidence, s.away) for s in found} == {("repeat", 0.9, True)}
+    assert lines[1] == "    acc = 0"
+
+
+def test_an_added_argument_and_a_changed_literal_are_repeated_at_the_same_calls() -> None:
+    text = "a = f(x)\nb = f(x)\nc = f(y)\nd = g(x)\nsleep(timeout=30)\nwait(timeout=30)\n"
+    document = edited(text, "f(x)", "f(x, 2)")
+    found = repeat(document, 8, [], NextEditOptions())
+    assert pattern(document, document.history.last).old == "f(x)"
+    assert [(document.text[s.start : s.end], s.text, s.confidence) for s in found] == [("f(x)", "f(x, 2)", 0.7)]
+    document = edited(text, "30", "60")
+    assert (pattern(document, document.history.last).old, pattern(document, document.history.last).new) == (
+        "timeout=30",
+        "timeout=60",
+    )
+    assert [document.index.line_of(s.start) for s in repeat(document, 0, [], NextEditOptions())] == [5]
+
+
+def test_a_rename_reaches_the_other_open_documents_of_its_language() -> None:
+    document = edited(SOURCE, "mean", "average")
+    other = Document.open("file:///main.py", "from stats import mean\nprint(mean([1]))\n", 1, "python")
+    found = repeat(document, 0, [other], NextEditOptions())
+    assert [(s.uri, other.text[s.start : s.end], s.confidence, s.away) for s in found] == [
+        ("file:///main.py", "mean", 0.8, True),
+        ("file:///main.py", "mean", 0.8, True),
+    ]
+    assert repeat(document, 0, [other], NextEditOptions(max_documents=0)) == []
+
+
+def test_nothing_to_repeat_for_multi_line_or_nameless_edits() -> None:
+    document = edited("x = 1\ny = 2\n", "1\ny", "3\nz")
+    assert pattern(document, document.history.last) is None
+    document = edited("x = 1 + 1\n", "+", "-")
+    assert pattern(document, document.history.last) is None  # "1 - 1": no name in it
+
+
+# -- the canvas predictor on fixed answers ------------------------------------------------------------------------
+
+
+class Fixed:
+    """A backend whose fill answers `reply`: a Reply, or a function of the window giving the rewritten text."""
+
+    adapters = False
+    state = "ready"
+
+    def __init__(self, reply: Any) -> None:
+        self.reply, self.segments = reply, None
+
+    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
+                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+        self.segments = segments
+        return answer(self.reply(segments[1]["rewrite"])) if callable(self.reply) else self.reply
+
+
+def answer(text: str, ended: bool = True, confidence: float = 0.95) -> Answer:
+    return Answer(text, ("x",), (confidence,), gaps=(Gap(text, ended),))
+
+
+async def test_the_canvas_rewrite_becomes_one_edit_and_an_unchanged_window_none() -> None:
+    document = edited("def area(r):\n    return r * r\n\nprint(area(2))\n", "r * r", "3.14 * r * r")
+    options = NextEditOptions(predictors=["canvas"], window_lines=1, min_confidence={"canvas": 0.9})
+    offset = document.text.index("print")
+    fixed = Fixed(lambda window: window.replace("area(2)", "area(2.0)"))
+    outcome = await NextEdits().suggest(document, offset, [], fixed, options, 256)  # type: ignore[arg-type]
+    ((suggestion),) = outcome.suggestions
+    assert (document.text[suggestion.start : suggestion.end], suggestion.text) == ("", ".0")
+    assert (suggestion.predictor, suggestion.confidence, suggestion.away, outcome.reason) == ("canvas", 0.95, False,
+                                                                                              None)  # fmt: skip
+    assert window(document, offset, 1).text == "\nprint(area(2))\n"
+    prompt = fixed.segments[0]["text"]
+    assert prompt.startswith("# recent edits, newest last:\n# 'r * r' -> '3.14 * r * r'\n")
+    assert fixed.segments[1] == {"rewrite": "\nprint(area(2))\n", "strength": 0.3}
+    for reply, reason in [
+        (lambda window: window, "nothing to change"),
+        (lambda window: "print(area(2)", "nothing to change"),  # adds a syntax error: dropped
+        (answer("x", ended=False), "nothing to change"),  # ran out of tokens
+        (answer("\nprint(area(3))\n", confidence=0.5), "below the confidence threshold"),
+        (Failed("the engine went away"), "the engine went away"),
+        (Cancelled(), "superseded by a newer request"),
+    ]:
+        fixed.reply = reply
+        outcome = await NextEdits().suggest(document, offset, [], fixed, options, 256)  # type: ignore[arg-type]
+        assert (outcome.suggestions, outcome.reason) == ([], reason)
+
+
+def test_next_edit_options_are_checked() -> None:
+    assert parse_config({"next_edit": {"predictors": ["magic"]}})[1].startswith(
+        "Invalid canvas-ls options, using defaults: next_edit.predictors: unknown ['magic']"
+    )
+    assert "next_edit.strength must be in [0.01, 1]" in parse_config({"next_edit": {"strength": 0}})[1]
+
+
+# -- canvas/nextEdit over stdio -------------------------------------------------------------------------------------
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def client(lsp_client: LanguageClient, ending_model_dir: Path):
+    settings = {**options(ending_model_dir, workspace_cache=0), "next_edit": {"window_lines": 2}}
+    await lsp_client.initialize_session(types.InitializeParams(
+        capabilities=types.ClientCapabilities(), initialization_options=settings))  # fmt: skip
+    await wait_ready(lsp_client)
+    yield
+    await lsp_client.shutdown_session()
+
+
+def change(client: LanguageClient, name: str, version: int, line: int, start: int, end: int, text: str) -> None:
+    client.text_document_did_change(types.DidChangeTextDocumentParams(
+        types.VersionedTextDocumentIdentifier(version=version, uri=uri(name)),
+        [types.TextDocumentContentChangePartial(
+            range=types.Range(types.Position(line, start), types.Position(line, end)), text=text)]))  # fmt: skip
+
+
+async def next_edit(client: LanguageClient, name: str, line: int, character: int, **document: Any) -> dict:
+    params = {"textDocument": {"uri": uri(name), **document}, "position": {"line": line, "character": character}}
+    return await request(client, "canvas/nextEdit", params)
+
+
+def at(line: int, start: int, end: int) -> dict[str, Any]:
+    return {"start": {"line": line, "character": start}, "end": {"line": line, "character": end}}
+
+
+async def test_a_rename_typed_in_the_editor_is_suggested_at_the_other_uses(client: LanguageClient) -> None:
+    open_doc(client, "mean.py", SOURCE)
+    open_doc(client, "main.py", "from mean import total\n")
+    assert await next_edit(client, "mean.py", 1, 4) == {
+        "version": 1,
+        "edits": [],
+        "reason": "no recent edit in this document",
+    }
+    for version, (start, end, text) in enumerate([(4, 9, "a"), (5, 5, "c"), (6, 6, "c")], 2):  # "total" -> "acc"
+        change(client, "mean.py", version, 1, start, end, text)
+    answer = await next_edit(client, "mean.py", 1, 7, version=4)
+    assert answer == {"version": 4, "reason": None, "edits": [
+        {"textDocument": {"uri": uri("mean.py")}, "range": at(3, 8, 13), "newText": "acc", "confidence": 0.9,
+         "predictor": "repeat", "away": True},
+        {"textDocument": {"uri": uri("mean.py")}, "range": at(5, 11, 16), "newText": "acc", "confidence": 0.9,
+         "predictor": "repeat", "away": True},
+        {"textDocument": {"uri": uri("main.py")}, "range": at(0, 17, 22), "newText": "acc", "confidence": 0.8,
+         "predictor": "repeat", "away": True},
+    ]}  # fmt: skip
+    stale = await next_edit(client, "mean.py", 1, 7, version=3)
+    assert stale == {"version": 4, "edits": [], "reason": "stale: the document is at another version"}
+
+
+async def test_the_canvas_predictor_rewrites_the_window_through_the_engine(client: LanguageClient) -> None:
+    """The model that writes one word and ends (`ending_model_dir`) rewrites the 5-line window in plain text to
+    "code": one edit over the window, from the engine, in the resident engine's canvas."""
+    text = "one\ntwo\nthree\nfour\nfive\nsix\nseven\n"
+    open_doc(client, "notes.txt", text, language="plaintext")
+    change(client, "notes.txt", 2, 3, 0, 4, "4")
+    answer = await next_edit(client, "notes.txt", 3, 1)
+    ((edit),) = answer["edits"]
+    assert (edit["range"], edit["newText"], edit["predictor"], edit["away"]) == (
+        {"start": {"line": 1, "character": 0}, "end": {"line": 6, "character": 0}},
+        "code",
+        "canvas",
+        False,
+    )
+    assert edit["confidence"] > 0.9
+
+
+async def test_bad_next_edit_requests_are_refused_with_why(client: LanguageClient) -> None:
+    open_doc(client, "a.py", "x = 1\n")
+    gone = await next_edit(client, "nope.py", 0, 0)
+    assert gone == {"version": None, "edits": [], "reason": f"{uri('nope.py')} is not open"}
+    for params, message in [
+        ({"textDocument": {"uri": uri("a.py")}}, "canvas/nextEdit wants"),
+        ({"textDocument": {"uri": uri("a.py")}, "position": {"line": 40, "character": 0}}, "past the end"),
+        ({"textDocument": {"uri": uri("a.py"), "version": "1"}, "position": {"line": 0, "character": 0}},
+         "canvas/nextEdit wants"),
+    ]:  # fmt: skip
+        with pytest.raises(Exception, match=message):
+            await request(client, "canvas/nextEdit", params)
