@@ -215,6 +215,20 @@ def add_parser(commands: Any) -> None:
     train_bench.add_argument("--runs", type=int, default=3, help="alternating runs per variant (median)")
     train_bench.add_argument("--out", type=Path, help="JSON report path")
 
+    edits = benches.add_parser("edits", help="next-edit suggestions replayed from a repository's held-out commits, "
+                               "per predictor, through the server")  # fmt: skip
+    edits.add_argument("--repo", type=Path, required=True, help="a git repository (its first-parent history)")
+    edits.add_argument("--commits", type=int, default=40, help="the newest commits held out and replayed")
+    edits.add_argument("--per-file", type=int, default=2, help="next-hunk cases per changed file at most")
+    edits.add_argument("--cases", type=int, default=60, help="cases in all at most (unchanged windows included)")
+    edits.add_argument("--window-lines", type=int, help="the canvas's window: lines each side (default: the "
+                       "server's next_edit.window_lines)")  # fmt: skip
+    edits.add_argument("--strength", type=float, help="share of the window's tokens renoised (default: the server's)")
+    edits.add_argument("--max-steps", type=int, help="denoising steps at most (default: the server's)")
+    edits.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    edits.add_argument("--device", default="auto")
+    edits.add_argument("--out", type=Path, help="JSON report path")
+
 
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("matplotlib") is None:
@@ -226,8 +240,23 @@ def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
                 "train": _bench_train, "holes": _bench_holes, "step": _bench_step, "warmup": _bench_warmup,
                 "calibrate": _bench_calibrate, "crossfile": _bench_crossfile, "soak": _bench_soak,
-                "repo": _bench_repo, "neovim": _bench_neovim}  # fmt: skip
+                "repo": _bench_repo, "neovim": _bench_neovim, "edits": _bench_edits}  # fmt: skip
     return handlers[args.bench](args)
+
+
+def _bench_edits(args: argparse.Namespace) -> int:
+    from .edits import format_edits, plot_edits, run_edits_bench
+
+    if args.commits < 1 or args.per_file < 1 or args.cases < 1:
+        raise CliError("bench edits: --commits, --per-file and --cases must be >= 1")
+    chosen = {"window_lines": args.window_lines, "strength": args.strength, "max_steps": args.max_steps}
+    options = {name: value for name, value in chosen.items() if value is not None}
+    try:
+        report = run_edits_bench(args.repo.expanduser().resolve(), args.commits, args.model, args.device,
+                                 args.per_file, args.cases, options)  # fmt: skip
+    except ValueError as exc:
+        raise CliError(f"bench edits: {exc}") from exc
+    return _report("edits", report, format_edits, args.out, plot_edits)
 
 
 def _bench_repo(args: argparse.Namespace) -> int:

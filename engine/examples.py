@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,7 @@ from .loss import softcapped_cross_entropy
 from .tokenizer import TokenHealing
 
 if TYPE_CHECKING:
+    from .commits import EditText
     from .training import TrainConfig
 
 EOS_FILL_WEIGHT = 0.05
@@ -67,8 +68,10 @@ class ExampleSampler:
 
     def __init__(self, files: list[CorpusFile], tokenizer: Any, seed: int, prefix_tokens: int, head_tokens: int,
                  healing: TokenHealing | None = None, multi_share: float = 0.0,
-                 rewrite_share: float = 0.0, editor_share: float = 0.0):  # fmt: skip
+                 rewrite_share: float = 0.0, editor_share: float = 0.0,
+                 edits: Sequence[EditText] = (), edit_share: float = 0.0):  # fmt: skip
         self.files = [f for f in files if f.text.count("\n") >= 3]
+        self.edits, self.edit_share = list(edits), edit_share
         self.multi_share, self.rewrite_share, self.editor_share = multi_share, rewrite_share, editor_share
         self.tokenizer = tokenizer
         self.healing = healing
@@ -124,6 +127,10 @@ class ExampleSampler:
         return None
 
     def example(self, gap_tokens: int) -> Example:
+        if self.edits and self.rng.random() < self.edit_share:
+            edit = self._edit(self.rng.choice(self.edits), gap_tokens)
+            if edit is not None:
+                return edit
         file = self.rng.choice(self.files)
         text = file.text
         draw = self.rng.random()
@@ -203,6 +210,19 @@ class ExampleSampler:
                 start[slot] = self.rng.choice(example.prefix[1:])
         return replace(example, start=start)
 
+    def _edit(self, edit: EditText, gap_tokens: int) -> Example | None:
+        """A next edit as a rewrite: after the recent edits (comment lines, as the server writes them), the gap's
+        un-noised slots show the lines as they stand and the targets are the lines as the commit left them (the
+        same lines for a no-op). None when either does not fit the gap."""
+        old, new = self._encode(edit.old), self._encode(edit.new)
+        if len(old) > gap_tokens or len(new) >= gap_tokens:
+            return None
+        prompt = edit.prompt
+        gap, middle_len = self._gap(new, gap_tokens)
+        start = old + [self.eos] * (gap_tokens - len(old))
+        head = self._encode(edit.tail[: 8 * self.head_tokens])[: self.head_tokens]
+        return Example(self._prefix(prompt, len(prompt)), gap, middle_len, head, start=start)
+
     def _single(self, text: str, gap_tokens: int) -> Example:
         a, b = self._cut(text)
         if a < b:  # the prefix ends where the engine would cut it (token healing)
@@ -225,15 +245,17 @@ class BatchStream(torch.utils.data.IterableDataset):
     otherwise leave the device idle most of each step."""
 
     def __init__(self, files: list[CorpusFile], tokenizer: Any, seed: int, cfg: TrainConfig,
-                 healing: TokenHealing | None):  # fmt: skip
+                 healing: TokenHealing | None, edits: Sequence[EditText] = ()):  # fmt: skip
         self.files, self.tokenizer, self.seed, self.cfg, self.healing = files, tokenizer, seed, cfg, healing
+        self.edits = edits
 
     def __iter__(self) -> Iterator[Batch]:
         worker = torch.utils.data.get_worker_info()
         seed = self.seed + (1_000_003 * (worker.id + 1) if worker is not None else 0)
         cfg = self.cfg
         sampler = ExampleSampler(self.files, self.tokenizer, seed, cfg.prefix_tokens, cfg.head_tokens, self.healing,
-                                 cfg.multi_gap_share, cfg.rewrite_share, cfg.editor_share)  # fmt: skip
+                                 cfg.multi_gap_share, cfg.rewrite_share, cfg.editor_share, self.edits,
+                                 cfg.edit_share)  # fmt: skip
         rng = random.Random(seed)
         while True:
             gap = rng.choice(cfg.gap_choices)

@@ -9,7 +9,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from .commits import EditText
 from .corpus import CorpusFile
 from .examples import Batch, BatchStream, ExampleSampler, collate, losses
 from .tokenizer import TokenHealing
@@ -63,6 +64,10 @@ class TrainConfig:
     # Share of the single-gap examples cut where an editor asks (the cursor after a line's indentation, the middle
     # its code to the end of the line or of a few lines): the workspace recipe's task-matched mix (bench repo)
     editor_share: float = 0.0
+    # Next edits from the repository's git history (`engine/commits.py`): off (None), or the newest commits held out
+    # (`bench edits` replays them) and the older ones' hunks learnt as rewrites at `edit_share` of the examples.
+    edits_held_out: int | None = None
+    edit_share: float = 0.2
     # Cut training prefixes where the engine's token healing cuts them (held-out examples stay as cut, so the eval
     # losses compare with runs before this option).
     token_healing: bool = True
@@ -193,8 +198,10 @@ def train(
     out_dir: Path,
     progress: Any = None,
     snapshot: Callable[[Path], None] | None = None,
+    edits: Sequence[EditText] = (),
 ) -> dict[str, Any]:
-    """Train `model` in place for cfg.minutes; checkpoints and a JSON-lines log go to `out_dir`. Resumable.
+    """Train `model` in place for cfg.minutes (with `edits`, next-edit examples at `cfg.edit_share`); checkpoints
+    and a JSON-lines log go to `out_dir`. Resumable.
     `snapshot(folder)` exports the model at each of `cfg.snapshot_minutes` (outside the budget's clock). (~165 lines:
     one loop's set-up, steps, evaluations, checkpoints and stop in the order they happen, sharing the run's state; a
     candidate to split into a run-state object.)"""
@@ -241,7 +248,7 @@ def train(
         return average.swapped_in() if average is not None else nullcontext()
 
     healing = TokenHealing(tokenizer, model.config.get_text_config().vocab_size) if cfg.token_healing else None
-    stream = BatchStream(train_files, tokenizer, cfg.seed + state["step"], cfg, healing)
+    stream = BatchStream(train_files, tokenizer, cfg.seed + state["step"], cfg, healing, edits)
     batches = stream.batches(cfg.data_workers, pin_memory=device.type == "cuda")
     # Held-out examples, by the prefix of their figures' names: the general mix (random spans, lines, several lines:
     # what every recipe is compared on), and "editor_": the held-out lines cut where the editor asks (what the
@@ -404,6 +411,22 @@ def preset_model(preset: str, vocab_size: int) -> Any:
     return DiffusionGemmaForBlockDiffusion(small_config(vocab_size, sliding_window=512, **PRESETS[preset]["model"]))
 
 
+def next_edit_texts(repository: Path, held_out: int) -> tuple[list[EditText], dict[str, Any]]:
+    """The repository's older commits as next-edit examples (the newest `held_out` left for `bench edits`), and
+    what was mined and skipped. A folder with no history is a TrainingError."""
+    from . import commits
+
+    try:
+        training, held = commits.split(commits.history(repository), held_out)
+        mined = commits.mine(repository, training)
+    except ValueError as exc:
+        raise TrainingError(f"--edits: {exc}") from exc
+    texts = commits.edit_texts(mined.changes)
+    return texts, {"commits": mined.commits, "held_out_commits": len(held), "file_changes": len(mined.changes),
+                   "examples": len(texts), "no_ops": sum(t.old == t.new for t in texts),
+                   "skipped": dict(mined.skipped)}  # fmt: skip
+
+
 def run(
     preset: str,
     out_dir: Path,
@@ -494,9 +517,12 @@ def run(
                 size += len(file.text)
             train_tokenizer(sample, spec["vocab_size"], tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    edits: list[EditText] = []
     if repository is not None:  # what the model learns the repository from, in its own tokens
         own = tokenizer([f.text for f in own_files], add_special_tokens=False)["input_ids"]
         report["train_tokens"] = sum(len(ids) for ids in own)
+        if cfg.edits_held_out is not None:
+            edits, report["edits"] = next_edit_texts(repository, cfg.edits_held_out)
         (out_dir / "repository_report.json").write_text(json.dumps(report, indent=2))
 
     problem = plan.check(run_plan(cfg, start_from, preset, len(tokenizer)), resolve_device(cfg.device))
@@ -557,7 +583,7 @@ def run(
         else:
             save_model(folder / "model", {"snapshot_of": str(out_dir)}, copy=True)
 
-    summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress, snapshot)
+    summary = train(model, tokenizer, train_files, eval_files, cfg, out_dir, progress, snapshot, edits)
     if report:
         summary["repository"] = {k: v for k, v in report.items() if k not in ("held_out_files", "top_sources")}
 

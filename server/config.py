@@ -128,8 +128,8 @@ class FillOptions:
     max_holes: int = 8
     # Share of a selection's tokens renoised before the rewrite (1: write it anew, as a hole).
     rewrite_strength: float = 0.5
-    # Denoising step cap; None keeps the model's own.
-    max_steps: int | None = None
+    # Denoising step cap (a rewrite starts from the window's text and needs fewer than a fill); None: the model's.
+    max_steps: int | None = 4
 
     def __post_init__(self) -> None:
         _within(self, "fill", gap_tokens=(1, TOKENS), max_new_tokens=(1, TOKENS), max_holes=(1, 64),
@@ -148,8 +148,10 @@ class NextEditOptions:
     # Which predictors run: "repeat" (the last edit's substitution at analogous sites, no model) and "canvas" (the
     # window around the cursor rewritten by the model, conditioned on the recent edits).
     predictors: list[str] = field(default_factory=lambda: ["repeat", "canvas"])
-    # The canvas predictor's window: this many lines before and after the cursor's line.
-    window_lines: int = 20
+    # The canvas predictor's window: this many lines before and after the cursor's line. The canvas's cost grows
+    # with it: on a 2-core CPU with the shipped model, 3 (7 lines) answers in ~0.2 s, 20 (41 lines) in ~1.3 s
+    # (docs/pages/next-edit.md); a GPU model takes 20.
+    window_lines: int = 3
     # Share of the window's tokens renoised (low: the model keeps most of the text, rewriting what it doubts).
     strength: float = 0.3
     # Shown only at or above these confidences (per predictor). The canvas's is not calibrated yet: high.
@@ -159,8 +161,8 @@ class NextEditOptions:
     max_documents: int = 8
     # Recent edits shown to the model before the window, newest last.
     history_edits: int = 4
-    # Denoising step cap; None keeps the model's own.
-    max_steps: int | None = None
+    # Denoising step cap (a rewrite starts from the window's text and needs fewer than a fill); None: the model's.
+    max_steps: int | None = 4
 
     def __post_init__(self) -> None:
         _within(self, "next_edit", window_lines=(0, 500), strength=(0.01, 1), max_sites=(1, 100),

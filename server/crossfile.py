@@ -22,6 +22,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
+from ..engine.commits import COMMENT
 from ..engine.paths import file_path
 from .context import CHARS_PER_TOKEN
 from .documents import Document
@@ -55,7 +56,6 @@ STOP = frozenset(keyword.kwlist) | {
     "true",
     "false",
 }
-COMMENT = {"python": "#", "lua": "--"}  # the others: "//"
 
 
 def words(text: str) -> set[str]:

@@ -14,6 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from ..engine.commits import differing
+
 MAX_EDITS = 16
 MAX_EDIT_CHARS = 4_000
 PAUSE_S = 3.0  # a change after this long a pause starts a new edit
@@ -30,14 +32,8 @@ class Change:
     @classmethod
     def between(cls, old: str, new: str) -> Change:
         """The one change that turns `old` into `new` (a client that sends whole texts): the differing middle."""
-        head = 0
-        limit = min(len(old), len(new))
-        while head < limit and old[head] == new[head]:
-            head += 1
-        tail = 0
-        while tail < limit - head and old[len(old) - 1 - tail] == new[len(new) - 1 - tail]:
-            tail += 1
-        return cls(head, old[head : len(old) - tail], new[head : len(new) - tail])
+        head, old_end, new_end = differing(old, new)
+        return cls(head, old[head:old_end], new[head:new_end])
 
 
 @dataclass

@@ -20,12 +20,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..engine.commits import recent_edits_comment
 from ..engine.confidence import sequence_score
 from ..engine.regions import Hole, parts_to_json
 from .backend import Answer, Backend, CancelFlag, Cancelled, Failed
 from .config import NextEditOptions
 from .context import prefix_window
-from .crossfile import COMMENT
 from .documents import Document
 from .edits import Edit, adds_syntax_errors
 from .history import Change, UserEdit
@@ -35,6 +35,9 @@ IDENTIFIER = re.compile(r"[^\W\d]\w*\Z")
 OPENERS, CLOSERS = "([{", ")]}"
 SUFFIX_CHARS = 2_000  # the text after the window the canvas sees
 MAX_WINDOW_CHARS = 12_000  # a window over this (minified code, one huge line) is not rewritten
+# The canvas of a window's rewrite: its gap slots (the window's tokens and half again) and its positions in all,
+# above the engine's defaults for holes (a window is a long hole).
+CANVAS_BUDGET = {"fill_tokens": 4096, "max_canvas_tokens": 8192}
 CONFIDENCE = {"rename": 0.9, "text": 0.7}  # `repeat`'s, in the document; one tenth less in the other documents
 
 
@@ -141,41 +144,52 @@ def window(document: Document, offset: int, lines: int) -> Window:
 
 def edits_block(document: Document, count: int) -> str:
     """The document's last `count` edits as comment lines, newest last: what the canvas is conditioned on."""
-    mark = COMMENT.get(document.language, "//")
     edits = [edit for edit in document.history.edits if not edit.huge][-count:] if count else []
-    if not edits:
-        return ""
-    lines = [f"{mark} recent edits, newest last:"]
-    lines += [f"{mark} {edit.removed!r} -> {edit.inserted!r}" for edit in edits]
-    return "\n".join(lines) + "\n"
+    return recent_edits_comment(document.language, [(edit.removed, edit.inserted) for edit in edits])
 
 
 async def rewrite(document: Document, offset: int, backend: Backend, options: NextEditOptions,
-                  cancel: CancelFlag, prefix_tokens: int) -> Suggestion | Failed | Cancelled | None:  # fmt: skip
-    """The window around `offset` rewritten by the model: the changed span as a Suggestion, None when the model
-    left the window as it was (or its answer did not end, or adds syntax errors)."""
+                  cancel: CancelFlag, prefix_tokens: int) -> Suggestion | Failed | Cancelled | str:  # fmt: skip
+    """The window around `offset` rewritten by the model: the changed span as a Suggestion, or why there is none
+    (the model left the window as it was, its answer did not end, or it adds syntax errors)."""
     around = window(document, offset, options.window_lines)
-    if not around.text.strip() or len(around.text) > MAX_WINDOW_CHARS:
-        return None
+    if not around.text.strip():
+        return "the window around the cursor is blank"
+    if len(around.text) > MAX_WINDOW_CHARS:
+        return f"the window around the cursor is over {MAX_WINDOW_CHARS} characters"
     prefix = edits_block(document, options.history_edits) + prefix_window(document, around.start, prefix_tokens)
     suffix = document.text[around.end : around.end + SUFFIX_CHARS]
     parts: list[str | Hole] = [prefix, Hole(around.text, options.strength), suffix]
-    overrides = {"max_steps": options.max_steps, "workspace_cache": 0.0}
+    overrides = {"max_steps": options.max_steps, "workspace_cache": 0.0, **CANVAS_BUDGET}
     reply = await backend.fill(parts_to_json(parts), overrides, cancel, document.uri)
     if not isinstance(reply, Answer):
         return reply
     (gap,) = reply.gaps
-    if not gap.ended or gap.text == around.text:
-        return None
+    if gap.text == around.text:
+        return "the model left the window as it was"
+    if not gap.ended:
+        return "the model's rewrite did not end within its budget"
     change = Change.between(around.text, gap.text)
     start = around.start + change.start
     edit = Edit(start, start + len(change.removed), change.inserted)
     if adds_syntax_errors(document, edit):
-        return None
-    confidence = sequence_score(list(reply.confidence), "geometric", gap.text)
+        return "the model's rewrite adds syntax errors"
+    confidence = changed_confidence(reply, change.start, change.start + len(change.inserted))
     line = document.index.line_of(offset)
     away = not (document.index.line_of(edit.start) <= line <= document.index.line_of(edit.end))
     return Suggestion(document.uri, edit.start, edit.end, edit.text, round(confidence, 4), "canvas", away)
+
+
+def changed_confidence(answer: Answer, start: int, end: int) -> float:
+    """The least confidence of the tokens that wrote the rewrite's changed text [start, end) (offsets of the gap's
+    text; a deletion: the tokens on either side of it): the tokens it copied say nothing of the change."""
+    at, scores = -len(answer.healed), []
+    for text, confidence in zip(answer.token_texts, answer.confidence, strict=False):
+        following = at + len(text)
+        if (following > start and at < end) if end > start else (at <= start <= following):
+            scores.append(confidence)
+        at = following
+    return min(scores, default=sequence_score(list(answer.confidence), "min"))
 
 
 def _a_name(document: Document, start: int, end: int) -> bool:
@@ -275,6 +289,8 @@ class NextEdits:
                 return Outcome(version, [], "superseded by a newer request")
             elif isinstance(answer, Failed):
                 reason, failed = answer.reason, not answer.loading
+            else:
+                reason = answer
         if document.version != version:
             return Outcome(version, [], "the document changed while the suggestion was computed")
         shown = [s for s in found if s.confidence >= options.min_confidence.get(s.predictor, 0.0)]

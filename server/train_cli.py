@@ -59,6 +59,10 @@ def add_parser(commands: Any) -> None:
         type=float,
         help="share of examples cut where an editor asks (the cursor after a line's indentation)",
     )
+    train.add_argument("--edits", type=int, metavar="HELD_OUT", help="with --corpus or --workspace: also learn next "
+                       "edits from the repository's git history, the newest HELD_OUT commits left out (what `bench "
+                       "edits --commits HELD_OUT` replays)")  # fmt: skip
+    train.add_argument("--edit-share", type=float, help="with --edits: share of examples that are next edits")
     train.add_argument("--workspace", type=Path, metavar="DIR",
                        help="tune the --from model (default: the shipped one) on the repository that holds DIR with "
                             "the workspace recipe, and install it for that repository: the language server uses it "
@@ -108,6 +112,8 @@ def _train(args: argparse.Namespace) -> int:
         out = out or workspaces.entry_dir(root) / "run"
         minutes = workspaces.WORKSPACE_MINUTES if minutes is None else minutes
         workspaces.fresh_run(out)
+    if args.edits is not None and (corpus is None or args.edits < 0):
+        raise CliError("--edits HELD_OUT (>= 0) needs --corpus or --workspace: the repository whose history it mines")
     out = out or cache_dir() / "train"
     report = _JsonProgress() if args.progress == "json" else _BarProgress()
     try:
@@ -228,6 +234,8 @@ def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "multi_gap_share": args.multi_gap_share,
         "rewrite_share": args.rewrite_share,
         "editor_share": args.editor_share,
+        "edits_held_out": args.edits,
+        "edit_share": args.edit_share,
         "attention": args.attention,
         "experts": args.experts,
         "bf16": False if args.fp32 else None,

@@ -15,7 +15,7 @@ from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Gap,
 from canvas_ls.server.config import NextEditOptions, parse_config
 from canvas_ls.server.documents import Document
 from canvas_ls.server.history import MAX_EDIT_CHARS, MAX_EDITS, PAUSE_S, Change, EditHistory
-from canvas_ls.server.nextedit import NextEdits, pattern, repeat, window
+from canvas_ls.server.nextedit import NextEdits, changed_confidence, pattern, repeat, window
 from tests.test_lsp import SERVE, open_doc, options, request, uri, wait_ready
 
 
@@ -185,9 +185,9 @@ async def test_the_canvas_rewrite_becomes_one_edit_and_an_unchanged_window_none(
     assert prompt.startswith("# recent edits, newest last:\n# 'r * r' -> '3.14 * r * r'\n")
     assert fixed.segments[1] == {"rewrite": "\nprint(area(2))\n", "strength": 0.3}
     for reply, reason in [
-        (lambda window: window, "nothing to change"),
-        (lambda window: "print(area(2)", "nothing to change"),  # adds a syntax error: dropped
-        (answer("x", ended=False), "nothing to change"),  # ran out of tokens
+        (lambda window: window, "the model left the window as it was"),
+        (lambda window: "print(area(2)", "the model's rewrite adds syntax errors"),
+        (answer("x", ended=False), "the model's rewrite did not end within its budget"),
         (answer("\nprint(area(3))\n", confidence=0.5), "below the confidence threshold"),
         (Failed("the engine went away"), "the engine went away"),
         (Cancelled(), "superseded by a newer request"),
@@ -195,6 +195,15 @@ async def test_the_canvas_rewrite_becomes_one_edit_and_an_unchanged_window_none(
         fixed.reply = reply
         outcome = await NextEdits().suggest(document, offset, [], fixed, options, 256)  # type: ignore[arg-type]
         assert (outcome.suggestions, outcome.reason) == ([], reason)
+
+
+def test_a_rewrite_is_as_confident_as_the_tokens_that_changed_the_text() -> None:
+    copied = Answer("\nprint(area(2.0))\n", ("\nprint(area(2", ".0", "))\n"), (0.99, 0.6, 0.98))
+    assert changed_confidence(copied, 13, 15) == 0.6  # ".0" inserted: its token's confidence, not the copies'
+    assert changed_confidence(copied, 2, 4) == 0.99  # inside the first token
+    assert changed_confidence(copied, 15, 15) == 0.6  # a deletion at 15: the tokens on either side of it
+    healed = Answer("b", ("a", "b"), (0.9, 0.3), healed="a")  # the first token rewrote the prefix's "a"
+    assert changed_confidence(healed, 0, 1) == 0.3
 
 
 def test_next_edit_options_are_checked() -> None:
