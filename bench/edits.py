@@ -92,7 +92,11 @@ async def _ask(client: Any, repo: Path, case: Case) -> tuple[list[Any], str | No
 def _judge(case: Case, edits: list[Any]) -> dict[str, Any]:
     """One answer against the case: the top suggestion's confidence, and for a next-hunk case whether it is the
     hunk exactly, whether it is in the hunk's lines, and the edit similarity of the changed lines."""
-    result: dict[str, Any] = {"confidence": edits[0].confidence if edits else None}
+    result: dict[str, Any] = {"confidence": edits[0].confidence if edits else None,
+                              "commit": case.change.commit[:12], "path": case.change.path}  # fmt: skip
+    if edits:  # what it suggested, for reading the JSON
+        top = edits[0].range
+        result["top"] = {"line": top.start.line, "end_line": top.end.line, "text": edits[0].newText}
     if case.target is None:
         return result
     text, _ = case.change.applied(case.applied)
@@ -106,6 +110,8 @@ def _judge(case: Case, edits: list[Any]) -> dict[str, Any]:
         end = index.offset(top.end.line, top.end.character)
         predicted = text[:start] + edits[0].newText + text[end:]
     lines = (index.line_of(target.start), index.line_of(max(target.start, target.end - 1)))
+    result["target"] = {"line": lines[0], "end_line": lines[1], "old": text[target.start : target.end][:200],
+                        "text": target.text[:200]}  # fmt: skip
     first = min(target.start, start if start is not None else target.start)
     last = max(target.end, end if end is not None else target.end)
     left = index.starts[index.line_of(first)]

@@ -282,3 +282,64 @@ def test_bench_neovim_times_freshly_opened_documents(fixed_model_dir: Path, tmp_
     assert report["model_call"]["calls"] == 3 and report["model_call"]["engine_p50_ms"] > 0, report
     assert len(report["fp32_matmul_tflops"]) == 2 and min(report["fp32_matmul_tflops"]) > 0
     assert "insert -> answer" in bench_neovim.format_neovim(report)
+
+
+NEXT_EDIT_SETUP = """
+local root, python, model = ...
+vim.opt.rtp:prepend(root .. '/editors/neovim')
+require('canvas_ls').setup({
+  next_edit_key = '<F5>',
+  config = {
+    cmd = { python, '-m', 'canvas_ls.server.cli', 'serve' },
+    init_options = { engine = { model = model, device = 'cpu' }, next_edit = { predictors = { 'repeat' } } },
+  },
+})
+"""
+MEAN = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n"
+# The next-edit marks: (row, column, the virtual text) of each.
+NEXT_MARKS = """
+local found = {}
+local ns = vim.api.nvim_get_namespaces().canvas_ls_next_edit
+for _, mark in ipairs(vim.api.nvim_buf_get_extmarks(0, ns, 0, -1, { details = true })) do
+  table.insert(found, { mark[2], mark[3], mark[4].virt_text and mark[4].virt_text[1][1] or 'struck to '
+                        .. mark[4].end_row .. ':' .. mark[4].end_col })
+end
+return found
+"""
+
+
+def test_next_edits_are_shown_jumped_to_and_accepted_one_key_at_a_time(nvim, ending_model_dir: Path,
+                                                                       tmp_path: Path) -> None:  # fmt: skip
+    """A rename typed in Neovim (`ciw` on line 2): <F5> (:CanvasLsNextEdit) shows the other uses as marks, the next
+    <F5> jumps to the first, the next accepts it and shows the one left; a change to the buffer drops the marks."""
+    path = tmp_path / "mean.py"
+    path.write_text(MEAN)
+    nvim.exec_lua(NEXT_EDIT_SETUP, str(REPO), sys.executable, str(ending_model_dir))
+    nvim.command(f"edit {path}")
+    wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
+             what="the server to attach and load the model")  # fmt: skip
+    nvim.current.window.cursor = (2, 5)
+    nvim.input("ciwacc<Esc>")
+    wait_for(lambda: nvim.current.buffer[1] == "    acc = 0", what="the rename typed")
+
+    def press() -> None:
+        nvim.exec_lua("_G.answer = nil; require('canvas_ls').next_edit(0, function(r) _G.answer = r end)")
+
+    press()
+    answer = wait_for(lambda: nvim.exec_lua("return _G.answer"), what="the next edits")
+    assert answer["reason"] is None, answer
+    assert [(e["range"]["start"]["line"], e["newText"], e["predictor"], e["away"]) for e in answer["edits"]] == [
+        (3, "acc", "repeat", True), (4, "acc", "repeat", True)]  # fmt: skip
+    # Each use struck through, the new name right after it (the current one in the diff colours).
+    assert nvim.exec_lua(NEXT_MARKS) == [[3, 8, "struck to 3:13"], [3, 13, "acc"], [4, 11, "struck to 4:16"],
+                                         [4, 16, "acc"]]  # fmt: skip
+    nvim.input("<F5>")  # the key: jump to the first
+    wait_for(lambda: tuple(nvim.current.window.cursor) == (4, 8), what="the jump to the first suggestion")
+    nvim.input("<F5>")  # at it: accept it; the one left is asked for again and shown
+    wait_for(lambda: nvim.current.buffer[3] == "        acc += v", what="the accepted edit")
+    wait_for(lambda: nvim.exec_lua(NEXT_MARKS) == [[4, 11, "struck to 4:16"], [4, 16, "acc"]],
+             what="the suggestion left")  # fmt: skip
+    nvim.input("x")  # any change drops the marks: they were for the text as it was
+    wait_for(lambda: nvim.exec_lua(NEXT_MARKS) == [], what="the marks dropped")
+    assert nvim.exec_lua("return require('canvas_ls').next_edits") is None
+    assert nvim.exec_lua("return vim.fn.exists(':CanvasLsNextEdit')") == 2

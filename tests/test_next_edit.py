@@ -15,7 +15,7 @@ from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Gap,
 from canvas_ls.server.config import NextEditOptions, parse_config
 from canvas_ls.server.documents import Document
 from canvas_ls.server.history import MAX_EDIT_CHARS, MAX_EDITS, PAUSE_S, Change, EditHistory
-from canvas_ls.server.nextedit import NextEdits, changed_confidence, pattern, repeat, window
+from canvas_ls.server.nextedit import NextEdits, Pattern, changed_confidence, pattern, repeat, window
 from tests.test_lsp import SERVE, open_doc, options, request, uri, wait_ready
 
 
@@ -112,7 +112,7 @@ def test_a_rename_is_repeated_where_the_name_stands_as_a_name_nearest_below_firs
         (3, "total", "acc"),
         (5, "total", "acc"),
     ]  # not the string's nor the comment's
-    assert {(s.predictor, s.confidence, s.away) for s in found} == {("repeat", 0.9, True)}
+    assert {(s.predictor, s.confidence, s.away) for s in found} == {("repeat", 0.85, True)}
     assert lines[1] == "    acc = 0"
 
 
@@ -121,7 +121,7 @@ def test_an_added_argument_and_a_changed_literal_are_repeated_at_the_same_calls(
     document = edited(text, "f(x)", "f(x, 2)")
     found = repeat(document, 8, [], NextEditOptions())
     assert pattern(document, document.history.last).old == "f(x)"
-    assert [(document.text[s.start : s.end], s.text, s.confidence) for s in found] == [("f(x)", "f(x, 2)", 0.7)]
+    assert [(document.text[s.start : s.end], s.text, s.confidence) for s in found] == [("f(x)", "f(x, 2)", 0.2)]
     document = edited(text, "30", "60")
     assert (pattern(document, document.history.last).old, pattern(document, document.history.last).new) == (
         "timeout=30",
@@ -135,17 +135,29 @@ def test_a_rename_reaches_the_other_open_documents_of_its_language() -> None:
     other = Document.open("file:///main.py", "from stats import mean\nprint(mean([1]))\n", 1, "python")
     found = repeat(document, 0, [other], NextEditOptions())
     assert [(s.uri, other.text[s.start : s.end], s.confidence, s.away) for s in found] == [
-        ("file:///main.py", "mean", 0.8, True),
-        ("file:///main.py", "mean", 0.8, True),
+        ("file:///main.py", "mean", 0.75, True),
+        ("file:///main.py", "mean", 0.75, True),
     ]
     assert repeat(document, 0, [other], NextEditOptions(max_documents=0)) == []
 
 
-def test_nothing_to_repeat_for_multi_line_or_nameless_edits() -> None:
+def test_a_part_of_a_dotted_name_is_repeated_as_the_whole_dotted_name() -> None:
+    text = "from pkg.engine.calibrate import run\nfrom pkg.engine import other\nimport pkg.engine.calibrate\n"
+    document = edited(text, "engine", "server")
+    assert pattern(document, document.history.last) == Pattern("pkg.engine.calibrate", "pkg.server.calibrate", "dotted")
+    found = repeat(document, 0, [], NextEditOptions())
+    assert [(document.index.line_of(s.start), s.text) for s in found] == [(2, "pkg.server.calibrate")]
+    document = edited("self.size = 1\nother.size = 2\nprint(self.size)\n", "size", "count")
+    assert [document.text[s.start : s.end] for s in repeat(document, 0, [], NextEditOptions())] == ["self.size"]
+
+
+def test_nothing_to_repeat_for_multi_line_or_nameless_edits_or_an_imports_names() -> None:
     document = edited("x = 1\ny = 2\n", "1\ny", "3\nz")
     assert pattern(document, document.history.last) is None
     document = edited("x = 1 + 1\n", "+", "-")
     assert pattern(document, document.history.last) is None  # "1 - 1": no name in it
+    document = edited("from a import b, c\nfrom a import b, d\n", "b, c", "b, c, e")
+    assert pattern(document, document.history.last) is None  # another import need not take the name too
 
 
 # -- the canvas predictor on fixed answers ------------------------------------------------------------------------
@@ -254,11 +266,11 @@ async def test_a_rename_typed_in_the_editor_is_suggested_at_the_other_uses(clien
         change(client, "mean.py", version, 1, start, end, text)
     answer = await next_edit(client, "mean.py", 1, 7, version=4)
     assert answer == {"version": 4, "reason": None, "edits": [
-        {"textDocument": {"uri": uri("mean.py")}, "range": at(3, 8, 13), "newText": "acc", "confidence": 0.9,
+        {"textDocument": {"uri": uri("mean.py")}, "range": at(3, 8, 13), "newText": "acc", "confidence": 0.85,
          "predictor": "repeat", "away": True},
-        {"textDocument": {"uri": uri("mean.py")}, "range": at(5, 11, 16), "newText": "acc", "confidence": 0.9,
+        {"textDocument": {"uri": uri("mean.py")}, "range": at(5, 11, 16), "newText": "acc", "confidence": 0.85,
          "predictor": "repeat", "away": True},
-        {"textDocument": {"uri": uri("main.py")}, "range": at(0, 17, 22), "newText": "acc", "confidence": 0.8,
+        {"textDocument": {"uri": uri("main.py")}, "range": at(0, 17, 22), "newText": "acc", "confidence": 0.75,
          "predictor": "repeat", "away": True},
     ]}  # fmt: skip
     stale = await next_edit(client, "mean.py", 1, 7, version=3)

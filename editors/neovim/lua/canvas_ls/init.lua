@@ -12,6 +12,8 @@ local M = {}
 ---  the suggestion there while Neovim's inline completion waits out its fixed 200 ms debounce (default true)
 ---@field show_early? boolean  Neovim 0.12, with prefetch: show the suggestion as soon as the server has it for the
 ---  place where the cursor still is, instead of when Neovim's debounce ends (default true)
+---@field next_edit_key? string  normal-mode key for next edits: ask for them, then jump to the shown one, then
+---  accept it (default: none; :CanvasLsNextEdit does the same)
 
 ---@param opts? canvas_ls.Opts
 function M.setup(opts)
@@ -26,6 +28,15 @@ function M.setup(opts)
   vim.api.nvim_create_user_command('CanvasLsRewrite', function(command)
     M.rewrite(command.line1, command.line2)
   end, { range = true, desc = 'canvas-ls: rewrite the selected lines (or the last visual selection) in place' })
+  vim.api.nvim_create_user_command('CanvasLsNextEdit', function()
+    M.next_edit()
+  end, { desc = 'canvas-ls: suggest the next edits; again: jump to the shown one, then accept it' })
+  vim.api.nvim_create_user_command('CanvasLsNextEditClear', function()
+    M.next_edit_clear()
+  end, { desc = 'canvas-ls: drop the shown next-edit suggestions' })
+  if opts.next_edit_key then
+    vim.keymap.set('n', opts.next_edit_key, M.next_edit, { desc = 'canvas-ls: next edit: ask, jump, accept' })
+  end
   vim.api.nvim_create_user_command('CanvasLsLearnWorkspace', function(command)
     M.learn_workspace(command.args ~= '' and command.args or nil)
   end, { nargs = '?', complete = 'dir', desc = 'canvas-ls: learn this workspace (tune the model on its code)' })
@@ -193,6 +204,134 @@ function M.prefetch(bufnr, show_early)
   client:request('canvas/prefetch', params, function(err, result)
     if show_early and not err and result and result.ready then
       show_now(client, bufnr, version, params.position)
+    end
+  end, bufnr)
+end
+
+-- Next edits (`canvas/nextEdit`): the suggestions after the user's recent edits, each shown where it applies (the
+-- text it replaces struck through, the new text as virtual text after it), the first one current. Any change to a
+-- buffer they are shown in drops them (they were computed for the text as it was).
+local next_ns = vim.api.nvim_create_namespace('canvas_ls_next_edit')
+
+-- The byte column of an LSP position in `bufnr`.
+local function byte_column(bufnr, position, encoding)
+  local line = vim.api.nvim_buf_get_lines(bufnr, position.line, position.line + 1, false)[1] or ''
+  return vim.str_byteindex(line, encoding, position.character, false)
+end
+
+--- The shown suggestions: { items = { {bufnr, range, newText, confidence, predictor, away} }, index } or nil.
+M.next_edits = nil
+
+local function next_edit_show()
+  local state = M.next_edits
+  if not state then
+    return
+  end
+  for number, item in ipairs(state.items) do
+    local first, last = item.range.start, item.range['end']
+    local current = number == state.index
+    local start_col = byte_column(item.bufnr, first, item.encoding)
+    local end_col = byte_column(item.bufnr, last, item.encoding)
+    local lines = vim.split(item.newText, '\n', { plain = true })
+    if last.line > first.line or end_col > start_col then -- the text it replaces, struck through
+      vim.api.nvim_buf_set_extmark(item.bufnr, next_ns, first.line, start_col, {
+        end_row = last.line, end_col = end_col, hl_group = current and 'DiffDelete' or 'Comment',
+      })
+    end
+    vim.api.nvim_buf_set_extmark(item.bufnr, next_ns, last.line, end_col, { -- the new text right after it
+      virt_text = { { lines[1] .. (#lines > 1 and ' …' or ''), current and 'DiffAdd' or 'Comment' } },
+      virt_text_pos = 'inline',
+    })
+  end
+end
+
+--- Drop the shown next-edit suggestions.
+function M.next_edit_clear()
+  if M.next_edits then
+    for _, item in ipairs(M.next_edits.items) do
+      if vim.api.nvim_buf_is_valid(item.bufnr) then
+        vim.api.nvim_buf_clear_namespace(item.bufnr, next_ns, 0, -1)
+      end
+    end
+  end
+  M.next_edits = nil
+end
+
+-- Apply the current suggestion, then ask again: the accepted edit is now the last one, and the server's answer
+-- for the text as it is holds the rest (the ranges it gave before were for the text it read).
+local function next_edit_accept(state)
+  local item = state.items[state.index]
+  M.next_edit_clear()
+  vim.lsp.util.apply_text_edits({ { range = item.range, newText = item.newText } }, item.bufnr, item.encoding)
+  M.next_edits_accepted = (M.next_edits_accepted or 0) + 1
+  M.next_edit(item.bufnr)
+end
+
+--- Next edits, one key for all: with none shown, ask the server (at the cursor, for the buffer's version) and show
+--- what it suggests; with one shown away from the cursor, jump to it; at it, accept it. `on_done(result)` gets the
+--- server's answer (tests, statuslines).
+function M.next_edit(bufnr, on_done)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  local state = M.next_edits
+  if state then
+    local item = state.items[state.index]
+    local cursor = vim.api.nvim_win_get_cursor(0)
+    local row = item.range.start.line
+    local col = byte_column(item.bufnr, item.range.start, item.encoding)
+    if vim.api.nvim_get_current_buf() == item.bufnr and cursor[1] - 1 == row then
+      next_edit_accept(state)
+    else
+      vim.api.nvim_set_current_buf(item.bufnr)
+      vim.api.nvim_win_set_cursor(0, { row + 1, col })
+    end
+    return
+  end
+  local client = client_for(bufnr)
+  if not client then
+    return
+  end
+  local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
+  local version = vim.lsp.util.buf_versions[bufnr]
+  params.textDocument.version = version
+  client:request('canvas/nextEdit', params, function(err, result)
+    M.next_edit_result = err and { error = err.message } or result
+    if err then
+      vim.notify('canvas-ls: ' .. (err.message or tostring(err)), vim.log.levels.ERROR)
+    elseif vim.lsp.util.buf_versions[bufnr] ~= version then
+      M.next_edit_result = { edits = {}, reason = 'the buffer changed while the suggestion was computed' }
+    elseif #result.edits == 0 then
+      vim.notify('canvas-ls: no next edit: ' .. (result.reason or 'nothing to change'), vim.log.levels.INFO)
+    else
+      M.next_edit_clear()
+      local items = {}
+      for _, edit in ipairs(result.edits) do
+        local target = vim.uri_to_bufnr(edit.textDocument.uri)
+        vim.fn.bufload(target)
+        table.insert(items, { bufnr = target, range = edit.range, newText = edit.newText, confidence = edit.confidence,
+                              predictor = edit.predictor, away = edit.away, encoding = client.offset_encoding })
+      end
+      local shown = { items = items, index = 1 }
+      M.next_edits = shown
+      next_edit_show()
+      for _, item in ipairs(items) do
+        local tick = vim.api.nvim_buf_get_changedtick(item.bufnr)
+        vim.api.nvim_create_autocmd({ 'TextChanged', 'TextChangedI' }, {
+          group = vim.api.nvim_create_augroup('canvas_ls_next_edit_' .. item.bufnr, { clear = true }),
+          buffer = item.bufnr,
+          callback = function()
+            if M.next_edits ~= shown then
+              return true -- other suggestions are shown now: this watch ends
+            end
+            if vim.api.nvim_buf_get_changedtick(item.bufnr) ~= tick then
+              M.next_edit_clear() -- the text they were computed for changed
+              return true
+            end
+          end,
+        })
+      end
+    end
+    if on_done then
+      on_done(M.next_edit_result)
     end
   end, bufnr)
 end
