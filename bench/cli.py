@@ -219,6 +219,8 @@ def add_parser(commands: Any) -> None:
                                "per predictor, through the server")  # fmt: skip
     edits.add_argument("--repo", type=Path, required=True, help="a git repository (its first-parent history)")
     edits.add_argument("--commits", type=int, default=40, help="the newest commits held out and replayed")
+    edits.add_argument("--skip", type=int, default=0, help="leave out the newest SKIP commits first (an older stretch "
+                       "of history: figures out of the sample a threshold was chosen on)")  # fmt: skip
     edits.add_argument("--per-file", type=int, default=2, help="next-hunk cases per changed file at most")
     edits.add_argument("--cases", type=int, default=60, help="cases in all at most (unchanged windows included)")
     edits.add_argument("--window-lines", type=int, help="the canvas's window: lines each side (default: the "
@@ -247,13 +249,13 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_edits(args: argparse.Namespace) -> int:
     from .edits import format_edits, plot_edits, run_edits_bench
 
-    if args.commits < 1 or args.per_file < 1 or args.cases < 1:
-        raise CliError("bench edits: --commits, --per-file and --cases must be >= 1")
+    if args.commits < 1 or args.per_file < 1 or args.cases < 1 or args.skip < 0:
+        raise CliError("bench edits: --commits, --per-file and --cases must be >= 1, --skip >= 0")
     chosen = {"window_lines": args.window_lines, "strength": args.strength, "max_steps": args.max_steps}
     options = {name: value for name, value in chosen.items() if value is not None}
     try:
         report = run_edits_bench(args.repo.expanduser().resolve(), args.commits, args.model, args.device,
-                                 args.per_file, args.cases, options)  # fmt: skip
+                                 args.per_file, args.cases, options, args.skip)  # fmt: skip
     except ValueError as exc:
         raise CliError(f"bench edits: {exc}") from exc
     return _report("edits", report, format_edits, args.out, plot_edits)

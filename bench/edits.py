@@ -196,11 +196,12 @@ def _sweep(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_edits_bench(repo: Path, commits: int, model: str | None, device: str, per_file: int, limit: int,
-                    options: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """Mine the held-out commits, replay them per predictor, and summarise (module docstring)."""
+                    options: dict[str, Any], skip: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Mine the held-out commits (after leaving out the newest `skip`), replay them per predictor, and summarise
+    (module docstring)."""
     base = NextEditOptions(**options)
     all_commits = history(repo)
-    training, held = split(all_commits, commits)
+    training, held = split(all_commits[: len(all_commits) - skip], commits)
     mined = mine(repo, held)
     found = cases(mined.changes, per_file, limit, base.window_lines)
     if not found:
@@ -220,6 +221,7 @@ def run_edits_bench(repo: Path, commits: int, model: str | None, device: str, pe
         "model": model or "(default)",
         "machine": machine(),
         "held_out_commits": len(held),
+        "skipped_newest": skip,
         "training_commits": len(training),
         "file_changes": len(mined.changes),
         "skipped": dict(mined.skipped),
@@ -235,7 +237,9 @@ def format_edits(report: dict[str, Any]) -> str:
     def cell(value: float | None, scale: float = 100, unit: str = "%") -> str:
         return "-" if value is None else f"{scale * value:.1f}{unit}"
 
-    lines = [f"next edits replayed from the newest {report['held_out_commits']} commits of {report['repository']} "
+    older = f" (the newest {report['skipped_newest']} left out first)" if report.get("skipped_newest") else ""
+    lines = [f"next edits replayed from the newest {report['held_out_commits']} commits{older} of "
+             f"{report['repository']} "
              f"({report['file_changes']} changed files; skipped: {report['skipped'] or 'none'})",
              f"model {report['model']}, {report['machine']}, window {2 * report['window_lines'] + 1} lines, "
              f"thresholds {report['thresholds']}", ""]  # fmt: skip
