@@ -3,6 +3,7 @@ predictor on answers known in advance, and `canvas/nextEdit` through a real LSP 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Gap,
 from canvas_ls.server.config import NextEditOptions, parse_config
 from canvas_ls.server.documents import Document
 from canvas_ls.server.history import MAX_EDIT_CHARS, MAX_EDITS, PAUSE_S, Change, EditHistory
-from canvas_ls.server.nextedit import NextEdits, Pattern, changed_confidence, pattern, repeat, window
+from canvas_ls.server.nextedit import NextEdits, Pattern, changed_confidence, pattern, repeat, rewrite, window
 from tests.test_lsp import SERVE, open_doc, options, request, uri, wait_ready
 
 
@@ -216,6 +217,51 @@ def test_a_rewrite_is_as_confident_as_the_tokens_that_changed_the_text() -> None
     assert changed_confidence(copied, 15, 15) == 0.6  # a deletion at 15: the tokens on either side of it
     healed = Answer("b", ("a", "b"), (0.9, 0.3), healed="a")  # the first token rewrote the prefix's "a"
     assert changed_confidence(healed, 0, 1) == 0.3
+
+
+class Waiting:
+    """A backend whose fill runs until its request is cancelled (the engine stops between denoising steps)."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+
+    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
+                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+        self.started.set()
+        await cancel.until_set()
+        return Cancelled()
+
+
+async def test_a_newer_request_or_closing_the_document_stops_the_running_one() -> None:
+    document = edited("def area(r):\n    return r * r\n\nprint(area(2))\n", "r * r", "3.14 * r * r")
+    options = NextEditOptions(predictors=["canvas"], window_lines=1)
+    edits, backend = NextEdits(), Waiting()
+    older = asyncio.ensure_future(edits.suggest(document, 0, [], backend, options, 256))  # type: ignore[arg-type]
+    await backend.started.wait()
+    backend.started.clear()
+    newer = asyncio.ensure_future(edits.suggest(document, 0, [], backend, options, 256))  # type: ignore[arg-type]
+    assert (await older).reason == "superseded by a newer request"  # cancelled by the newer one, not left running
+    await backend.started.wait()
+    edits.forget(document.uri)  # the document closed mid-request
+    assert ((await newer).suggestions, (await newer).reason) == ([], "superseded by a newer request")
+    assert edits.in_flight == {}
+
+
+async def test_huge_and_binary_looking_documents_get_a_reason_not_a_crash() -> None:
+    options = NextEditOptions(predictors=["repeat", "canvas"], window_lines=1)
+    long_line = "x = '" + "a" * 20_000 + "'\n"
+    document = edited("value = 1\n" + long_line + "print(value)\n", "value", "amount")
+    offset = document.text.index("x = ")
+    outcome = await NextEdits().suggest(document, offset, [], Fixed(lambda w: w), options, 256)  # type: ignore[arg-type]
+    assert [(s.text, document.index.line_of(s.start)) for s in outcome.suggestions] == [("amount", 2)]
+    found = await rewrite(document, offset, Fixed(lambda w: w), options, CancelFlag(), 256)  # type: ignore[arg-type]
+    assert found == "the window around the cursor is over 12000 characters"
+    binary = edited("k\x00\x01 = 1\n\ufffd\x7f k\x00\x01\n", "1", "2")
+    outcome = await NextEdits().suggest(binary, 0, [], Fixed(lambda w: w), options, 256)  # type: ignore[arg-type]
+    assert (outcome.suggestions, outcome.reason) == ([], "the model left the window as it was")
+    history = EditHistory()
+    history.record(Change(0, "", "z" * (MAX_EDIT_CHARS + 1)), 2)
+    assert history.last is not None and history.last.huge  # kept as "huge": never repeated nor shown to the model
 
 
 def test_next_edit_options_are_checked() -> None:
