@@ -25,6 +25,7 @@ import {
   serverCommand,
   serverLogLine,
 } from "./config";
+import { NextEdit, NextEditResult, nextEditLabel, nextEditMessage, nextEditParams, nextEditStep } from "./nextEdit";
 
 let client: LanguageClient | undefined;
 let enabled = true;
@@ -183,6 +184,74 @@ async function learnWorkspace(): Promise<void> {
   else void vscode.window.showInformationMessage(text);
 }
 
+// Next edits: the server's suggestions after the user's recent edits, shown where they apply (the replaced text
+// struck through, the new text after it), the first one current. One key asks, jumps, accepts; any change to a
+// document they are shown in drops them (they were computed for the text as it was).
+let nextEdits: NextEdit[] = [];
+const removed = vscode.window.createTextEditorDecorationType({
+  textDecoration: "line-through",
+  backgroundColor: new vscode.ThemeColor("diffEditor.removedTextBackground"),
+});
+const added = vscode.window.createTextEditorDecorationType({
+  after: { backgroundColor: new vscode.ThemeColor("diffEditor.insertedTextBackground"), margin: "0 0 0 2px" },
+});
+
+function asRange(edit: NextEdit): vscode.Range {
+  const { start, end } = edit.range;
+  return new vscode.Range(start.line, start.character, end.line, end.character);
+}
+
+function showNextEdits(): void {
+  for (const editor of vscode.window.visibleTextEditors) {
+    const mine = nextEdits.filter((edit) => edit.textDocument.uri === editor.document.uri.toString());
+    editor.setDecorations(removed, mine.map(asRange));
+    editor.setDecorations(added, mine.map((edit) => ({
+      range: new vscode.Range(asRange(edit).end, asRange(edit).end),
+      renderOptions: { after: { contentText: nextEditLabel(edit) } },
+      hoverMessage: `canvas-ls next edit (${edit.predictor}, confidence ${edit.confidence})`,
+    })));
+  }
+  void vscode.commands.executeCommand("setContext", "canvasLs.nextEditShown", nextEdits.length > 0);
+}
+
+function clearNextEdits(): void {
+  nextEdits = [];
+  showNextEdits();
+}
+
+async function nextEdit(): Promise<void> {
+  const editor = vscode.window.activeTextEditor;
+  const running = client;
+  if (!editor || !running) {
+    void vscode.window.showErrorMessage("canvas-ls: no editor, or the language server is not running");
+    return;
+  }
+  const current = nextEdits[0];
+  const step = nextEditStep(current, editor.document.uri.toString(), editor.selection.active.line);
+  if (step === "jump") {
+    const target = await vscode.window.showTextDocument(vscode.Uri.parse(current.textDocument.uri));
+    const at = asRange(current).start;
+    target.selection = new vscode.Selection(at, at);
+    target.revealRange(asRange(current), vscode.TextEditorRevealType.InCenterIfOutsideViewport);
+    return;
+  }
+  if (step === "accept") {
+    clearNextEdits();
+    const edit = new vscode.WorkspaceEdit();
+    edit.replace(vscode.Uri.parse(current.textDocument.uri), asRange(current), current.newText);
+    if (!(await vscode.workspace.applyEdit(edit))) return;
+    // the accepted edit is now the last one: the server's answer for the text as it is holds the rest
+  }
+  const document = editor.document;
+  const version = document.version;
+  const params = nextEditParams(document.uri.toString(), version, editor.selection.active);
+  const result = await running.sendRequest<NextEditResult>("canvas/nextEdit", params);
+  if (document.version !== version) return; // the user typed meanwhile: the answer is for text that is gone
+  nextEdits = result.edits;
+  showNextEdits();
+  void vscode.window.setStatusBarMessage(nextEditMessage(result), 5000);
+}
+
 async function stop(): Promise<void> {
   const running = client;
   client = undefined;
@@ -217,6 +286,15 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       ),
     ),
     vscode.commands.registerCommand("canvasLs.learnWorkspace", learnWorkspace),
+    vscode.commands.registerCommand("canvasLs.nextEdit", nextEdit),
+    vscode.commands.registerCommand("canvasLs.nextEditClear", clearNextEdits),
+    removed,
+    added,
+    vscode.workspace.onDidChangeTextDocument((event) => {
+      const uri = event.document.uri.toString();
+      if (event.contentChanges.length && nextEdits.some((edit) => edit.textDocument.uri === uri)) clearNextEdits();
+    }),
+    vscode.window.onDidChangeVisibleTextEditors(showNextEdits),
     vscode.workspace.onDidChangeConfiguration(async (event) => {
       if (event.affectsConfiguration("canvasLs")) {
         await stop();

@@ -11,6 +11,7 @@ import * as readline from "node:readline";
 import { pathToFileURL } from "node:url";
 import {
   createProtocolConnection,
+  DidChangeTextDocumentNotification,
   DidOpenTextDocumentNotification,
   ExitNotification,
   InitializedNotification,
@@ -37,6 +38,7 @@ import {
   serverCommand,
   serverLogLine,
 } from "../config";
+import { NextEdit, NextEditResult, nextEditLabel, nextEditMessage, nextEditParams, nextEditStep } from "../nextEdit";
 
 const python = process.env.CANVAS_PYTHON ?? "python3";
 
@@ -142,6 +144,25 @@ test("the fill commands' requests, and what the user is told", () => {
   assert.equal(fillMessage({ ...base, edit: null, stale: true }).level, "warning");
 });
 
+test("next edits: one key asks, jumps to the shown edit, accepts it at its line", () => {
+  const edit: NextEdit = {
+    textDocument: { uri: "file:///w/a.py" }, range: { start: { line: 3, character: 8 }, end: { line: 3, character: 13 } },
+    newText: "acc", confidence: 0.85, predictor: "repeat", away: true,
+  };
+  assert.equal(nextEditStep(undefined, "file:///w/a.py", 1), "ask");
+  assert.equal(nextEditStep(edit, "file:///w/a.py", 1), "jump");
+  assert.equal(nextEditStep(edit, "file:///w/b.py", 3), "jump"); // the same line of another document
+  assert.equal(nextEditStep(edit, "file:///w/a.py", 3), "accept");
+  assert.equal(nextEditLabel(edit), "acc");
+  assert.equal(nextEditLabel({ ...edit, newText: "x = 1\ny = 2" }), "x = 1 …");
+  assert.deepEqual(nextEditParams("file:///w/a.py", 4, { line: 1, character: 7 }),
+    { textDocument: { uri: "file:///w/a.py", version: 4 }, position: { line: 1, character: 7 } });
+  assert.equal(nextEditMessage({ version: 4, edits: [edit, edit], reason: null }),
+    "canvas-ls: 2 next edits: Tab to jump, Tab to accept, Escape to dismiss");
+  assert.equal(nextEditMessage({ version: 4, edits: [], reason: "no recent edit in this document" }),
+    "canvas-ls: no next edit: no recent edit in this document");
+});
+
 test("the server the extension starts answers initialize and an inline completion", { timeout: 180_000 }, async () => {
   const modelDir = fs.mkdtempSync(path.join(os.tmpdir(), "canvas-tiny-"));
   execFileSync(python, ["-m", "canvas_ls.server.cli", "make-tiny-model", modelDir]);
@@ -214,6 +235,22 @@ test("the server the extension starts answers initialize and an inline completio
     });
     assert.equal(overlap.error, "regions 1 and 2 overlap");
     assert.equal(overlap.edit, null);
+    // Next edits: a rename typed in a document; the server suggests the other uses, as the extension asks.
+    const mean = "file:///w/mean.py";
+    const before = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total\n";
+    await connection.sendNotification(DidOpenTextDocumentNotification.type, {
+      textDocument: { uri: mean, languageId: "python", version: 1, text: before },
+    });
+    await connection.sendNotification(DidChangeTextDocumentNotification.type, {
+      textDocument: { uri: mean, version: 2 },
+      contentChanges: [{ range: { start: { line: 1, character: 4 }, end: { line: 1, character: 9 } }, text: "acc" }],
+    });
+    const next = await connection.sendRequest<NextEditResult>(
+      "canvas/nextEdit", nextEditParams(mean, 2, { line: 1, character: 7 }),
+    );
+    assert.equal(next.reason, null);
+    assert.deepEqual(next.edits.map((edit) => [edit.range.start.line, edit.range.start.character, edit.newText]),
+      [[3, 8, "acc"], [4, 11, "acc"]]);
     // "Learn this workspace" for a folder that is not there: the server's clear error, nothing started
     const learn = await connection.sendRequest<LearnResult>(
       "workspace/executeCommand", learnParams(pathToFileURL(path.join(runtime, "missing")).toString()),
