@@ -1,8 +1,8 @@
 """`canvas-ls train`: the default model from the source on this machine, a model of one repository (`--workspace`:
 the editors' "Learn this workspace" runs exactly this, at the lowest priority), LoRA adapters, and `--plan` (what a
-run needs, before it loads anything). The workspace policy lives here once: a base too big to tune fully gets the
-LoRA recipe, its base quantised to fit; the tuned model is calibrated on the repository's held-out lines and
-installed for that repository."""
+run needs, before it loads anything). Its flags become a `learning.TrainRequest`; the policy (recipes, a LoRA adapter
+where the base is too big to tune fully, the calibration and install of a workspace's model) is `server/learning.py`'s.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..engine import confidence as calibration
-from ..engine.paths import cache_dir, lowest_priority
+from ..engine.paths import lowest_priority
 from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from ..engine.workspaces import RECIPES as RECIPE_NAMES
+from . import learning
 from .cli import CliError
 
 
@@ -79,114 +79,44 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return _train(args)
-
-
-def _train(args: argparse.Namespace) -> int:
+    """`canvas-ls train`: the flags as a `TrainRequest`, run by `server/learning.py`; its summary on stdout (JSON),
+    or with `--progress json` one JSON line per second and the summary as the last line."""
     if args.plan:
         return _train_plan(args)
     if args.low_priority:
         lowest_priority()
-    from ..engine import workspaces
-    from ..engine.loading import DEFAULT_MODEL_DIR
-    from ..engine.training import TrainingError, run
-
-    name = _recipe_name(args)
-    if args.workspace and not args.recipe and args.lora is None and not _fits_fully(args):
-        name = "lora"  # a big base (DiffusionGemma): full tuning cannot fit on this device, an adapter can
-        print(f"canvas-ls: training every weight of {args.start_from} cannot fit here: tuning a LoRA adapter "
-              "(recipe lora)", file=sys.stderr)  # fmt: skip
-    overrides, replay = _recipe_settings(args, name)
-    if args.workspace and name == "lora" and args.quantize is None:
-        overrides["quantize"] = _fitting_base(args)
-        if overrides["quantize"] != "none":
-            print(f"canvas-ls: the LoRA run's base is quantised to {overrides['quantize']} to fit here",
-                  file=sys.stderr)  # fmt: skip
-    corpus, out, minutes, start_from = args.corpus, args.out, args.minutes, args.start_from
-    root = None
-    if args.workspace is not None:
-        root = workspaces.repository_root(args.workspace)
-        if not root.is_dir():
-            raise CliError(f"workspace folder '{args.workspace}' does not exist")
-        corpus, start_from = root, start_from or str(DEFAULT_MODEL_DIR)
-        out = out or workspaces.entry_dir(root) / "run"
-        minutes = workspaces.WORKSPACE_MINUTES if minutes is None else minutes
-        workspaces.fresh_run(out)
-    if args.edits is not None and (corpus is None or args.edits < 0):
-        raise CliError("--edits HELD_OUT (>= 0) needs --corpus or --workspace: the repository whose history it mines")
-    out = out or cache_dir() / "train"
     report = _JsonProgress() if args.progress == "json" else _BarProgress()
+
+    def say(text: str) -> None:
+        print(f"canvas-ls: {text}", file=sys.stderr)
+
     try:
-        summary = run(args.preset, out, minutes, args.eval_dir, DEFAULT_MODEL_DIR if args.install else None,
-                      report, start_from, overrides, corpus, args.held_out, replay,
-                      export_merged=root is None)  # fmt: skip
-    except TrainingError as exc:
+        summary = learning.train(request(args), report, say)
+    except learning.LearningError as exc:
         if args.progress == "json":
             _emit({"error": str(exc)})
         raise CliError(str(exc)) from exc
     finally:
         if isinstance(report, _BarProgress):
             report.close()
-    if root is not None:
-        summary["display"] = _calibrate_workspace_model(out, summary, report)
-        folder = workspaces.install(root, out, args.start_from, summary, {"name": name, **overrides, "replay": replay})
-        summary["installed"] = str(folder)
-    shown = {k: v for k, v in summary.items() if k != "config"}
+    shown = {k: v for k, v in summary.items() if k not in ("config", "workspace")}
     if args.progress == "json":
         _emit({"done": shown})
     else:
         print(json.dumps(shown, indent=2))
-        if root is not None:
-            print(f"installed for {root}: {folder} (the language server uses it for that repository's files)")
+        if "installed" in summary:
+            print(f"installed for {summary['workspace']}: {summary['installed']} (the language server uses it for "
+                  "that repository's files)")  # fmt: skip
     return 0
 
 
-def _calibrate_workspace_model(run_dir: Path, summary: dict[str, Any], report: Any) -> dict[str, Any] | None:
-    """A workspace's tuned model gets its own display threshold, calibrated on the repository's held-out lines
-    (`server/calibration.py:calibrate_folder`); an adapter keeps its base's, and so does an interrupted run (the user
-    asked it to stop). A calibration that fails leaves the model installed with its base's threshold."""
-    from .calibration import calibrate_folder
-
-    model, held_out = run_dir / "model", run_dir / "repository_report.json"
-    if summary.get("stopped") == "interrupted" or not model.is_dir() or not held_out.is_file():
-        return None
-    if isinstance(report, _JsonProgress):
-        _emit({"calibrating": {"lines": calibration.WORKSPACE_LINES}})
-    else:
-        print(f"canvas-ls: calibrating the model's display threshold on up to {calibration.WORKSPACE_LINES} held-out "
-              "lines", file=sys.stderr)  # fmt: skip
-    try:
-        return calibrate_folder(model, held_out)
-    except Exception as exc:  # the model is trained: install it with its base's threshold, and say why
-        print(f"canvas-ls: calibration failed ({type(exc).__name__}: {exc}); the base's threshold stays",
-              file=sys.stderr)  # fmt: skip
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def _fits_fully(args: argparse.Namespace) -> bool:
-    """Whether full training of the --from model fits the device (`train --plan`'s arithmetic)."""
-    if not args.start_from:
-        return True  # the shipped model: megabytes
-    from ..engine.loading import resolve_device
-    from ..engine.plan import check
-
-    cfg = replace(_plan_config(args), lora_rank=0)
-    return check(_run_plan(cfg, args), resolve_device(cfg.device)) is None
-
-
-def _fitting_base(args: argparse.Namespace) -> str:
-    """The widest base (none, int8, int4) whose LoRA run fits the device (`train --plan`'s arithmetic); int4 only
-    where it runs. None fitting: "none", and the run's own check says why."""
-    from ..engine.loading import resolve_device
-    from ..engine.plan import check
-    from ..engine.quantize import int4_capable
-
-    cfg = _lora_plan_config(_plan_config(args))
-    device = resolve_device(cfg.device)
-    for kind in ("none", "int8", "int4") if int4_capable(device) else ("none", "int8"):
-        if check(_run_plan(replace(cfg, quantize=kind), args), device) is None:
-            return kind
-    return "none"
+def request(args: argparse.Namespace) -> learning.TrainRequest:
+    """What a `canvas-ls train` command asks for."""
+    return learning.TrainRequest(
+        preset=args.preset, out=args.out, minutes=args.minutes, start_from=args.start_from, corpus=args.corpus,
+        workspace=args.workspace, recipe=args.recipe, flags=_train_overrides(args), replay=args.replay,
+        held_out=args.held_out, eval_dir=args.eval_dir, install=args.install,
+    )  # fmt: skip
 
 
 def _emit(record: dict[str, Any]) -> None:
@@ -247,51 +177,17 @@ def _train_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if v is not None}
 
 
-def _recipe_name(args: argparse.Namespace) -> str | None:
-    """The tuning recipe a `train` command runs: `--recipe`, or the workspace recipe with `--workspace`."""
-    from ..engine import workspaces
-
-    return args.recipe or (workspaces.WORKSPACE_RECIPE if args.workspace else None)
-
-
-def _recipe_settings(args: argparse.Namespace, name: str | None) -> tuple[dict[str, Any], float]:
-    """A `train` command's TrainConfig overrides (recipe `name`'s, the flags over them) and its general-code replay
-    share (the recipe's unless `--replay`)."""
-    from ..engine import workspaces
-
-    recipe, replay = workspaces.recipe(name) if name else ({}, 0.0)
-    return {**recipe, **_train_overrides(args)}, replay if args.replay is None else args.replay
-
-
-def _plan_config(args: argparse.Namespace) -> Any:
-    """The TrainConfig a `train` command would run (its preset, its recipe and the flags over them), for the memory
-    plan."""
-    from ..engine.training import PRESETS, TrainConfig
-
-    return TrainConfig(**{**PRESETS[args.preset]["train"], **_recipe_settings(args, _recipe_name(args))[0]})
-
-
-def _lora_plan_config(cfg: Any) -> Any:
-    """`cfg` as a LoRA run: its own rank, or 16."""
-    return replace(cfg, lora_rank=cfg.lora_rank or 16)
-
-
-def _run_plan(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from ..engine.training import PRESETS, run_plan
-
-    return run_plan(cfg, args.start_from, args.preset, PRESETS[args.preset]["vocab_size"])
-
-
 def _train_plan(args: argparse.Namespace) -> int:
     """Full and LoRA training of the run's model, side by side, against the device's free memory."""
     from ..engine.loading import resolve_device
     from ..engine.plan import GIB, available_bytes, format_plan
 
-    base = _plan_config(args)
-    lora = _lora_plan_config(base)
-    plans = [_run_plan(replace(base, lora_rank=0), args), _run_plan(replace(lora, quantize="none"), args)]
-    if not lora.lora_experts:  # quantised bases take adapters of the attention and dense MLP
-        plans += [_run_plan(replace(lora, quantize=kind), args) for kind in ("int8", "int4")]
+    asked = request(args)
+    base = learning.plan_config(asked)
+    lora = learning.lora_plan_config(base)
+    kinds = ("none", "int8", "int4") if not lora.lora_experts else ("none",)  # quantised bases: no expert adapters
+    plans = [learning.run_plan(replace(base, lora_rank=0), asked)]
+    plans += [learning.run_plan(replace(lora, quantize=kind), asked) for kind in kinds]
     free, where = available_bytes(resolve_device(base.device))
     name = args.start_from or f"the {args.preset} preset's model"
     print(format_plan(plans, where, name))

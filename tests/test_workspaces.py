@@ -260,13 +260,16 @@ def test_a_base_too_big_to_tune_fully_learns_an_adapter(tiny_model_dir: Path, mo
     """`train --workspace` on a model whose full training cannot fit the device (DiffusionGemma on one GPU) takes the
     LoRA recipe; the shipped model, megabytes, always trains fully."""
     from canvas_ls.engine import plan
-    from canvas_ls.server import cli, train_cli
+    from canvas_ls.server.learning import TrainRequest, fits_fully, policy
 
-    args = cli._parser().parse_args(["train", "--workspace", ".", "--from", str(tiny_model_dir)])
-    assert train_cli._fits_fully(args)
+    request = TrainRequest(workspace=Path("."), start_from=str(tiny_model_dir))
+    assert fits_fully(request) and policy(request).recipe == workspaces.WORKSPACE_RECIPE
     monkeypatch.setattr(plan, "available_bytes", lambda device: (1 << 20, "a 1 MiB device"))
-    assert not train_cli._fits_fully(args)
-    assert train_cli._fits_fully(cli._parser().parse_args(["train", "--workspace", "."]))
+    assert not fits_fully(request)
+    chosen = policy(request)
+    assert (chosen.recipe, chosen.overrides["quantize"]) == ("lora", "none")  # nothing fits: the run's check says why
+    assert chosen.notes[0].startswith("training every weight of ") and chosen.notes[0].endswith("(recipe lora)")
+    assert fits_fully(TrainRequest(workspace=Path(".")))  # the shipped model
 
 
 def test_every_recipe_is_a_training_configuration() -> None:
@@ -285,10 +288,10 @@ def test_every_recipe_is_a_training_configuration() -> None:
 def test_the_training_plan_is_the_recipes() -> None:
     """`train --plan --recipe NAME` counts the run that recipe makes: a moving average's copy of the weights, a LoRA
     recipe's adapter."""
-    from canvas_ls.server import cli, train_cli
+    from canvas_ls.server import cli, learning, train_cli
 
     def plan_of(*argv: str) -> Any:
-        return train_cli._plan_config(cli._parser().parse_args(["train", "--plan", *argv]))
+        return learning.plan_config(train_cli.request(cli._parser().parse_args(["train", "--plan", *argv])))
 
     assert plan_of("--recipe", "editor-ema").ema == workspaces.RECIPES["editor-ema"]["ema"] > 0
     assert plan_of("--recipe", "lora").lora_rank == workspaces.RECIPES["lora"]["lora_rank"]

@@ -5,6 +5,7 @@
 //    type a space after `return`, wait for the ghost text, check it equals the server's answer (its log, at DEBUG,
 //    which the output channel must show at level debug) and the known text, take a screenshot, accept with Tab, save,
 //    and check the file on disk.
+//    Then next edits: a rename typed in the definition, Alt+] shows the other use, Tab jumps, Tab accepts.
 // 2. The status bar item (latency after a completion), and a click on it toggles inline completion off and on.
 // 3. A model that fails to load: an error notification that says so, the status bar's error icon, no crash.
 // 4. The shipped default model: only that a request makes the round trip (its answers are not known in advance).
@@ -188,6 +189,40 @@ try {
   }, 10000);
   if (line !== `    return ${ghost}`) throw new Error(`after Tab the line is ${JSON.stringify(line)}`);
   step("Tab accepted it; saved file", { line });
+
+  // Next edits: rename `area` in its definition, Alt+] shows the other use (line 5) with the new name after it, Tab
+  // jumps there, Tab accepts it; the saved file has both renamed.
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyG"); await page.keyboard.up("Control");
+  await page.keyboard.type("1:5"); // line 1, column 5: the start of `area`
+  await page.keyboard.press("Enter");
+  await sleep(500);
+  await page.keyboard.down("Control"); await page.keyboard.down("Shift");
+  await page.keyboard.press("ArrowRight");
+  await page.keyboard.up("Shift"); await page.keyboard.up("Control");
+  await page.keyboard.type("surface");
+  await sleep(500);
+  await page.keyboard.press("Escape"); // a ghost text the typing asked for: dismissed
+  await page.keyboard.down("Alt"); await page.keyboard.press("BracketRight"); await page.keyboard.up("Alt");
+  const shown = await until("the next-edit decoration", () => page.evaluate(() => {
+    for (const el of document.querySelectorAll(".view-lines span")) {
+      const after = getComputedStyle(el, "::after").content;
+      if (el.textContent === "surface" && el.className.includes("ced-")) return "text";
+      if (after === '"surface"') return "after";
+    }
+    return null;
+  }), 30000);
+  await page.screenshot({ path: join(out, "next-edit.png"),
+    clip: { x: editorBox.x, y: editorBox.y, width: Math.min(editorBox.width, 720), height: 170 } });
+  await page.keyboard.press("Tab"); // jump to it
+  await sleep(500);
+  await page.keyboard.press("Tab"); // accept it
+  await sleep(500);
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyS"); await page.keyboard.up("Control");
+  const renamed = await until("both renamed on disk", () => {
+    const lines = readFileSync(file, "utf8").split("\n");
+    return lines[0].startsWith("def surface(") && lines[4] === "print(surface(2, 3))" ? lines : null;
+  }, 10000);
+  step("next edit: shown, jumped to with Tab, accepted with Tab", { shown, first: renamed[0], last: renamed[4] });
 
   // The status bar: latency after the completion; a click toggles inline completion off and back on.
   const withLatency = await until("latency in the status bar", async () => {
