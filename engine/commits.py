@@ -241,6 +241,17 @@ def edit_texts(changes: list[FileChange], history_edits: int = 4) -> list[EditTe
     return found
 
 
+def training_edits(repository: Path, held_out: int) -> tuple[list[EditText], dict[str, object]]:
+    """The repository's older commits as next-edit examples (the newest `held_out` left for `bench edits`), and what
+    was mined and skipped. ValueError for a folder with no history."""
+    training, held = split(history(repository), held_out)
+    mined = mine(repository, training)
+    texts = edit_texts(mined.changes)
+    return texts, {"commits": mined.commits, "held_out_commits": len(held), "file_changes": len(mined.changes),
+                   "examples": len(texts), "no_ops": sum(t.old == t.new for t in texts),
+                   "skipped": dict(mined.skipped)}  # fmt: skip
+
+
 def _line_end(text: str, offset: int) -> int:
     """The offset after the newline that ends the line of `offset` (the text's end on its last line)."""
     end = text.find("\n", offset)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .commits import EditText
+from .commits import EditText, training_edits
 from .corpus import CorpusFile
 from .examples import Batch, BatchStream, ExampleSampler, collate, losses
 from .tokenizer import TokenHealing
@@ -411,22 +411,6 @@ def preset_model(preset: str, vocab_size: int) -> Any:
     return DiffusionGemmaForBlockDiffusion(small_config(vocab_size, sliding_window=512, **PRESETS[preset]["model"]))
 
 
-def next_edit_texts(repository: Path, held_out: int) -> tuple[list[EditText], dict[str, Any]]:
-    """The repository's older commits as next-edit examples (the newest `held_out` left for `bench edits`), and
-    what was mined and skipped. A folder with no history is a TrainingError."""
-    from . import commits
-
-    try:
-        training, held = commits.split(commits.history(repository), held_out)
-        mined = commits.mine(repository, training)
-    except ValueError as exc:
-        raise TrainingError(f"--edits: {exc}") from exc
-    texts = commits.edit_texts(mined.changes)
-    return texts, {"commits": mined.commits, "held_out_commits": len(held), "file_changes": len(mined.changes),
-                   "examples": len(texts), "no_ops": sum(t.old == t.new for t in texts),
-                   "skipped": dict(mined.skipped)}  # fmt: skip
-
-
 def run(
     preset: str,
     out_dir: Path,
@@ -522,7 +506,10 @@ def run(
         own = tokenizer([f.text for f in own_files], add_special_tokens=False)["input_ids"]
         report["train_tokens"] = sum(len(ids) for ids in own)
         if cfg.edits_held_out is not None:
-            edits, report["edits"] = next_edit_texts(repository, cfg.edits_held_out)
+            try:
+                edits, report["edits"] = training_edits(repository, cfg.edits_held_out)
+            except ValueError as exc:
+                raise TrainingError(f"--edits: {exc}") from exc
         (out_dir / "repository_report.json").write_text(json.dumps(report, indent=2))
 
     problem = plan.check(run_plan(cfg, start_from, preset, len(tokenizer)), resolve_device(cfg.device))

@@ -165,7 +165,9 @@ test("next edits: one key asks, jumps to the shown edit, accepts it at its line"
 
 test("the server the extension starts answers initialize and an inline completion", { timeout: 180_000 }, async () => {
   const modelDir = fs.mkdtempSync(path.join(os.tmpdir(), "canvas-tiny-"));
-  execFileSync(python, ["-m", "canvas_ls.server.cli", "make-tiny-model", modelDir]);
+  // The model whose answers are known in advance: "code" in every slot (" None" where "code" is barred), 4 at most.
+  execFileSync(python, ["-m", "canvas_ls.server.cli", "make-tiny-model", modelDir, "--writes", "code", " None",
+    "--max-new-tokens", "4"]);
   const settings: CanvasSettings = { ...DEFAULT_SETTINGS, pythonPath: python, model: modelDir, device: "cpu" };
   const { command, args } = serverCommand(settings);
   // The server starts a resident engine (the default backend): in a runtime folder of this test's own, stopped below.
@@ -212,7 +214,8 @@ test("the server the extension starts answers initialize and an inline completio
     const items = Array.isArray(result) ? result : (result?.items ?? []);
     assert.equal(items.length, 1);
     assert.deepEqual(items[0].range, { start: position, end: position });
-    assert.equal(typeof items[0].insertText, "string");
+    // " None" after the comment's space (token healing), then "code" to the 48-token cap the settings give.
+    assert.equal(items[0].insertText, "None" + "code".repeat(47));
 
     // "Fill holes" at the cursor in add(): its `// TODO:` comment is the hole; one request, one answer per hole.
     const holes = await connection.sendRequest<FillRegionsResult>(
@@ -222,14 +225,16 @@ test("the server the extension starts answers initialize and an inline completio
     assert.deepEqual(holes.regions.map((region) => region.range), [
       { start: { line, character: 4 }, end: { line, character: text.split("\n")[line].length } },
     ]);
-    for (const region of holes.regions) assert.ok(region.status === "filled" || region.reason, region.status);
+    // The model writes to the fill's budget without an end: the region is left as it was, and the user told why.
+    assert.deepEqual(holes.regions.map((region) => [region.status, region.reason, region.text]),
+      [["truncated", "the answer did not end within its token budget", null]]);
     // "Rewrite selection": the strength goes with the region; overlapping regions are a clear error.
     const selection = { start: { line: line + 1, character: 4 }, end: { line: line + 1, character: 14 } };
     const rewrite = await connection.sendRequest<FillRegionsResult>(
       "canvas/fillRegions", rewriteParams(uri, selection, 0.5),
     );
     assert.equal(rewrite.error, null);
-    assert.equal(rewrite.regions.length, 1);
+    assert.deepEqual(rewrite.regions.map((region) => region.status), ["truncated"]);
     const overlap = await connection.sendRequest<FillRegionsResult>("canvas/fillRegions", {
       textDocument: { uri }, regions: [{ range: selection, strength: 1 }, { range: selection, strength: 1 }],
     });
