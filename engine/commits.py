@@ -15,7 +15,10 @@ before the window, newest last, each `'old' -> 'new'`.
 from __future__ import annotations
 
 import difflib
+import io
+import shutil
 import subprocess
+import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,15 +244,31 @@ def edit_texts(changes: list[FileChange], history_edits: int = 4) -> list[EditTe
     return found
 
 
-def training_edits(repository: Path, held_out: int) -> tuple[list[EditText], dict[str, object]]:
+def training_edits(repository: Path, held_out: int, tree: Path) -> tuple[list[EditText], dict[str, object]]:
     """The repository's older commits as next-edit examples (the newest `held_out` left for `bench edits`), and what
-    was mined and skipped. ValueError for a folder with no history."""
+    was mined and skipped. With commits held out, the files as they were at the last training commit are written
+    under `tree` (`tree_at` in the report): the corpus to train on, so that no held-out commit's result is seen.
+    ValueError for a folder with no history."""
     training, held = split(history(repository), held_out)
     mined = mine(repository, training)
     texts = edit_texts(mined.changes)
+    at = training[-1][0] if held and training else None
+    if at is not None:
+        tree_at(repository, at, tree)
     return texts, {"commits": mined.commits, "held_out_commits": len(held), "file_changes": len(mined.changes),
                    "examples": len(texts), "no_ops": sum(t.old == t.new for t in texts),
-                   "skipped": dict(mined.skipped)}  # fmt: skip
+                   "skipped": dict(mined.skipped), "tree_at": at}  # fmt: skip
+
+
+def tree_at(repository: Path, commit: str, dest: Path) -> Path:
+    """The repository's files at `commit`, written afresh under `dest` (`git archive`)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(repository), "archive", "--format=tar", commit], capture_output=True,
+                             timeout=GIT_TIMEOUT_S, check=True, stdin=subprocess.DEVNULL).stdout  # fmt: skip
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
 
 
 def _line_end(text: str, offset: int) -> int:

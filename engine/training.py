@@ -464,12 +464,20 @@ def run(
         return corpus.load(corpus_path)
 
     report: dict[str, Any] = {}
+    edits: list[EditText] = []
+    mined: dict[str, Any] | None = None
+    if repository is not None and cfg.edits_held_out is not None:  # before the corpus: it may be an older tree
+        try:
+            edits, mined = training_edits(repository, cfg.edits_held_out, out_dir / "tree")
+        except ValueError as exc:
+            raise TrainingError(f"--edits: {exc}") from exc
     if repository is None:
         files = general_corpus()
         eval_files, train_files = files[: corpus.HELD_OUT_FILES], files[corpus.HELD_OUT_FILES :]
     else:  # the user's code: whole files held out, the general corpus replayed at `replay` of the bytes
         try:
-            files, report = corpus.collect_repository(repository)
+            # with held-out commits, the files as they were before them (never the held-out commits' results)
+            files, report = corpus.collect_repository(out_dir / "tree" if mined and mined["tree_at"] else repository)
         except ValueError as exc:
             raise TrainingError(str(exc)) from exc
         if len(files) < 2:
@@ -501,15 +509,11 @@ def run(
                 size += len(file.text)
             train_tokenizer(sample, spec["vocab_size"], tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    edits: list[EditText] = []
     if repository is not None:  # what the model learns the repository from, in its own tokens
         own = tokenizer([f.text for f in own_files], add_special_tokens=False)["input_ids"]
         report["train_tokens"] = sum(len(ids) for ids in own)
-        if cfg.edits_held_out is not None:
-            try:
-                edits, report["edits"] = training_edits(repository, cfg.edits_held_out)
-            except ValueError as exc:
-                raise TrainingError(f"--edits: {exc}") from exc
+        if mined is not None:
+            report["edits"] = mined
         (out_dir / "repository_report.json").write_text(json.dumps(report, indent=2))
 
     problem = plan.check(run_plan(cfg, start_from, preset, len(tokenizer)), resolve_device(cfg.device))

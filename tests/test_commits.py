@@ -161,5 +161,15 @@ def test_train_learns_next_edits_from_the_history_and_says_what_it_mined(repo: P
     assert done.returncode == 0, done.stderr[-2000:]
     mined = json.loads((out / "repository_report.json").read_text())["edits"]
     assert (mined["commits"], mined["file_changes"], mined["examples"], mined["no_ops"]) == (7, 1, 3, 1)
+    assert mined["tree_at"] is None  # nothing held out: the files as they are
     final = json.loads((out / "log.jsonl").read_text().splitlines()[-1])["final"]["config"]
     assert (final["edits_held_out"], final["edit_share"]) == (0, 0.5)
+    # The newest commit held out: neither its hunks nor its result are trained on (the files as they were before it).
+    held = tmp_path / "held"
+    done = cli("train", "--from", str(tiny_model_dir), "--corpus", str(repo), "--edits", "1", "--lora", "4",
+               "--minutes", "0.01", "--out", str(held), "--fp32")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    mined = json.loads((held / "repository_report.json").read_text())["edits"]
+    assert (mined["commits"], mined["held_out_commits"], mined["examples"]) == (6, 1, 0)
+    assert mined["tree_at"] == history(repo)[-2][0]
+    assert (held / "tree" / "calc.py").read_text() == BEFORE + PADDING

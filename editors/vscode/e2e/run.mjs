@@ -211,8 +211,9 @@ try {
     }
     return null;
   }), 30000);
+  const codeBox = await (await page.$(".editor-group-container .monaco-editor")).boundingBox();
   await page.screenshot({ path: join(out, "next-edit.png"),
-    clip: { x: editorBox.x, y: editorBox.y, width: Math.min(editorBox.width, 720), height: 170 } });
+    clip: { x: codeBox.x, y: codeBox.y, width: Math.min(codeBox.width, 560), height: 130 } });
   await page.keyboard.press("Tab"); // jump to it
   await sleep(500);
   await page.keyboard.press("Tab"); // accept it
