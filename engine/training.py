@@ -11,7 +11,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ class TrainConfig:
     # Cut training prefixes where the engine's token healing cuts them (held-out examples stay as cut, so the eval
     # losses compare with runs before this option).
     token_healing: bool = True
-    bf16: bool = True  # autocast; a bf16 matmul ran 2.4x an fp32 one on this project's 2-core CPU
+    bf16: bool = True  # autocast (2.4x an fp32 matmul on an AVX-512 BF16 CPU; `run` takes fp32 where bf16 is emulated)
     # transformers' kernels for attention ("sdpa", "eager") and the MoE experts (None: its choice; "grouped_mm",
     # "batched_mm", "eager"), applied when the model is loaded
     attention: str = "sdpa"
@@ -435,13 +435,17 @@ def run(
     from transformers import AutoTokenizer
 
     from . import corpus, plan
-    from .loading import quiet_libraries, resolve_device
+    from .loading import cpu_has_native_bf16, quiet_libraries, resolve_device
     from .settings import MODEL_SETTINGS_FILE
     from .tokenizer import train_tokenizer
 
     quiet_libraries()
     spec = PRESETS[preset]
     cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
+    if cfg.bf16 and resolve_device(cfg.device).type == "cpu" and not cpu_has_native_bf16():
+        # emulated bf16 (an AVX2 CPU): a step of `train --corpus` took ~40 s under bf16 autocast and ~1.7 s in fp32
+        # on a 2-core AVX2 EPYC (2026-12-05); the 2.4x speed-up of bf16 is an AVX-512 BF16 / AMX CPU's
+        cfg = replace(cfg, bf16=False)
     from .quantize import WEIGHT_BYTES
 
     if cfg.quantize not in WEIGHT_BYTES:  # none, int8, int4 (`auto` is the engine's, by free memory)
