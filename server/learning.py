@@ -75,6 +75,10 @@ def train(request: TrainRequest, progress: Any = None, say: Callable[[str], None
     from ..engine.paths import cache_dir
     from ..engine.training import TrainingError, run
 
+    held_out_commits = request.flags.get("edits_held_out")
+    if held_out_commits is not None and (held_out_commits < 0 or (request.corpus or request.workspace) is None):
+        raise LearningError("--edits HELD_OUT (>= 0) needs --corpus or --workspace: the repository whose history "
+                            "it mines")  # fmt: skip
     chosen = policy(request)
     for note in chosen.notes:
         say(note)
@@ -88,10 +92,6 @@ def train(request: TrainRequest, progress: Any = None, say: Callable[[str], None
         out = out or workspaces.entry_dir(root) / "run"
         minutes = workspaces.WORKSPACE_MINUTES if minutes is None else minutes
         workspaces.fresh_run(out)
-    held_out_commits = chosen.overrides.get("edits_held_out")
-    if held_out_commits is not None and (corpus is None or held_out_commits < 0):
-        raise LearningError("--edits HELD_OUT (>= 0) needs --corpus or --workspace: the repository whose history "
-                            "it mines")  # fmt: skip
     out = out or cache_dir() / "train"
     try:
         summary = run(request.preset, out, minutes, request.eval_dir, DEFAULT_MODEL_DIR if request.install else None,
