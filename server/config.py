@@ -128,8 +128,8 @@ class FillOptions:
     max_holes: int = 8
     # Share of a selection's tokens renoised before the rewrite (1: write it anew, as a hole).
     rewrite_strength: float = 0.5
-    # Denoising step cap (a rewrite starts from the window's text and needs fewer than a fill); None: the model's.
-    max_steps: int | None = 4
+    # Denoising step cap; None keeps the model's own.
+    max_steps: int | None = None
 
     def __post_init__(self) -> None:
         _within(self, "fill", gap_tokens=(1, TOKENS), max_new_tokens=(1, TOKENS), max_holes=(1, 64),
