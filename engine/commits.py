@@ -29,6 +29,7 @@ COMMENT = {"python": "#", "lua": "--"}  # line-comment marks; the other language
 MAX_FILE_BYTES = 200_000  # a bigger file (generated, minified, data) is skipped
 MAX_HUNK_CHARS = 4_000  # a file with a hunk over this (a rewrite, not an edit) is skipped
 GIT_TIMEOUT_S = 60
+COMPARE_BLOCK = 256  # characters compared at once by `differing`
 
 
 def recent_edits_comment(language: str, edits: list[tuple[str, str]]) -> str:
@@ -42,14 +43,22 @@ def recent_edits_comment(language: str, edits: list[tuple[str, str]]) -> str:
 
 
 def differing(old: str, new: str) -> tuple[int, int, int]:
-    """(start, old_end, new_end): where `old` and `new` differ, between their common head and common tail."""
-    head, limit = 0, min(len(old), len(new))
+    """(start, old_end, new_end): where `old` and `new` differ, between their common head and common tail. Compared
+    a block at a time (C-level string equality), then a character at a time: a client that sends the whole text
+    with each keystroke pays this on every change."""
+    limit, old_len, new_len = min(len(old), len(new)), len(old), len(new)
+    head = 0
+    while head + COMPARE_BLOCK <= limit and old[head : head + COMPARE_BLOCK] == new[head : head + COMPARE_BLOCK]:
+        head += COMPARE_BLOCK
     while head < limit and old[head] == new[head]:
         head += 1
-    tail = 0
-    while tail < limit - head and old[len(old) - 1 - tail] == new[len(new) - 1 - tail]:
+    tail, room = 0, limit - head
+    while tail + COMPARE_BLOCK <= room and (old[old_len - tail - COMPARE_BLOCK : old_len - tail]
+                                            == new[new_len - tail - COMPARE_BLOCK : new_len - tail]):  # fmt: skip
+        tail += COMPARE_BLOCK
+    while tail < room and old[old_len - 1 - tail] == new[new_len - 1 - tail]:
         tail += 1
-    return head, len(old) - tail, len(new) - tail
+    return head, old_len - tail, new_len - tail
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from canvas_ls.bench.edits import cases, run_edits_bench
 from canvas_ls.engine.commits import (
     MAX_FILE_BYTES,
     Hunk,
+    differing,
     edit_texts,
     history,
     hunks,
@@ -103,6 +104,14 @@ def test_hunks_are_line_runs_in_file_order_and_narrow_to_what_is_typed() -> None
     assert hunks("a\nb\nc\n", "a\nB\nc\nd\n") == (Hunk(2, 4, "B\n"), Hunk(6, 6, "d\n"))
     assert hunks("same\n", "same\n") == ()
     assert Hunk(4, 18, "    amount = 0\n").narrowed("def\n    count = 0\n") == Hunk(8, 9, "am")
+
+
+def test_differing_finds_the_changed_middle_of_long_texts_block_by_block() -> None:
+    text = "".join(f"x{n:03} = {n:03}\n" for n in range(300))  # 3,300 characters: several blocks on each side
+    assert differing(text, text[:1234] + "yy" + text[1234:]) == (1234, 1234, 1236)
+    assert differing(text, text[:700] + text[1900:]) == (700, 1900, 700)
+    assert differing(text, "z" + text[1:]) == (0, 1, 1) and differing(text, text[:-2] + "z\n") == (3298, 3299, 3299)
+    assert differing(text, text) == (3300, 3300, 3300) and differing("", text) == (0, 0, 3300)
 
 
 def test_the_recent_edits_read_the_same_everywhere() -> None:
