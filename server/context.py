@@ -77,7 +77,7 @@ def build_context(document: Document, offset: int, options: CompletionOptions) -
 
     # 3. Windows.
     grammar = GRAMMARS.get(document.language)
-    node = _node_at(document, offset) if grammar is not None else None
+    node = node_at(document, offset) if grammar is not None else None
     prefix = _prefix_window(document, offset, options.prefix_tokens, grammar, node)
     suffix = _suffix_window(document, offset, line_end, options.suffix_tokens, grammar, node)
     return CompletionContext(
@@ -94,11 +94,11 @@ def build_context(document: Document, offset: int, options: CompletionOptions) -
 def prefix_window(document: Document, offset: int, budget_tokens: int) -> str:
     """The window before `offset` that a completion there sees (for prompts laid out elsewhere: a fill's)."""
     grammar = GRAMMARS.get(document.language)
-    node = _node_at(document, offset) if grammar is not None else None
+    node = node_at(document, offset) if grammar is not None else None
     return _prefix_window(document, offset, budget_tokens, grammar, node)
 
 
-def _node_at(document: Document, offset: int) -> Node | None:
+def node_at(document: Document, offset: int) -> Node | None:
     if document.tree is None:
         return None
     point = document.index.point(offset)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tree_sitter import Node
 
-from .context import _char_offset, _node_at
+from .context import _char_offset, node_at
 from .documents import Document
 from .languages import GRAMMARS
 
@@ -32,7 +32,7 @@ class Scope:
 def find_holes(document: Document, offset: int) -> Scope | None:
     """The placeholders of the innermost function or class around `offset`; None outside any (or no grammar)."""
     grammar = GRAMMARS.get(document.language)
-    node = _node_at(document, offset)
+    node = node_at(document, offset)
     if grammar is None or node is None:
         return None
     while node is not None and node.type not in grammar.definitions:
@@ -103,7 +103,7 @@ def _is_todo(node: Node) -> bool:
 
 def inside_string_or_comment(document: Document, start: int, end: int) -> bool:
     """Whether [start, end) lies within one string or comment that is not itself a placeholder (a TODO)."""
-    node = _node_at(document, start)
+    node = node_at(document, start)
     while node is not None:
         if node.type in STRINGS or (node.type in COMMENTS and "TODO" not in _text(node)):
             node_start, node_end = _char_offset(document, node.start_point), _char_offset(document, node.end_point)

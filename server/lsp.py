@@ -98,9 +98,7 @@ async def _complete(ls: CanvasServer, uri: str, position: types.Position,
         ls.show_error_once(outcome.source.removeprefix("error:"))
     if outcome.edit is None or document is None:
         return outcome, None
-    index = document.index
-    start, end = index.position(outcome.edit.start), index.position(outcome.edit.end)
-    return outcome, types.Range(types.Position(*start), types.Position(*end))
+    return outcome, _span(document.index, outcome.edit.start, outcome.edit.end)
 
 
 @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
@@ -211,8 +209,7 @@ async def next_edit(ls: CanvasServer, params: Any) -> dict[str, Any]:
         index = (ls.documents.get(suggestion.uri) or document).index
         edits.append({
             "textDocument": {"uri": suggestion.uri},
-            "range": unstructure(ls.protocol, types.Range(types.Position(*index.position(suggestion.start)),
-                                                          types.Position(*index.position(suggestion.end)))),
+            "range": unstructure(ls.protocol, _span(index, suggestion.start, suggestion.end)),
             "newText": suggestion.text,
             "confidence": suggestion.confidence,
             "predictor": suggestion.predictor,

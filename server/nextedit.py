@@ -21,15 +21,14 @@ import re
 from dataclasses import dataclass
 
 from ..engine.commits import recent_edits_comment
-from ..engine.confidence import sequence_score
 from ..engine.regions import Hole, parts_to_json
 from .backend import Answer, Backend, CancelFlag, Cancelled, Failed
 from .config import NextEditOptions
-from .context import prefix_window
+from .context import is_word, node_at, prefix_window
 from .documents import Document
 from .edits import Edit, adds_syntax_errors
 from .history import Change, UserEdit
-from .positions import utf8
+from .languages import GRAMMARS
 
 IDENTIFIER = re.compile(r"[^\W\d]\w*\Z")
 OPENERS, CLOSERS = "([{", ")]}"
@@ -96,7 +95,7 @@ def pattern(document: Document, edit: UserEdit) -> Pattern | None:
     if opening is not None and closing is not None:
         left, right = _word_start(text, opening), closing + 1  # the call: its name, its brackets
     else:
-        while left > line_start and not text[left - 1].isspace() and not _word(text[left - 1]):
+        while left > line_start and not text[left - 1].isspace() and not is_word(text[left - 1]):
             left -= 1  # "=" of `timeout=30`, "." of `self.size`
         left = _word_start(text, left)
     old = text[left : edit.start] + edit.removed + text[edit.end : right]
@@ -111,8 +110,8 @@ def repeat(document: Document, offset: int, others: list[Document], options: Nex
     found = pattern(document, last) if last is not None else None
     if found is None or found.old == found.new:
         return []
-    left = r"(?<!\w)" if _word(found.old[0]) else ""
-    right = r"(?!\w)" if _word(found.old[-1]) else ""
+    left = r"(?<!\w)" if is_word(found.old[0]) else ""
+    right = r"(?!\w)" if is_word(found.old[-1]) else ""
     regex = re.compile(left + re.escape(found.old) + right)
     line = document.index.line_of(offset)
     suggestions: list[Suggestion] = []
@@ -202,31 +201,29 @@ def changed_confidence(answer: Answer, start: int, end: int) -> float:
         if (following > start and at < end) if end > start else (at <= start <= following):
             scores.append(confidence)
         at = following
-    return min(scores, default=sequence_score(list(answer.confidence), "min"))
+    return min(scores or answer.confidence, default=1.0)
 
 
 def _dotted_start(text: str, offset: int) -> int:
     """Back over `name.` parts before `offset` (a word's start)."""
-    while offset > 1 and text[offset - 1] == "." and _word(text[offset - 2]):
+    while offset > 1 and text[offset - 1] == "." and is_word(text[offset - 2]):
         offset = _word_start(text, offset - 1)
     return offset
 
 
 def _dotted_end(text: str, offset: int) -> int:
     """On over `.name` parts after `offset` (a word's end)."""
-    while offset + 1 < len(text) and text[offset] == "." and _word(text[offset + 1]):
+    while offset + 1 < len(text) and text[offset] == "." and is_word(text[offset + 1]):
         offset = _word_end(text, offset + 1)
     return offset
 
 
 def _in_import(document: Document, offset: int) -> bool:
-    """Whether `offset` is inside an import (Python, JavaScript, TypeScript, Go) or `use` (Rust) statement."""
-    if document.tree is None:
-        return False
-    at = len(utf8(document.text[:offset]))
-    node = document.tree.root_node.descendant_for_byte_range(at, at)
+    """Whether `offset` is inside the file's imports (the grammar's import nodes: `import`, `use`, `#include`...)."""
+    grammar = GRAMMARS.get(document.language)
+    node = node_at(document, offset) if grammar is not None else None
     while node is not None:
-        if "import" in node.type or node.type == "use_declaration":
+        if node.type in grammar.imports:
             return True
         node = node.parent
     return False
@@ -237,23 +234,18 @@ def _a_name(document: Document, start: int, end: int) -> bool:
     True where there is no grammar."""
     if document.tree is None:
         return True
-    first = len(utf8(document.text[:start]))
-    node = document.tree.root_node.descendant_for_byte_range(first, first + len(utf8(document.text[start:end])))
+    node = document.tree.root_node.descendant_for_point_range(document.index.point(start), document.index.point(end))
     return node is not None and "identifier" in node.type
 
 
-def _word(char: str) -> bool:
-    return char.isalnum() or char == "_"
-
-
 def _word_start(text: str, offset: int) -> int:
-    while offset > 0 and _word(text[offset - 1]):
+    while offset > 0 and is_word(text[offset - 1]):
         offset -= 1
     return offset
 
 
 def _word_end(text: str, offset: int) -> int:
-    while offset < len(text) and _word(text[offset]):
+    while offset < len(text) and is_word(text[offset]):
         offset += 1
     return offset
 
