@@ -15,20 +15,17 @@ before the window, newest last, each `'old' -> 'new'`.
 from __future__ import annotations
 
 import difflib
-import io
 import shutil
 import subprocess
-import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from .corpus import EXTENSIONS
 
 COMMENT = {"python": "#", "lua": "--"}  # line-comment marks; the other languages': "//"
 MAX_FILE_BYTES = 200_000  # a bigger file (generated, minified, data) is skipped
 MAX_HUNK_CHARS = 4_000  # a file with a hunk over this (a rewrite, not an edit) is skipped
 GIT_TIMEOUT_S = 60
+RECENT_EDITS = 4  # the recent edits shown before a window: in training, and the server's default
 COMPARE_BLOCK = 256  # characters compared at once by `differing`
 
 
@@ -119,23 +116,28 @@ def hunks(before: str, after: str) -> tuple[Hunk, ...]:
                  for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal")  # fmt: skip
 
 
-def _git(repo: Path, *args: str) -> str:
+def _git_bytes(repo: Path, *args: str) -> bytes:
+    """What `git -C repo ARGS` writes; ValueError with git's message when it fails."""
     done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=GIT_TIMEOUT_S,
                           stdin=subprocess.DEVNULL)  # fmt: skip
     if done.returncode != 0:
         raise ValueError(f"git {' '.join(args[:2])} in {repo}: {done.stderr.decode(errors='replace').strip()}")
-    return done.stdout.decode("utf-8", errors="surrogateescape")
+    return done.stdout
+
+
+def _git(repo: Path, *args: str) -> str:
+    return _git_bytes(repo, *args).decode("utf-8", errors="surrogateescape")
 
 
 def history(repo: Path) -> list[tuple[str, list[str]]]:
     """(commit, parents) along the first-parent line of HEAD, oldest first."""
-    if not (repo / ".git").exists() and not _inside_work_tree(repo):
+    if not _inside_work_tree(repo):
         raise ValueError(f"{repo} is not a git repository: next edits are mined from its commits")
     try:
-        lines = _git(repo, "rev-list", "--first-parent", "--parents", "--reverse", "HEAD").split("\n")
+        lines = _git(repo, "rev-list", "--first-parent", "--parents", "--reverse", "HEAD").splitlines()
     except ValueError:
         raise ValueError(f"{repo} has no commits: next edits are mined from its history") from None
-    return [(line.split()[0], line.split()[1:]) for line in lines if line.strip()]
+    return [(commit, parents) for commit, *parents in (line.split() for line in lines if line.strip())]
 
 
 def _inside_work_tree(repo: Path) -> bool:
@@ -175,6 +177,8 @@ def mine(repo: Path, commits: list[tuple[str, list[str]]]) -> Mined:
 
 def _file_change(repo: Path, commit: str, meta: list[str], status: str, paths: list[str],
                  skipped: Counter[str]) -> FileChange | None:  # fmt: skip
+    from .corpus import EXTENSIONS  # here: the server imports this module for `differing` alone
+
     language = EXTENSIONS.get(Path(paths[-1]).suffix)
     if status[:1] in "RC":
         skipped["renamed or copied file"] += 1
@@ -200,8 +204,7 @@ def _blob(repo: Path, sha: str) -> str | None:
     """The text of a blob; None when it is huge or does not read as text."""
     if int(_git(repo, "cat-file", "-s", sha)) > MAX_FILE_BYTES:
         return None
-    data = subprocess.run(["git", "-C", str(repo), "cat-file", "blob", sha], capture_output=True,
-                          timeout=GIT_TIMEOUT_S, check=True).stdout  # fmt: skip
+    data = _git_bytes(repo, "cat-file", "blob", sha)
     if b"\0" in data[:8000]:
         return None
     try:
@@ -228,7 +231,7 @@ class EditText:
         return recent_edits_comment(self.language, list(self.recent)) + self.head
 
 
-def edit_texts(changes: list[FileChange], history_edits: int = 4) -> list[EditText]:
+def edit_texts(changes: list[FileChange], history_edits: int = RECENT_EDITS) -> list[EditText]:
     """Per file change: each hunk after the ones before it (the earlier hunks, as typed, are the recent edits), and
     one unchanged line away from every hunk after all of them (a no-op)."""
     found: list[EditText] = []
@@ -271,10 +274,12 @@ def training_edits(repository: Path, held_out: int, tree: Path) -> tuple[list[Ed
 
 def tree_at(repository: Path, commit: str, dest: Path) -> Path:
     """The repository's files at `commit`, written afresh under `dest` (`git archive`)."""
+    import io
+    import tarfile
+
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(repository), "archive", "--format=tar", commit], capture_output=True,
-                             timeout=GIT_TIMEOUT_S, check=True, stdin=subprocess.DEVNULL).stdout  # fmt: skip
+    archive = _git_bytes(repository, "archive", "--format=tar", commit)
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
     return dest

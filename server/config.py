@@ -10,6 +10,7 @@ from typing import Any, Literal
 import cattrs
 from cattrs.v import format_exception
 
+from ..engine.commits import RECENT_EDITS
 from ..engine.paths import IDLE_EXIT_S
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
@@ -160,7 +161,7 @@ class NextEditOptions:
     max_sites: int = 8
     max_documents: int = 8
     # Recent edits shown to the model before the window, newest last.
-    history_edits: int = 4
+    history_edits: int = RECENT_EDITS  # what training shows (engine/commits.py)
     # Denoising step cap (a rewrite starts from the window's text and needs fewer than a fill); None: the model's.
     max_steps: int | None = 4
 
