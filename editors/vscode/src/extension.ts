@@ -206,7 +206,7 @@ function showNextEdits(): void {
     const mine = nextEdits.filter((edit) => edit.textDocument.uri === editor.document.uri.toString());
     editor.setDecorations(removed, mine.map(asRange));
     editor.setDecorations(added, mine.map((edit) => ({
-      range: new vscode.Range(asRange(edit).end, asRange(edit).end),
+      range: new vscode.Range(asRange(edit).end, asRange(edit).end), // empty, at its end: the new text after it
       renderOptions: { after: { contentText: nextEditLabel(edit) } },
       hoverMessage: `canvas-ls next edit (${edit.predictor}, confidence ${edit.confidence})`,
     })));

@@ -85,6 +85,15 @@ local function client_for(bufnr, quiet)
   return client
 end
 
+-- Position params for the cursor in `bufnr`, naming the buffer's version (the server answers a request for another
+-- version at once, as stale), and that version.
+local function versioned_params(client, bufnr)
+  local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
+  local version = vim.lsp.util.buf_versions[bufnr]
+  params.textDocument.version = version
+  return params, version
+end
+
 -- The server fills, then sends the edit as workspace/applyEdit (one undo step) and says in a message which regions
 -- stayed as they were, and why. `on_done(result)` gets its summary (tests, statuslines).
 local function execute(client, bufnr, command, argument, on_done)
@@ -197,9 +206,7 @@ function M.prefetch(bufnr, show_early)
   if not client then
     return
   end
-  local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
-  local version = vim.lsp.util.buf_versions[bufnr]
-  params.textDocument.version = version
+  local params, version = versioned_params(client, bufnr)
   params.wait = show_early or nil
   client:request('canvas/prefetch', params, function(err, result)
     if show_early and not err and result and result.ready then
@@ -219,17 +226,14 @@ local function byte_column(bufnr, position, encoding)
   return vim.str_byteindex(line, encoding, position.character, false)
 end
 
---- The shown suggestions: { items = { {bufnr, range, newText, confidence, predictor, away} }, index } or nil.
+--- The shown suggestions, nearest first (the first is the one the key jumps to and accepts): { {bufnr, range,
+--- newText, encoding} } or nil.
 M.next_edits = nil
 
 local function next_edit_show()
-  local state = M.next_edits
-  if not state then
-    return
-  end
-  for number, item in ipairs(state.items) do
+  for number, item in ipairs(M.next_edits or {}) do
     local first, last = item.range.start, item.range['end']
-    local current = number == state.index
+    local current = number == 1
     local start_col = byte_column(item.bufnr, first, item.encoding)
     local end_col = byte_column(item.bufnr, last, item.encoding)
     local lines = vim.split(item.newText, '\n', { plain = true })
@@ -247,11 +251,9 @@ end
 
 --- Drop the shown next-edit suggestions.
 function M.next_edit_clear()
-  if M.next_edits then
-    for _, item in ipairs(M.next_edits.items) do
-      if vim.api.nvim_buf_is_valid(item.bufnr) then
-        vim.api.nvim_buf_clear_namespace(item.bufnr, next_ns, 0, -1)
-      end
+  for _, item in ipairs(M.next_edits or {}) do
+    if vim.api.nvim_buf_is_valid(item.bufnr) then
+      vim.api.nvim_buf_clear_namespace(item.bufnr, next_ns, 0, -1)
     end
   end
   M.next_edits = nil
@@ -259,11 +261,9 @@ end
 
 -- Apply the current suggestion, then ask again: the accepted edit is now the last one, and the server's answer
 -- for the text as it is holds the rest (the ranges it gave before were for the text it read).
-local function next_edit_accept(state)
-  local item = state.items[state.index]
+local function next_edit_accept(item)
   M.next_edit_clear()
   vim.lsp.util.apply_text_edits({ { range = item.range, newText = item.newText } }, item.bufnr, item.encoding)
-  M.next_edits_accepted = (M.next_edits_accepted or 0) + 1
   M.next_edit(item.bufnr)
 end
 
@@ -272,14 +272,13 @@ end
 --- server's answer (tests, statuslines).
 function M.next_edit(bufnr, on_done)
   bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
-  local state = M.next_edits
-  if state then
-    local item = state.items[state.index]
+  local item = M.next_edits and M.next_edits[1]
+  if item then
     local cursor = vim.api.nvim_win_get_cursor(0)
     local row = item.range.start.line
     local col = byte_column(item.bufnr, item.range.start, item.encoding)
     if vim.api.nvim_get_current_buf() == item.bufnr and cursor[1] - 1 == row then
-      next_edit_accept(state)
+      next_edit_accept(item)
     else
       vim.api.nvim_set_current_buf(item.bufnr)
       vim.api.nvim_win_set_cursor(0, { row + 1, col })
@@ -290,9 +289,7 @@ function M.next_edit(bufnr, on_done)
   if not client then
     return
   end
-  local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
-  local version = vim.lsp.util.buf_versions[bufnr]
-  params.textDocument.version = version
+  local params, version = versioned_params(client, bufnr)
   client:request('canvas/nextEdit', params, function(err, result)
     M.next_edit_result = err and { error = err.message } or result
     if err then
@@ -307,11 +304,10 @@ function M.next_edit(bufnr, on_done)
       for _, edit in ipairs(result.edits) do
         local target = vim.uri_to_bufnr(edit.textDocument.uri)
         vim.fn.bufload(target)
-        table.insert(items, { bufnr = target, range = edit.range, newText = edit.newText, confidence = edit.confidence,
-                              predictor = edit.predictor, away = edit.away, encoding = client.offset_encoding })
+        table.insert(items, { bufnr = target, range = edit.range, newText = edit.newText,
+                              encoding = client.offset_encoding })
       end
-      local shown = { items = items, index = 1 }
-      M.next_edits = shown
+      M.next_edits = items
       next_edit_show()
       for _, item in ipairs(items) do
         local tick = vim.api.nvim_buf_get_changedtick(item.bufnr)
@@ -319,7 +315,7 @@ function M.next_edit(bufnr, on_done)
           group = vim.api.nvim_create_augroup('canvas_ls_next_edit_' .. item.bufnr, { clear = true }),
           buffer = item.bufnr,
           callback = function()
-            if M.next_edits ~= shown then
+            if M.next_edits ~= items then
               return true -- other suggestions are shown now: this watch ends
             end
             if vim.api.nvim_buf_get_changedtick(item.bufnr) ~= tick then
