@@ -53,7 +53,7 @@ class Policy:
 def policy(request: TrainRequest) -> Policy:
     """The recipe and settings of a request; for a workspace whose base cannot be tuned fully on this device, the
     LoRA recipe, and the widest base (none, int8, int4) whose LoRA run fits."""
-    name = request.recipe or (workspaces.WORKSPACE_RECIPE if request.workspace else None)
+    name = _asked_recipe(request)
     notes: list[str] = []
     if request.workspace and not request.recipe and "lora_rank" not in request.flags and not fits_fully(request):
         name = "lora"  # a big base (DiffusionGemma): full tuning cannot fit on this device, an adapter can
@@ -154,8 +154,7 @@ def plan_config(request: TrainRequest) -> Any:
     """The TrainConfig a request would run (its preset, its recipe and the flags over them), for the memory plan."""
     from ..engine.training import PRESETS, TrainConfig
 
-    name = request.recipe or (workspaces.WORKSPACE_RECIPE if request.workspace else None)
-    return TrainConfig(**{**PRESETS[request.preset]["train"], **_settings(request, name)[0]})
+    return TrainConfig(**{**PRESETS[request.preset]["train"], **_settings(request, _asked_recipe(request))[0]})
 
 
 def lora_plan_config(cfg: Any) -> Any:
@@ -168,6 +167,11 @@ def run_plan(cfg: Any, request: TrainRequest) -> dict[str, Any]:
     from ..engine.training import run_plan as plan_of
 
     return plan_of(cfg, request.start_from, request.preset, PRESETS[request.preset]["vocab_size"])
+
+
+def _asked_recipe(request: TrainRequest) -> str | None:
+    """The recipe a request names, or the workspace recipe for a workspace (before `policy`'s LoRA fallback)."""
+    return request.recipe or (workspaces.WORKSPACE_RECIPE if request.workspace else None)
 
 
 def _settings(request: TrainRequest, name: str | None) -> tuple[dict[str, Any], float]:
