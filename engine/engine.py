@@ -397,9 +397,15 @@ class Engine:
         texts = [self.tokenizer.decode(gap.tokens, skip_special_tokens=True).removeprefix(cut if gap.tokens else "")
                  for gap, cut in zip(out.gaps, cuts, strict=True)]  # fmt: skip
         kind, threshold = self.display.for_request(prepared.settings.single_line)
+        token_texts = [self.tokenizer.decode([t]) for t in out.tokens]  # gap 0's (a fill's others: their own)
+
+        def texts_of(tokens: list[int]) -> list[str]:
+            return token_texts if tokens == out.tokens else [self.tokenizer.decode([t]) for t in tokens]
+
         gaps = [{
             "text": text,
             "tokens": gap.tokens,
+            "token_texts": texts_of(gap.tokens),
             "confidence": [round(c, 4) for c in gap.confidence],
             "score": round(sequence_score(gap.confidence, kind, text, answer_support(kind, text, side)), 4),
             "healed": cut if gap.tokens else "",
@@ -410,7 +416,7 @@ class Engine:
         return InfillResult(
             text=gaps[0]["text"],
             tokens=out.tokens,
-            token_texts=[self.tokenizer.decode([t]) for t in out.tokens],
+            token_texts=token_texts,
             confidence=[round(c, 4) for c in out.confidence],
             steps=out.steps,
             forward_passes=out.forward_passes,

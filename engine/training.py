@@ -68,14 +68,10 @@ class TrainConfig:
     # (`bench edits` replays them) and the older ones' hunks learnt as rewrites at `edit_share` of the examples.
     edits_held_out: int | None = None
     edit_share: float = 0.2
-    # Cut training prefixes where the engine's token healing cuts them (held-out examples stay as cut, so the eval
-    # losses compare with runs before this option).
-    token_healing: bool = True
+    token_healing: bool = True  # prefixes cut where token healing cuts them (held-out examples stay as they were)
     bf16: bool = True  # autocast (2.4x an fp32 matmul on an AVX-512 BF16 CPU; `run` takes fp32 where bf16 is emulated)
-    # transformers' kernels for attention ("sdpa", "eager") and the MoE experts (None: its choice; "grouped_mm",
-    # "batched_mm", "eager"), applied when the model is loaded
-    attention: str = "sdpa"
-    experts: str | None = None
+    attention: str = "sdpa"  # transformers' attention kernel: "sdpa", "eager"
+    experts: str | None = None  # its MoE experts' (None: its choice; "grouped_mm", "batched_mm", "eager")
     # LoRA (peft) instead of training every weight: the adapter's rank (0: full training), and whether it also
     # adapts the fused MoE expert weights
     lora_rank: int = 0
@@ -83,9 +79,7 @@ class TrainConfig:
     # A LoRA run's frozen base quantised ("int8", "int4": `engine.quantize`), so that DiffusionGemma's LoRA fits a
     # 24 or 48 GB card; "none": the base in bf16 (fp32 with --fp32)
     quantize: str = "none"
-    # Stop after this many evaluations (every eval_every steps) without a better held-out diffusion loss, and keep
-    # the best weights (0: run the whole budget)
-    patience: int = 0
+    patience: int = 0  # stop after this many evaluations without a better held-out loss, keep the best (0: never)
     # Decay of an exponential moving average of the trained weights, started from the weights the run starts from
     # (0: none). With it the held-out evaluations, early stopping, snapshots and the exported model use the average,
     # which leans towards the base early in a run and smooths the last steps' noise later on.
@@ -362,12 +356,10 @@ def train(
 
 # -- the whole pipeline: corpus -> tokenizer -> model -> train -> export ----------------------------------------
 
-# Model sizes per preset, measured on the project's 2-core CPU: h256/4 layers (7.9M parameters, 8k vocabulary)
-# ran a 16-example step in ~1.7 s with bf16 autocast (0.94 s with the fused head loss, `bench train`); h320/5
-# layers (13.7M) in ~2.8 s; a model too big for the token budget learns less, so the CPU preset takes the former.
-# The GPU preset's model
-# is what the CPU default can afford: it ships (<= 40 MB: 11.6M parameters are 22 MiB in bf16) and must answer a
-# 1k-token prefix within ~100 ms on 2 cores; h320/4 layers costs 1.25x the CPU preset's encode + 5 steps there.
+# Model sizes per preset, measured on the project's 2-core CPU: h256/4 layers (7.9M parameters, 8k vocabulary) ran a
+# 16-example step in ~1.7 s with bf16 autocast (0.94 s with the fused head loss); h320/5 layers (13.7M) ~2.8 s: a model
+# too big for the token budget learns less. The GPU preset's (11.6M, 22 MiB in bf16) still ships and answers a 1k-token
+# prefix within ~100 ms on 2 cores (1.25x the CPU preset's encode + 5 steps).
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {
         "model": dict(
@@ -386,10 +378,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "corpus_bytes": 400_000_000,
     },
 }
-# Tokenizer vocabulary, measured on 300 held-out Python files (bytes per token): 4k 3.23, 8k 3.52, 16k 3.71.
-# 8k -> 16k saves 5% of tokens but doubles the LM-head matmul, a third of this model's per-token compute.
-# What the engine should use with the trained model ("canvas" layout: the objective above).
+# Vocabulary, on 300 held-out Python files (bytes per token): 4k 3.23, 8k 3.52, 16k 3.71: 16k saves 5% of tokens but
+# doubles the LM-head matmul, a third of this model's compute. TRAINED_INFILL: the engine's settings for the model.
 TRAINED_INFILL = {"layout": "canvas", "gap_tokens": 16, "suffix_head_tokens": 16, "max_steps": 8}
+
+
+def as_run(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` as `run` trains it: fp32 where bf16 is emulated (a `train --corpus` step ~40 s under bf16 autocast, ~1.7 s
+    in fp32 on a 2-core AVX2 EPYC, 2026-12-05; bf16's 2.4x is an AVX-512 BF16 / AMX CPU's or a GPU's)."""
+    from .loading import cpu_has_native_bf16, resolve_device
+
+    if cfg.bf16 and resolve_device(cfg.device).type == "cpu" and not cpu_has_native_bf16():
+        return replace(cfg, bf16=False)
+    return cfg
 
 
 def run_plan(cfg: TrainConfig, start_from: str | None, preset: str, vocab_size: int) -> dict[str, Any]:
@@ -435,17 +436,14 @@ def run(
     from transformers import AutoTokenizer
 
     from . import corpus, plan
-    from .loading import cpu_has_native_bf16, quiet_libraries, resolve_device
+    from .loading import quiet_libraries, resolve_device
     from .settings import MODEL_SETTINGS_FILE
     from .tokenizer import train_tokenizer
 
     quiet_libraries()
     spec = PRESETS[preset]
-    cfg = TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}), **(overrides or {})})
-    if cfg.bf16 and resolve_device(cfg.device).type == "cpu" and not cpu_has_native_bf16():
-        # emulated bf16 (an AVX2 CPU): a step of `train --corpus` took ~40 s under bf16 autocast and ~1.7 s in fp32
-        # on a 2-core AVX2 EPYC (2026-12-05); the 2.4x speed-up of bf16 is an AVX-512 BF16 / AMX CPU's
-        cfg = replace(cfg, bf16=False)
+    cfg = as_run(TrainConfig(**{**spec["train"], **({"minutes": minutes} if minutes is not None else {}),
+                                **(overrides or {})}))  # fmt: skip
     from .quantize import WEIGHT_BYTES
 
     if cfg.quantize not in WEIGHT_BYTES:  # none, int8, int4 (`auto` is the engine's, by free memory)

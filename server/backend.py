@@ -69,6 +69,16 @@ class Gap:
 
     text: str
     ended: bool  # the model closed it (EOS); False: it filled its token budget without closing it
+    token_texts: tuple[str, ...] = ()  # the tokens that wrote it, and their confidences
+    confidence: tuple[float, ...] = ()
+    healed: str = ""  # the text before the gap its first token re-writes (token healing); not in `text`
+
+    @classmethod
+    def from_engine(cls, gap: Mapping[str, Any]) -> Gap:
+        """A gap of the engine's result; a resident engine started by an older canvas-ls gives no token texts (its
+        gap's confidence is then the least of all its tokens)."""
+        return cls(gap["text"], gap["stop_reason"] == "eos", tuple(gap.get("token_texts", ())),
+                   tuple(gap.get("confidence", ())), gap.get("healed", ""))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,7 @@ class Answer:
             healed=result["healed"],
             score_kind=result["score_kind"],
             min_confidence=result["min_confidence"],
-            gaps=tuple(Gap(gap["text"], gap["stop_reason"] == "eos") for gap in result["gaps"]),
+            gaps=tuple(Gap.from_engine(gap) for gap in result["gaps"]),
             steps=result["steps"],
             engine_ms=result["encode_ms"] + result["denoise_ms"],
             details=result,

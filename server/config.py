@@ -160,6 +160,9 @@ class NextEditOptions:
     # Sites suggested at most, and the other open documents a rename is repeated in (nearest first).
     max_sites: int = 8
     max_documents: int = 8
+    # Windows the canvas rewrites together: the cursor's, and when the last edit changed a function's parameters,
+    # the calls of that function (nearest first; 1: the cursor's window only).
+    canvas_sites: int = 4
     # Recent edits shown to the model before the window, newest last.
     history_edits: int = RECENT_EDITS  # what training shows (engine/commits.py)
     # Denoising step cap (a rewrite starts from the window's text and needs fewer than a fill); None: the model's.
@@ -167,7 +170,7 @@ class NextEditOptions:
 
     def __post_init__(self) -> None:
         _within(self, "next_edit", window_lines=(0, 500), strength=(0.01, 1), max_sites=(1, 100),
-                max_documents=(0, 100), history_edits=(0, 16), max_steps=(1, TOKENS))  # fmt: skip
+                max_documents=(0, 100), canvas_sites=(1, 16), history_edits=(0, 16), max_steps=(1, TOKENS))  # fmt: skip
         if unknown := [name for name in self.predictors if name not in PREDICTORS]:
             raise ValueError(f"next_edit.predictors: unknown {unknown}; known: {list(PREDICTORS)}")
         for name, value in self.min_confidence.items():

@@ -152,9 +152,9 @@ def fitting_base(request: TrainRequest) -> str:
 
 def plan_config(request: TrainRequest) -> Any:
     """The TrainConfig a request would run (its preset, its recipe and the flags over them), for the memory plan."""
-    from ..engine.training import PRESETS, TrainConfig
+    from ..engine.training import PRESETS, TrainConfig, as_run
 
-    return TrainConfig(**{**PRESETS[request.preset]["train"], **_settings(request, _asked_recipe(request))[0]})
+    return as_run(TrainConfig(**{**PRESETS[request.preset]["train"], **_settings(request, _asked_recipe(request))[0]}))
 
 
 def lora_plan_config(cfg: Any) -> Any:

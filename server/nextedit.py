@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..engine.commits import recent_edits_comment
 from ..engine.regions import Hole, parts_to_json
-from .backend import Answer, Backend, CancelFlag, Cancelled, Failed
+from .backend import Answer, Backend, CancelFlag, Cancelled, Failed, Gap
 from .config import NextEditOptions
 from .context import is_word, node_at, prefix_window
 from .documents import Document
@@ -34,6 +34,7 @@ IDENTIFIER = re.compile(r"[^\W\d]\w*\Z")
 OPENERS, CLOSERS = "([{", ")]}"
 SUFFIX_CHARS = 2_000  # the text after the window the canvas sees
 MAX_WINDOW_CHARS = 12_000  # a window over this (minified code, one huge line) is not rewritten
+MAX_SPAN_CHARS = 6_000  # the cursor's window and the call sites rewritten with it, and the code between them
 # The canvas of a window's rewrite: its gap slots (the window's tokens and half again) and its positions in all,
 # above the engine's defaults for holes (a window is a long hole).
 CANVAS_BUDGET = {"fill_tokens": 4096, "max_canvas_tokens": 8192}
@@ -159,24 +160,49 @@ def edits_block(document: Document, count: int) -> str:
 
 
 async def rewrite(document: Document, offset: int, backend: Backend, options: NextEditOptions,
-                  cancel: CancelFlag, prefix_tokens: int) -> Suggestion | Failed | Cancelled | str:  # fmt: skip
-    """The window around `offset` rewritten by the model: the changed span as a Suggestion, or why there is none
-    (the model left the window as it was, its answer did not end, or it adds syntax errors)."""
-    around = window(document, offset, options.window_lines)
-    if not around.text.strip():
+                  cancel: CancelFlag, prefix_tokens: int) -> list[Suggestion] | Failed | Cancelled | str:  # fmt: skip
+    """The windows `sites` picks rewritten by the model in one canvas (the code between them kept as it is): a
+    Suggestion per window it changed, or why there is none (the model left them as they were, its answer did not
+    end, or it adds syntax errors)."""
+    windows = sites(document, offset, options)
+    if not any(around.text.strip() for around in windows):
         return "the window around the cursor is blank"
-    if len(around.text) > MAX_WINDOW_CHARS:
+    if len(windows[0].text) > MAX_WINDOW_CHARS:
         return f"the window around the cursor is over {MAX_WINDOW_CHARS} characters"
-    prefix = edits_block(document, options.history_edits) + prefix_window(document, around.start, prefix_tokens)
-    suffix = document.text[around.end : around.end + SUFFIX_CHARS]
-    parts: list[str | Hole] = [prefix, Hole(around.text, options.strength), suffix]
+    ordered = sorted(windows, key=lambda around: around.start)
+    parts: list[str | Hole] = [edits_block(document, options.history_edits)
+                               + prefix_window(document, ordered[0].start, prefix_tokens)]  # fmt: skip
+    for around, following in zip(ordered, [*ordered[1:], None], strict=True):
+        parts.append(Hole(around.text, options.strength))
+        parts.append(document.text[around.end : following.start if following else around.end + SUFFIX_CHARS])
     overrides = {"max_steps": options.max_steps, "workspace_cache": 0.0, **CANVAS_BUDGET}
     reply = await backend.fill(parts_to_json(parts), overrides, cancel, document.uri)
     if not isinstance(reply, Answer):
         return reply
-    (gap,) = reply.gaps
+    found: list[Suggestion] = []
+    reasons: list[str] = []
+    line = document.index.line_of(offset)
+    for around, gap in zip(ordered, reply.gaps, strict=True):
+        changed = _changed(document, around, gap)
+        if isinstance(changed, str):
+            reasons.append(changed)
+            continue
+        edit, confidence = changed
+        away = not (document.index.line_of(edit.start) <= line <= document.index.line_of(edit.end))
+        found.append(Suggestion(document.uri, edit.start, edit.end, edit.text, round(confidence, 4), "canvas", away))
+    if found:
+        return sorted(found, key=lambda suggestion: _distance(suggestion, document, offset))
+    rest = [reason for reason in reasons if reason != LEFT_AS_IT_WAS]
+    return rest[0] if rest else "the model left the window as it was"
+
+
+LEFT_AS_IT_WAS = "left as it was"
+
+
+def _changed(document: Document, around: Window, gap: Gap) -> tuple[Edit, float] | str:
+    """One window's rewrite as an edit of the document and its confidence, or why it is none."""
     if gap.text == around.text:
-        return "the model left the window as it was"
+        return LEFT_AS_IT_WAS
     if not gap.ended:
         return "the model's rewrite did not end within its budget"
     change = Change.between(around.text, gap.text)
@@ -186,22 +212,86 @@ async def rewrite(document: Document, offset: int, backend: Backend, options: Ne
     edit = Edit(start, start + len(change.removed), change.inserted)
     if adds_syntax_errors(document, edit):
         return "the model's rewrite adds syntax errors"
-    confidence = changed_confidence(reply, change.start, change.start + len(change.inserted))
-    line = document.index.line_of(offset)
-    away = not (document.index.line_of(edit.start) <= line <= document.index.line_of(edit.end))
-    return Suggestion(document.uri, edit.start, edit.end, edit.text, round(confidence, 4), "canvas", away)
+    return edit, changed_confidence(gap, change.start, change.start + len(change.inserted))
 
 
-def changed_confidence(answer: Answer, start: int, end: int) -> float:
+def sites(document: Document, offset: int, options: NextEditOptions) -> list[Window]:
+    """The windows the canvas rewrites: the cursor's first; then, when the last edit changed a function's parameters
+    (`f(a)` -> `f(a, b)`), the lines of that function's calls in the document, nearest the cursor first, while the
+    canvas spans at most MAX_SPAN_CHARS and holds at most `options.canvas_sites` windows. Overlapping ones merge."""
+    windows = [window(document, offset, options.window_lines)]
+    last = document.history.last
+    name = None
+    if last is not None and options.canvas_sites > 1:  # where it began or ended (`(r)` -> `(r, pi)`: in the list)
+        name = changed_signature(document, last.start) or changed_signature(document, max(last.start, last.end - 1))
+    if name is None:
+        return windows
+    index = document.index
+    calls = [call for call in _calls(document, name) if not windows[0].start <= call[0] < windows[0].end]
+    calls.sort(key=lambda call: abs(call[0] - offset))
+    for first_line, last_line in (index_range for _, index_range in calls):
+        if len(windows) >= options.canvas_sites:
+            break
+        start = index.starts[first_line]
+        end = index.starts[last_line + 1] if last_line + 1 < len(index.starts) else len(document.text)
+        if max(end, *(w.end for w in windows)) - min(start, *(w.start for w in windows)) > MAX_SPAN_CHARS:
+            continue
+        touching = [w for w in windows if start <= w.end and w.start <= end]  # overlapping or adjacent: one window
+        start, end = min([start, *(w.start for w in touching)]), max([end, *(w.end for w in touching)])
+        merged = Window(start, end, document.text[start:end])
+        cursors = windows[0] in touching  # the cursor's window stays first
+        windows = [w for w in windows if w not in touching]
+        windows.insert(0, merged) if cursors else windows.append(merged)
+    return windows
+
+
+def changed_signature(document: Document, offset: int) -> str | None:
+    """The name of the function whose parameter list holds `offset` (a definition's `parameters` field in the syntax
+    tree: Python, JavaScript, TypeScript, Go, Rust, C...), or None."""
+    node = node_at(document, offset)
+    while node is not None and node.parent is not None:
+        parent = node.parent
+        parameters = parent.child_by_field_name("parameters")
+        if parameters is not None and parameters.start_byte <= node.start_byte and node.end_byte <= parameters.end_byte:
+            name = parent.child_by_field_name("name") or parent.child_by_field_name("declarator")
+            if name is not None and "identifier" in name.type and name.text is not None:
+                return name.text.decode("utf-8", "replace")
+            return None
+        node = parent
+    return None
+
+
+def _calls(document: Document, name: str) -> list[tuple[int, tuple[int, int]]]:
+    """Where `name` is called in the document (`name(...)`, `obj.name(...)`: a node whose `function` field ends with
+    the name): the name's offset and the call's first and last lines."""
+    if document.tree is None:
+        return []
+    found = []
+    for match in re.finditer(r"(?<!\w)" + re.escape(name) + r"(?!\w)", document.text):
+        point = document.index.point(match.start()), document.index.point(match.end())
+        node = document.tree.root_node.descendant_for_point_range(*point)
+        while node is not None and node.parent is not None:
+            function = node.parent.child_by_field_name("function")
+            if function is not None and (function.start_byte, function.end_byte) == (node.start_byte, node.end_byte):
+                call = node.parent
+                found.append((match.start(), (call.start_point[0], call.end_point[0])))
+                break
+            if node.parent.end_byte != node.end_byte:
+                break
+            node = node.parent  # `obj.name`: the attribute whose last part it is
+    return found
+
+
+def changed_confidence(gap: Gap, start: int, end: int) -> float:
     """The least confidence of the tokens that wrote the rewrite's changed text [start, end) (offsets of the gap's
     text; a deletion: the tokens on either side of it): the tokens it copied say nothing of the change."""
-    at, scores = -len(answer.healed), []
-    for text, confidence in zip(answer.token_texts, answer.confidence, strict=False):
+    at, scores = -len(gap.healed), []
+    for text, confidence in zip(gap.token_texts, gap.confidence, strict=False):
         following = at + len(text)
         if (following > start and at < end) if end > start else (at <= start <= following):
             scores.append(confidence)
         at = following
-    return min(scores or answer.confidence, default=1.0)
+    return min(scores or gap.confidence, default=1.0)
 
 
 def _dotted_start(text: str, offset: int) -> int:
@@ -276,6 +366,10 @@ def _closing(text: str, start: int, end: int, opening: int) -> int | None:
     return None
 
 
+def _shown(found: list[Suggestion], options: NextEditOptions) -> list[Suggestion]:
+    return [s for s in found if s.confidence >= options.min_confidence.get(s.predictor, 0.0)]
+
+
 @dataclass
 class Outcome:
     """What a `canvas/nextEdit` request produced: the suggestions to show, and why there are none when so."""
@@ -305,7 +399,7 @@ class NextEdits:
         if "repeat" in options.predictors:
             found += repeat(document, offset, others, options)
         reason, failed = None, False
-        if "canvas" in options.predictors and not found:  # the model only where the edit has no repeat
+        if "canvas" in options.predictors and not _shown(found, options):  # the model where `repeat` shows nothing
             older = self.in_flight.get(document.uri)
             if older is not None:
                 older.set()
@@ -315,8 +409,8 @@ class NextEdits:
             finally:
                 if self.in_flight.get(document.uri) is cancel:
                     del self.in_flight[document.uri]
-            if isinstance(answer, Suggestion):
-                found.append(answer)
+            if isinstance(answer, list):
+                found += answer
             elif isinstance(answer, Cancelled):
                 return Outcome(version, [], "superseded by a newer request")
             elif isinstance(answer, Failed):
@@ -325,7 +419,7 @@ class NextEdits:
                 reason = answer
         if document.version != version:
             return Outcome(version, [], "the document changed while the suggestion was computed")
-        shown = [s for s in found if s.confidence >= options.min_confidence.get(s.predictor, 0.0)]
+        shown = _shown(found, options)
         for suggestion in shown:
             self.shown[suggestion.predictor] += 1
         if not shown and reason is None:

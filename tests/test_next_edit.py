@@ -16,7 +16,17 @@ from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Gap,
 from canvas_ls.server.config import NextEditOptions, parse_config
 from canvas_ls.server.documents import Document
 from canvas_ls.server.history import MAX_EDIT_CHARS, MAX_EDITS, PAUSE_S, Change, EditHistory
-from canvas_ls.server.nextedit import NextEdits, Pattern, changed_confidence, pattern, repeat, rewrite, window
+from canvas_ls.server.nextedit import (
+    NextEdits,
+    Pattern,
+    changed_confidence,
+    changed_signature,
+    pattern,
+    repeat,
+    rewrite,
+    sites,
+    window,
+)
 from tests.test_lsp import SERVE, open_doc, options, request, uri, wait_ready
 
 
@@ -90,12 +100,12 @@ SOURCE = """def mean(values):
 """
 
 
-def edited(text: str, old: str, new: str, nth: int = 0) -> Document:
+def edited(text: str, old: str, new: str, nth: int = 0, language: str = "python") -> Document:
     """The document after `old` (its nth occurrence) was replaced by `new`, with that edit in its history."""
     start = -1
     for _ in range(nth + 1):
         start = text.index(old, start + 1)
-    document = Document.open("file:///mean.py", text, 1, "python")
+    document = Document.open("file:///mean.py", text, 1, language)
     change = types.TextDocumentContentChangePartial(
         range=types.Range(types.Position(*document.index.position(start)),
                           types.Position(*document.index.position(start + len(old)))), text=new)  # fmt: skip
@@ -165,7 +175,8 @@ def test_nothing_to_repeat_for_multi_line_or_nameless_edits_or_an_imports_names(
 
 
 class Fixed:
-    """A backend whose fill answers `reply`: a Reply, or a function of the window giving the rewritten text."""
+    """A backend whose fill answers `reply`: a Reply, or a function of a window giving its rewritten text (applied to
+    each window of the canvas)."""
 
     adapters = False
     state = "ready"
@@ -176,11 +187,18 @@ class Fixed:
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
                    document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
         self.segments = segments
-        return answer(self.reply(segments[1]["rewrite"])) if callable(self.reply) else self.reply
+        if not callable(self.reply):
+            return self.reply
+        gaps = tuple(gap(self.reply(segment["rewrite"])) for segment in segments if "rewrite" in segment)
+        return Answer(gaps[0].text, gaps[0].token_texts, gaps[0].confidence, gaps=gaps)
+
+
+def gap(text: str, ended: bool = True, confidence: float = 0.95) -> Gap:
+    return Gap(text, ended, (text,), (confidence,))
 
 
 def answer(text: str, ended: bool = True, confidence: float = 0.95) -> Answer:
-    return Answer(text, ("x",), (confidence,), gaps=(Gap(text, ended),))
+    return Answer(text, (text,), (confidence,), gaps=(gap(text, ended, confidence),))
 
 
 async def test_the_canvas_rewrite_becomes_one_edit_and_an_unchanged_window_none() -> None:
@@ -210,13 +228,46 @@ async def test_the_canvas_rewrite_becomes_one_edit_and_an_unchanged_window_none(
         assert (outcome.suggestions, outcome.reason) == ([], reason)
 
 
+async def test_a_changed_signature_rewrites_its_calls_in_the_same_canvas() -> None:
+    """An edit of a function's parameters: the lines of its calls (`area(...)`, `shapes.area(...)`, not the
+    definition nor a string) are windows of the cursor's canvas, the code between them kept; each changed window is a
+    suggestion, the cursor's first, then the nearest below."""
+    source = ("def area(r):\n    return 3.14 * r * r\n\n\nlabel = 'area(1)'\nprint(area(2))\nx = 1\n"
+              "total = shapes.area(3) + 1\n")  # fmt: skip
+    document = edited(source, "(r)", "(r, pi)")
+    offset = document.text.index("pi") + 2
+    options = NextEditOptions(predictors=["canvas"], window_lines=0)
+    fixed = Fixed(lambda w: w.replace("area(2)", "area(2, 3.14)").replace("area(3)", "area(3, 3.14)"))
+    outcome = await NextEdits().suggest(document, offset, [], fixed, options, 256)  # type: ignore[arg-type]
+    assert [(s.text, document.index.line_of(s.start), s.away) for s in outcome.suggestions] == [
+        (", 3.14", 5, True), (", 3.14", 7, True)]  # fmt: skip
+    assert [segment.get("rewrite") for segment in fixed.segments] == [
+        None, "def area(r, pi):\n", None, "print(area(2))\n", None, "total = shapes.area(3) + 1\n", None]  # fmt: skip
+    assert fixed.segments[2] == {"text": "    return 3.14 * r * r\n\n\nlabel = 'area(1)'\n"}  # kept as it is
+    assert fixed.segments[4] == {"text": "x = 1\n"}
+    one = NextEditOptions(predictors=["canvas"], window_lines=0, canvas_sites=1)  # the cursor's window only
+    assert (await NextEdits().suggest(document, offset, [], fixed, one, 256)).reason == (  # type: ignore[arg-type]
+        "the model left the window as it was")  # fmt: skip
+    body = edited(source, "3.14 * r * r", "pi * r * r")  # not the parameters: no call sites
+    assert changed_signature(body, body.text.index("pi")) is None
+    script = edited("function area(r) { return r * r; }\nconst x = 1;\nconsole.log(area(2));\n", "(r)", "(r, pi)",
+                    language="javascript")  # fmt: skip
+    assert changed_signature(script, script.text.index("pi")) == "area"
+    assert [w.text for w in sites(script, 0, options)] == ["function area(r, pi) { return r * r; }\n",
+                                                            "console.log(area(2));\n"]  # fmt: skip
+    wider = NextEditOptions(predictors=["canvas"], window_lines=1)  # the call next to the window: one window
+    assert [w.text for w in sites(script, 0, wider)] == [script.text]
+
+
 def test_a_rewrite_is_as_confident_as_the_tokens_that_changed_the_text() -> None:
-    copied = Answer("\nprint(area(2.0))\n", ("\nprint(area(2", ".0", "))\n"), (0.99, 0.6, 0.98))
+    copied = Gap("\nprint(area(2.0))\n", True, ("\nprint(area(2", ".0", "))\n"), (0.99, 0.6, 0.98))
     assert changed_confidence(copied, 13, 15) == 0.6  # ".0" inserted: its token's confidence, not the copies'
     assert changed_confidence(copied, 2, 4) == 0.99  # inside the first token
     assert changed_confidence(copied, 15, 15) == 0.6  # a deletion at 15: the tokens on either side of it
-    healed = Answer("b", ("a", "b"), (0.9, 0.3), healed="a")  # the first token rewrote the prefix's "a"
+    healed = Gap("b", True, ("a", "b"), (0.9, 0.3), healed="a")  # the first token rewrote the prefix's "a"
     assert changed_confidence(healed, 0, 1) == 0.3
+    older = Gap.from_engine({"text": "b", "stop_reason": "eos", "confidence": [0.9, 0.4]})  # an older engine's gap
+    assert (older.token_texts, changed_confidence(older, 0, 1)) == ((), 0.4)
 
 
 class Waiting:
@@ -338,6 +389,14 @@ async def test_the_canvas_predictor_rewrites_the_window_through_the_engine(clien
         False,
     )
     assert edit["confidence"] > 0.9
+
+    # A changed signature: its call's line is a second window of the same canvas, a second edit, away from the cursor
+    source = "def area(r):\n    return r\n\n\nx = 1\ny = 2\nz = 3\nprint(area(2))\n"
+    open_doc(client, "shapes.py", source)
+    change(client, "shapes.py", 2, 0, 8, 11, "(r, pi)")
+    answer = await next_edit(client, "shapes.py", 0, 15)
+    found = [(e["range"]["start"]["line"], e["range"]["end"]["line"], e["newText"], e["away"]) for e in answer["edits"]]
+    assert found == [(0, 3, "code", False), (7, 8, "code", True)], answer
 
 
 async def test_bad_next_edit_requests_are_refused_with_why(client: LanguageClient) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import pytest_lsp
+import torch
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
@@ -299,6 +300,10 @@ def test_the_training_plan_is_the_recipes() -> None:
     assert plan_of().ema == 0.0  # no recipe: the preset's
     workspace = workspaces.recipe(workspaces.WORKSPACE_RECIPE)[0]
     assert all(getattr(plan_of("--workspace", "."), k) == v for k, v in workspace.items())
+    # the precision the run trains in on this machine (`as_run`: fp32 on a CPU where bf16 is emulated)
+    from canvas_ls.engine.loading import cpu_has_native_bf16
+
+    assert plan_of().bf16 is (torch.cuda.is_available() or cpu_has_native_bf16()) and plan_of("--fp32").bf16 is False
 
 
 def test_the_learned_message_says_what_the_tuned_model_will_show() -> None:
