@@ -227,6 +227,8 @@ def add_parser(commands: Any) -> None:
                        "server's next_edit.window_lines)")  # fmt: skip
     edits.add_argument("--strength", type=float, help="share of the window's tokens renoised (default: the server's)")
     edits.add_argument("--max-steps", type=int, help="denoising steps at most (default: the server's)")
+    edits.add_argument("--canvas-sites", type=int, help="windows one canvas rewrites: the cursor's and a changed "
+                       "signature's calls (default: the server's)")  # fmt: skip
     edits.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     edits.add_argument("--device", default="auto")
     edits.add_argument("--out", type=Path, help="JSON report path")
@@ -251,7 +253,8 @@ def _bench_edits(args: argparse.Namespace) -> int:
 
     if args.commits < 1 or args.per_file < 1 or args.cases < 1 or args.skip < 0:
         raise CliError("bench edits: --commits, --per-file and --cases must be >= 1, --skip >= 0")
-    chosen = {"window_lines": args.window_lines, "strength": args.strength, "max_steps": args.max_steps}
+    chosen = {"window_lines": args.window_lines, "strength": args.strength, "max_steps": args.max_steps,
+              "canvas_sites": args.canvas_sites}  # fmt: skip
     options = {name: value for name, value in chosen.items() if value is not None}
     try:
         report = run_edits_bench(args.repo.expanduser().resolve(), args.commits, args.model, args.device,

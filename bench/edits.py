@@ -7,7 +7,7 @@ user's edits (one `didChange` each) and asks `canvas/nextEdit` at the end of the
 answer. For each such file it also asks, after all its hunks, at a line at least a window away from every hunk: an
 unchanged window, where the right answer is no suggestion.
 
-Reported per predictor (and for the server's default, `repeat` then `canvas` where `repeat` found nothing, derived
+Reported per predictor (and for the server's default, `repeat` then `canvas` where `repeat` shows nothing, derived
 from the two runs): exact match of the top suggestion with the next hunk, location (its lines meet the hunk's), edit
 similarity of the changed lines (beside leaving them as they are), unchanged windows left alone, shown rate and
 precision at the configured thresholds and over a sweep of thresholds (the plot; the lowest threshold whose shown

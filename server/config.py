@@ -161,8 +161,10 @@ class NextEditOptions:
     max_sites: int = 8
     max_documents: int = 8
     # Windows the canvas rewrites together: the cursor's, and when the last edit changed a function's parameters,
-    # the calls of that function (nearest first; 1: the cursor's window only).
-    canvas_sites: int = 4
+    # the calls of that function (nearest first), the code between them in the canvas. 1 (the cursor's window only)
+    # on the CPU: with the shipped model a call 70 lines away took the canvas from ~0.2 s to ~2.2 s (2-core EPYC,
+    # docs/pages/next-edit.md); a GPU model takes 4.
+    canvas_sites: int = 1
     # Recent edits shown to the model before the window, newest last.
     history_edits: int = RECENT_EDITS  # what training shows (engine/commits.py)
     # Denoising step cap (a rewrite starts from the window's text and needs fewer than a fill); None: the model's.

@@ -9,10 +9,11 @@ Two predictors, one interface (`Suggestion`s with a confidence):
   other open documents of its language; an edit of a call's arguments is widened to the call on its line (an added
   argument: `f(a)` -> `f(a, b)`), any other to the word before it (`timeout=30` -> `timeout=60`), and repeated where
   that text stands.
-- `canvas`: the window around the cursor rewritten in one canvas (a span rewrite of `Engine.fill`: the model starts
-  from the window's text with a share of its tokens renoised and rewrites what it doubts), the recent edits before
-  it as comment lines. An unchanged window is no suggestion; otherwise the changed span is one edit, dropped when it
-  adds syntax errors.
+- `canvas` (where `repeat` shows nothing): the window around the cursor rewritten in one canvas (a span rewrite of
+  `Engine.fill`: the model starts from the window's text with a share of its tokens renoised and rewrites what it
+  doubts), the recent edits before it as comment lines; when the last edit changed a function's parameters, the
+  lines of its calls are more windows of the same canvas (`sites`), the code between them kept. An unchanged window
+  is no suggestion; otherwise its changed span is one edit, dropped when it adds syntax errors.
 """
 
 from __future__ import annotations

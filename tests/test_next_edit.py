@@ -236,7 +236,7 @@ async def test_a_changed_signature_rewrites_its_calls_in_the_same_canvas() -> No
               "total = shapes.area(3) + 1\n")  # fmt: skip
     document = edited(source, "(r)", "(r, pi)")
     offset = document.text.index("pi") + 2
-    options = NextEditOptions(predictors=["canvas"], window_lines=0)
+    options = NextEditOptions(predictors=["canvas"], window_lines=0, canvas_sites=4)
     fixed = Fixed(lambda w: w.replace("area(2)", "area(2, 3.14)").replace("area(3)", "area(3, 3.14)"))
     outcome = await NextEdits().suggest(document, offset, [], fixed, options, 256)  # type: ignore[arg-type]
     assert [(s.text, document.index.line_of(s.start), s.away) for s in outcome.suggestions] == [
@@ -245,7 +245,7 @@ async def test_a_changed_signature_rewrites_its_calls_in_the_same_canvas() -> No
         None, "def area(r, pi):\n", None, "print(area(2))\n", None, "total = shapes.area(3) + 1\n", None]  # fmt: skip
     assert fixed.segments[2] == {"text": "    return 3.14 * r * r\n\n\nlabel = 'area(1)'\n"}  # kept as it is
     assert fixed.segments[4] == {"text": "x = 1\n"}
-    one = NextEditOptions(predictors=["canvas"], window_lines=0, canvas_sites=1)  # the cursor's window only
+    one = NextEditOptions(predictors=["canvas"], window_lines=0)  # the default: the cursor's window only
     assert (await NextEdits().suggest(document, offset, [], fixed, one, 256)).reason == (  # type: ignore[arg-type]
         "the model left the window as it was")  # fmt: skip
     body = edited(source, "3.14 * r * r", "pi * r * r")  # not the parameters: no call sites
@@ -255,7 +255,7 @@ async def test_a_changed_signature_rewrites_its_calls_in_the_same_canvas() -> No
     assert changed_signature(script, script.text.index("pi")) == "area"
     assert [w.text for w in sites(script, 0, options)] == ["function area(r, pi) { return r * r; }\n",
                                                             "console.log(area(2));\n"]  # fmt: skip
-    wider = NextEditOptions(predictors=["canvas"], window_lines=1)  # the call next to the window: one window
+    wider = NextEditOptions(predictors=["canvas"], window_lines=1, canvas_sites=4)  # a call next to it: one window
     assert [w.text for w in sites(script, 0, wider)] == [script.text]
 
 
@@ -327,7 +327,7 @@ def test_next_edit_options_are_checked() -> None:
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
 async def client(lsp_client: LanguageClient, ending_model_dir: Path):
-    settings = {**options(ending_model_dir, workspace_cache=0), "next_edit": {"window_lines": 2}}
+    settings = {**options(ending_model_dir, workspace_cache=0), "next_edit": {"window_lines": 2, "canvas_sites": 4}}
     await lsp_client.initialize_session(types.InitializeParams(
         capabilities=types.ClientCapabilities(), initialization_options=settings))  # fmt: skip
     await wait_ready(lsp_client)
