@@ -32,7 +32,7 @@ from ..engine.tasks import machine
 from ..server.config import PREDICTORS, NextEditOptions
 from ..server.positions import LineIndex
 from .core import figure, percentile
-from .lsp import start_session
+from .lsp import end_session, start_session
 
 THRESHOLDS = [round(0.05 * i, 2) for i in range(21)]
 TARGET_PRECISION = 0.5
@@ -142,9 +142,7 @@ async def _drive(repo: Path, found: list[Case], predictor: str, init: dict[str, 
             print(f"\r{predictor}: {number + 1}/{len(found)}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
     finally:
-        await client.shutdown_async(None)
-        client.exit(None)
-        drain.cancel()
+        await end_session(client, drain)
     return results
 
 

@@ -114,9 +114,7 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         used = (await client.protocol.send_request_async("canvas/stats", {})).speculation.used > before
         accepted["speculated" if used else "other"].append(elapsed)
     stats = await client.protocol.send_request_async("canvas/stats", {})
-    await client.shutdown_async(None)
-    client.exit(None)
-    drain.cancel()
+    await end_session(client, drain)
     accepts = len(accepted["speculated"]) + len(accepted["other"])
     return {
         "requests": len(cold) + len(typing) + accepts,
@@ -159,6 +157,18 @@ def _insert(client: LanguageClient, uri: str, version: int, at: types.Position, 
     lines = text.split("\n")
     width = len(lines[-1].encode("utf-16-le")) // 2
     return types.Position(at.line + len(lines) - 1, (at.character if len(lines) == 1 else 0) + width)
+
+
+async def end_session(client: LanguageClient, drain: asyncio.Future) -> None:
+    """Shut the server down, wait for it to exit and close its pipes while the event loop runs: a subprocess
+    transport left to the garbage collector after the loop closed raises "Event loop is closed" from its finalizer."""
+    await client.shutdown_async(None)
+    client.exit(None)
+    await client.stop()
+    drain.cancel()
+    transport = getattr(client._server, "_transport", None)  # asyncio's Process has no public close
+    if transport is not None:
+        transport.close()
 
 
 async def _drain(client: LanguageClient, lines: list[bytes] | None = None) -> None:

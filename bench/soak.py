@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pygls.lsp.client import LanguageClient
 
 from ..engine.tasks import machine
-from .lsp import start_session
+from .lsp import end_session, start_session
 
 MAX_OPEN = 8
 WEIGHTS = {"edit": 40, "complete": 27, "cancel": 9, "prefetch": 9, "open": 7.5, "close": 7.5}
@@ -228,10 +228,7 @@ async def _drive(requests: int, model: str | None, device: str, seed: int, runti
     final = {"requests": requests, "server_mb": rss_mb(server_pid), "engine_mb": rss_mb(engine_pid),
              "prefix_cache_mb": metrics.get("prefix_cache_mb", 0.0), "seconds": seconds}  # fmt: skip
     samples.append(final)
-    await client.shutdown_async(None)
-    client.exit(None)
-    await client.stop()
-    drain.cancel()
+    await end_session(client, drain)
     engine.close()
     os.kill(engine_pid, 15)  # this run's own engine (its own runtime folder)
 
