@@ -39,6 +39,7 @@ MAX_SPAN_CHARS = 6_000  # the cursor's window and the call sites rewritten with 
 # The canvas of a window's rewrite: its gap slots (the window's tokens and half again) and its positions in all,
 # above the engine's defaults for holes (a window is a long hole).
 CANVAS_BUDGET = {"fill_tokens": 4096, "max_canvas_tokens": 8192}
+LEFT_AS_IT_WAS = "left as it was"  # one window's reason, read as none while another window says why
 # `repeat`'s confidence by the kind of pattern, in the document (one tenth less in the other documents): about the
 # share of its suggestions that were the next hunk exactly in `bench edits` (2026-12-05, this repository's newest
 # 120 commits): renames 5 of 6, text patterns 1 of 13 (under the default threshold: not shown), dotted names 1 of 1
@@ -197,9 +198,6 @@ async def rewrite(document: Document, offset: int, backend: Backend, options: Ne
     return rest[0] if rest else "the model left the window as it was"
 
 
-LEFT_AS_IT_WAS = "left as it was"
-
-
 def _changed(document: Document, around: Window, gap: Gap) -> tuple[Edit, float] | str:
     """One window's rewrite as an edit of the document and its confidence, or why it is none."""
     if gap.text == around.text:
@@ -230,7 +228,7 @@ def sites(document: Document, offset: int, options: NextEditOptions) -> list[Win
     index = document.index
     calls = [call for call in _calls(document, name) if not windows[0].start <= call[0] < windows[0].end]
     calls.sort(key=lambda call: abs(call[0] - offset))
-    for first_line, last_line in (index_range for _, index_range in calls):
+    for _, (first_line, last_line) in calls:
         if len(windows) >= options.canvas_sites:
             break
         start = index.starts[first_line]
@@ -242,7 +240,10 @@ def sites(document: Document, offset: int, options: NextEditOptions) -> list[Win
         merged = Window(start, end, document.text[start:end])
         cursors = windows[0] in touching  # the cursor's window stays first
         windows = [w for w in windows if w not in touching]
-        windows.insert(0, merged) if cursors else windows.append(merged)
+        if cursors:
+            windows.insert(0, merged)
+        else:
+            windows.append(merged)
     return windows
 
 
