@@ -98,11 +98,13 @@ def prefix_window(document: Document, offset: int, budget_tokens: int) -> str:
     return _prefix_window(document, offset, budget_tokens, grammar, node)
 
 
-def node_at(document: Document, offset: int) -> Node | None:
+def node_at(document: Document, offset: int, end: int | None = None) -> Node | None:
+    """The smallest syntax node over [offset, end] (`end` None: at `offset`); None without a tree."""
     if document.tree is None:
         return None
     point = document.index.point(offset)
-    return document.tree.root_node.descendant_for_point_range(point, point)
+    last = point if end is None else document.index.point(end)
+    return document.tree.root_node.descendant_for_point_range(point, last)
 
 
 def _char_offset(document: Document, point: tuple[int, int]) -> int:

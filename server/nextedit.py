@@ -270,8 +270,7 @@ def _calls(document: Document, name: str) -> list[tuple[int, tuple[int, int]]]:
         return []
     found = []
     for match in re.finditer(r"(?<!\w)" + re.escape(name) + r"(?!\w)", document.text):
-        point = document.index.point(match.start()), document.index.point(match.end())
-        node = document.tree.root_node.descendant_for_point_range(*point)
+        node = node_at(document, match.start(), match.end())
         while node is not None and node.parent is not None:
             function = node.parent.child_by_field_name("function")
             if function is not None and (function.start_byte, function.end_byte) == (node.start_byte, node.end_byte):
@@ -326,7 +325,7 @@ def _a_name(document: Document, start: int, end: int) -> bool:
     True where there is no grammar."""
     if document.tree is None:
         return True
-    node = document.tree.root_node.descendant_for_point_range(document.index.point(start), document.index.point(end))
+    node = node_at(document, start, end)
     return node is not None and "identifier" in node.type
 
 
