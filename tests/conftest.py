@@ -24,32 +24,6 @@ import pytest
 from canvas_ls.engine import Engine
 from canvas_ls.engine.architecture import build_tiny_model
 
-
-def _parse_kernels_with_the_collector_paused() -> None:
-    """Triton's interpreter parses a kernel's source (`ast.parse`) at its first call. On CPython 3.11.7 a garbage
-    collection inside that parse whose finalizer warns (an earlier test's event loop's subprocess transport) makes
-    pytest format the warning's traceback, which parses too, and the kernel's parse then fails with "AST constructor
-    recursion depth mismatch" (a CI run of 2026-12-05, tests/test_quantize.py). Parsed with the collector paused."""
-    import gc
-
-    from triton.runtime.interpreter import InterpretedFunction
-
-    rewrite = InterpretedFunction.rewrite
-
-    def paused(self: Any) -> Any:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return rewrite(self)
-        finally:
-            if enabled:
-                gc.enable()
-
-    InterpretedFunction.rewrite = paused  # type: ignore[method-assign]
-
-
-_parse_kernels_with_the_collector_paused()
-
 # The fuzzers' budgets: each property a few seconds by default; `pytest --hypothesis-profile=long tests/test_wire.py`
 # runs each for many thousands of examples (about ten minutes a property on 2 cores).
 hypothesis.settings.register_profile("long", max_examples=50_000, deadline=None)
