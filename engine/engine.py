@@ -177,6 +177,11 @@ class Engine:
         return self.loaded.name
 
     @property
+    def identity(self) -> dict[str, str]:
+        """Which model answers (`loading.LoadedModel.identity`): /health reports it; the server checks, keys on it."""
+        return self.loaded.identity
+
+    @property
     def dtype(self) -> str:
         """The model's compute dtype, e.g. "bfloat16"."""
         return str(self.loaded.model.dtype).removeprefix("torch.")

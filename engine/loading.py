@@ -15,14 +15,14 @@ import functools
 import logging
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import ModelLoadError
-from .paths import DEFAULT_MODEL_DIR
+from .paths import DEFAULT_MODEL_DIR, fingerprint, installation
 
 __all__ = ["DEFAULT_MODEL_DIR", "LoadedModel", "load_model"]
 
@@ -35,6 +35,10 @@ class LoadedModel:
     folder: Path | None  # the local folder the files came from, when there is one
     device: torch.device
     quantized: str = "none"  # the layers' weights: "none", "int8" or "int4" (engine.quantize)
+    # Which model answers, as loaded (`identity`): the resolved model, its files' fingerprint when it loaded, device,
+    # dtype, quantisation and adapter. The server keys its completion cache on it and refuses an engine whose
+    # identity is not the one it asked for.
+    identity: dict[str, str] = field(default_factory=dict)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -173,7 +177,23 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         folder=folder,
         device=target,
         quantized=quantized,
+        identity=identity(name, folder, target, str(model.dtype).removeprefix("torch."), quantized, adapter),
     )
+
+
+def identity(name: str, folder: Path | None, device: torch.device, dtype: str, quantized: str,
+             adapter: str | None) -> dict[str, str]:  # fmt: skip
+    """A loaded model's identity (`LoadedModel.identity`), its folders' fingerprints taken now."""
+    adapter_folder = Path(adapter).expanduser().resolve() if adapter else None
+    return {
+        **installation(),
+        "model": str(folder.resolve()) if folder is not None else name,
+        "fingerprint": fingerprint(folder),
+        "device": device.type,
+        "dtype": dtype,
+        "quantize": quantized,
+        "adapter": f"{adapter_folder}@{fingerprint(adapter_folder)}" if adapter_folder else "",
+    }
 
 
 # Kernels oneDNN keeps per matmul shape on a CPU (ideep's and oneDNN's own caches, 1024 each by default).

@@ -41,18 +41,50 @@ def runtime_dir() -> Path:
 
 def default_socket(model: str | None = None, device: str | None = None, adapter: str | None = None,
                    quantize: str | None = None) -> Path:  # fmt: skip
-    """One engine per model, device, adapter and quantisation: `engine.sock` serves the shipped default model on the
-    automatic device; any other choice gets its own socket, so an editor configured for another model never reaches
-    the wrong one."""
+    """One engine per installation, model, device, adapter and quantisation: an editor configured for another model,
+    or a server of another canvas-ls installation (another virtualenv, another version), never reaches it."""
     device = None if device in (None, "auto") else device
     quantize = None if quantize in (None, "auto") else quantize
-    if model is None and device is None and not adapter and quantize is None:
-        return runtime_dir() / "engine.sock"
-    where = str(Path(model).resolve()) if model and Path(model).exists() else str(model)
-    key = f"{where}\0{device}" + (f"\0{Path(adapter).expanduser().resolve()}" if adapter else "")
+    key = "\0".join((*installation().values(), resolved_model(model), str(device)))
+    key += f"\0{Path(adapter).expanduser().resolve()}" if adapter else ""
     key += f"\0quantize={quantize}" if quantize else ""
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return runtime_dir() / f"engine-{digest}.sock"
+
+
+@functools.cache
+def installation() -> dict[str, str]:
+    """Which canvas-ls this is: the folder its code runs from and its version. A server takes answers only from an
+    engine of the same installation (`server/backend.py:ResidentBackend`)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("canvas-ls")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"installation": str(Path(__file__).resolve().parent.parent), "version": version}
+
+
+def resolved_model(model: str | None) -> str:
+    """A model as the engine loads it: the shipped default's folder for None, a folder's resolved path, else the
+    name as given (a hub id)."""
+    if model is None:
+        return str(DEFAULT_MODEL_DIR)
+    folder = Path(model).expanduser()
+    return str(folder.resolve()) if folder.exists() else model
+
+
+def fingerprint(folder: Path | str | None) -> str:
+    """What a model (or adapter) folder holds, as it holds it now: a digest of its files' names, sizes and
+    modification times (not their bytes: taken at every load, in microseconds). "" for no folder (a hub id)."""
+    if folder is None or not Path(folder).is_dir():
+        return ""
+    digest = hashlib.sha1()
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.is_file():
+            stat = entry.stat()
+            digest.update(f"{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def lowest_priority() -> None:

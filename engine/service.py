@@ -143,7 +143,8 @@ class EngineService:
         return JSONResponse({"status": "ok", "model": self.engine.name, "device": device, "dtype": self.engine.dtype,
                              "quantize": self.engine.loaded.quantized, "queue": self.queue, "pid": os.getpid(),
                              "compile": self.engine.decoder.report(),
-                             "adapters": list(self.engine.adapters.names)})  # fmt: skip
+                             "adapters": list(self.engine.adapters.names),
+                             "identity": self.engine.identity})  # fmt: skip
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

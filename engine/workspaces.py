@@ -94,12 +94,13 @@ def same_base(a: str | None, b: str | None) -> bool:
     """Whether two model names (None: the shipped default) are the same model: folders compare resolved."""
     if a is None or b is None:
         return a is b
-    return _canonical(a) == _canonical(b)
+    return canonical(a) == canonical(b)
 
 
 @functools.lru_cache(maxsize=64)
-def _canonical(name: str) -> str:
-    """A model folder's resolved path (a hub id as it is); asked on every completion, resolved once."""
+def canonical(name: str) -> str:
+    """A model folder's resolved path (a hub id as it is); asked on every completion, resolved once (the server
+    resolves its configured model and each entry's base when it reads them, so that a request touches no file)."""
     folder = Path(name).expanduser()
     return str(folder.resolve()) if folder.exists() else name
 
@@ -226,14 +227,14 @@ def remove(root: Path) -> bool:
 
 
 class WorkspaceIndex:
-    """Which workspace model a file uses, re-read when an entry is added, replaced or removed (checked at most
-    every `recheck_s` seconds: a training run that ends while the editor is open takes effect without a restart)."""
+    """Which workspace model a file uses. `for_path` reads memory only (the completion cache's key asks it on every
+    keystroke); `refresh` re-reads the entries when one was added, replaced or removed (the language server calls
+    it on a timer: a training run that ends while the editor is open takes effect without a restart)."""
 
-    def __init__(self, recheck_s: float = 2.0) -> None:
-        self.recheck_s = recheck_s
-        self._checked = float("-inf")
+    def __init__(self) -> None:
         self._stamp: tuple[Any, ...] = ()
         self._entries: list[WorkspaceModel] = []
+        self.refresh()
 
     def _stamp_now(self) -> tuple[Any, ...]:
         base = workspaces_dir()
@@ -243,16 +244,18 @@ class WorkspaceIndex:
         except OSError:
             return ()
 
-    def entries(self) -> list[WorkspaceModel]:
-        now = time.monotonic()
-        if now - self._checked >= self.recheck_s:
-            self._checked = now
-            stamp = self._stamp_now()
-            if stamp != self._stamp:
-                self._stamp, self._entries = stamp, installed()
-        return self._entries
+    def refresh(self) -> bool:
+        """Re-read the entries if they changed on disk; whether they did."""
+        stamp = self._stamp_now()
+        if stamp == self._stamp:
+            return False
+        self._stamp, self._entries = stamp, installed()
+        for entry in self._entries:
+            if entry.base is not None:
+                canonical(entry.base)
+        return True
 
     def for_path(self, path: Path, base: str | None) -> WorkspaceModel | None:
         """The model of the innermost repository holding `path` that was tuned from `base`; None: use `base`."""
-        fitting = [e for e in self.entries() if path.is_relative_to(e.root) and same_base(e.base, base)]
+        fitting = [e for e in self._entries if path.is_relative_to(e.root) and same_base(e.base, base)]
         return max(fitting, key=lambda e: len(e.root.parts), default=None)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -137,6 +137,55 @@ class Failed:
 Reply = Answer | Cancelled | Failed
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Which model answers a request, as it was loaded: the backend kind, the model (a resolved folder or a hub id)
+    with its files' fingerprint when it loaded, the device, dtype and quantisation, and the LoRA adapter (its
+    folder and fingerprint). Taken once per load, never per request: the completion cache's key holds it, so a
+    model switch, a reload of changed files or a workspace model re-keys every answer."""
+
+    backend: str
+    model: str
+    fingerprint: str = ""
+    device: str = ""
+    dtype: str = ""
+    quantize: str = ""
+    adapter: str = ""
+
+    @classmethod
+    def of_engine(cls, backend: str, identity: Mapping[str, Any]) -> Identity:
+        """From the engine's own identity (`Engine.identity`, /health's "identity")."""
+        return cls(backend, *(str(identity.get(name, "")) for name in
+                              ("model", "fingerprint", "device", "dtype", "quantize", "adapter")))  # fmt: skip
+
+    def with_adapter(self, adapter: str) -> Identity:
+        """This model answering with a workspace's adapter (whose folder name is its version)."""
+        return replace(self, adapter=adapter)
+
+    def __str__(self) -> str:
+        return "|".join((self.backend, self.model, self.fingerprint, self.device, self.dtype, self.quantize,
+                         self.adapter))  # fmt: skip
+
+
+def engine_mismatch(health: Mapping[str, Any], model: str | None, adapter: str | None) -> str | None:
+    """Why a resident engine's /health is not the engine this server asked for (None: it is): another installation
+    or version of canvas-ls started it, or it runs another model or adapter."""
+    from ..engine.paths import installation, resolved_model
+
+    theirs = health.get("identity")
+    if not isinstance(theirs, dict):
+        return "it was started by an older canvas-ls that does not say which installation it belongs to"
+    ours = installation()
+    for field_name, wanted in (*ours.items(), ("model", resolved_model(model))):
+        if theirs.get(field_name) != wanted:
+            return (f"it belongs to another canvas-ls ({field_name} {theirs.get(field_name)!r}, this server's "
+                    f"{wanted!r})" if field_name in ours else
+                    f"it runs model {theirs.get('model')!r}, not {wanted!r}")  # fmt: skip
+    if adapter and not str(theirs.get("adapter", "")).startswith(f"{Path(adapter).expanduser().resolve()}@"):
+        return f"it runs adapter {theirs.get('adapter') or 'none'!r}, not {adapter!r}"
+    return None
+
+
 class Backend(Protocol):
     """What the server asks of where the model runs. `infill` and `fill` end in one `Reply` and raise nothing: an
     engine that refused the request, failed or went away is a `Failed` with the reason. `background`: work computed
@@ -148,6 +197,7 @@ class Backend(Protocol):
     load_seconds: float | None
     cancelled_after_steps: list[int]
     adapters: bool  # whether a request may name a LoRA adapter of the model (`adapter`: its folder)
+    identity: Identity | None  # which model answers, set when it has loaded (None before, and after a failure)
 
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None: ...
 
@@ -182,11 +232,12 @@ class LocalBackend:
         self.load_seconds: float | None = None
         self.cancelled_after_steps: list[int] = []  # per cancelled request, the denoising steps it had run
         self.restarts = 0  # reloads after the engine failed in a way it has no answer for
+        self.identity: Identity | None = None
         self._loaded_with: tuple[str | None, str] = (None, "auto")
 
     def load(self, model: str | None, device: str, on_done: Callable[[LocalBackend], None] | None = None) -> None:
         """Start loading (in the worker); `on_done` runs in the worker thread when it ends, well or not."""
-        self.state, self.error, self._engine = "loading", None, None
+        self.state, self.error, self._engine, self.identity = "loading", None, None, None
         self._loaded_with = (model, device)
 
         def work() -> None:
@@ -198,6 +249,7 @@ class LocalBackend:
                                            compile=self.compile, quantize=self.quantize)  # fmt: skip
                 self._engine.warm_up()  # in the background when compiling; requests run eager meanwhile
                 self.model_name = self._engine.name
+                self.identity = Identity.of_engine("local", self._engine.identity)
                 self.state = "ready"
             except Exception as exc:  # a load failure is reported, never raised into the server
                 self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -293,6 +345,7 @@ class ResidentBackend:
         self.load_seconds: float | None = None
         self.cancelled_after_steps: list[int] = []
         self.restarts = 0
+        self.identity: Identity | None = None
         self._model: str | None = None
         self._device = "auto"
         self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine-start")
@@ -304,12 +357,17 @@ class ResidentBackend:
 
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None:
         self._model, self._device = model, device
-        self.state, self.error = "loading", None
+        self.state, self.error, self.identity = "loading", None, None
 
         def work() -> None:
             started = time.perf_counter()
             try:
                 health = self._ensure_engine()
+                why = engine_mismatch(health, self._model, self.adapter)
+                if why is not None:
+                    raise RuntimeError(f"the engine at {self.socket} is not this server's: {why}; stop that engine "
+                                       "(it exits when idle) or set engine.socket to another path")  # fmt: skip
+                self.identity = Identity.of_engine("resident", health["identity"])
                 self.model_name, self.state = health["model"], "ready"
             except Exception as exc:  # reported to the user, never raised into the server
                 self.error, self.state = str(exc).splitlines()[0] or type(exc).__name__, "failed"
@@ -469,6 +527,7 @@ class OpenAIBackend:
         self.load_seconds: float | None = 0.0
         self.cancelled_after_steps: list[int] = []
         self.restarts = 0
+        self.identity: Identity | None = Identity("openai", f"{self.url}|{model or ''}")
 
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None:
         self.state = "ready"  # nothing to load here; a server that does not answer shows in the requests' logs

@@ -34,11 +34,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..engine.confidence import HIDDEN, judge
-from .backend import Answer, CancelFlag, Cancelled, Failed
+from .backend import Answer, CancelFlag, Cancelled, Failed, Identity
 from .config import CompletionOptions, ServerConfig
 from .context import CompletionContext, Skip, build_context
 from .crossfile import Block, CrossFile
+from .display import Cut, Hidden, decide
 from .documents import Document, DocumentStore
 from .edits import Edit, checked_edit
 from .positions import PositionError
@@ -199,10 +199,12 @@ class Completer:
                 self.stats.typing_hits += 1
             return Outcome(edit, "typing", request_id, 0.0)
 
-        # 4. Cache, keyed on the context the model would see. The same completion already under way, started where
-        #    the cursor went (a prefetch) or after an accepted suggestion (a speculation), is joined.
+        # 4. Cache, keyed on the context the model would see and on which model answers it (resolved once, from
+        #    memory). The same completion already under way, started where the cursor went (a prefetch) or after an
+        #    accepted suggestion (a speculation), is joined.
         overrides = request_overrides(context, self.config.completion, invoked)
-        key = self._key(document, context, overrides)
+        route = self.backend.resolve(document.uri)
+        key = self._key(document, context, overrides, route.identity)
         if prefetch and not self._claim_prefetch(document.uri, key):
             return nothing("cache" if key in self.cache else "running")  # answered already, or being answered
         early = None if prefetch else self._early(document.uri, key)
@@ -241,7 +243,8 @@ class Completer:
             self._drop_speculations(running_only=True)  # real requests first
             self.stats.model_calls += 1
             called = time.perf_counter()
-            reply = await self.backend.infill(context.prefix, context.suffix, overrides, cancel, document.uri)
+            reply = await self.backend.infill(context.prefix, context.suffix, overrides, cancel, document.uri,
+                                              route=route)  # fmt: skip
         finally:
             if self.in_flight.get(document.uri, ("", None))[1] is cancel:
                 del self.in_flight[document.uri]
@@ -257,9 +260,12 @@ class Completer:
                 return nothing(f"error:{reason}")
         self.stats.call_ms.append(((time.perf_counter() - called) * 1000, reply.engine_ms))
 
-        # 6. Never answer for a document that has moved on.
+        # 6. Never answer for a document that has moved on, nor with a model that is no longer the one that answers
+        #    it (the configuration changed, a workspace model loaded): such an answer is neither shown nor cached.
         if document.version != version:
             return nothing("stale")
+        if not self._current(document.uri, route.identity):
+            return nothing("stale:the model changed while it answered")
         self._store(key, reply.cached())
         if prefetch:
             return Outcome(None, "prefetched", request_id, 0.0, result=reply.details)
@@ -276,22 +282,21 @@ class Completer:
         the model stands behind it, else its confident head, else nothing."""
         options = self.config.completion
         edit = checked_edit(document, context, answer.text, options.max_lines)
-        threshold = options.min_confidence if options.min_confidence is not None else answer.min_confidence
-        detail = None
-        if edit is not None and not invoked and threshold > 0 and answer.score_kind is not None:
-            score, head = judge(answer, edit.text, threshold, (document.text[: edit.start], document.text[edit.end :]))
-            if score < threshold:
-                why = f"confidence {score:.2f} below {threshold:.2f} ({answer.score_kind} score)"
-                if threshold >= HIDDEN:  # a calibration that stands behind nothing here (or the user's 1.0)
-                    why += "; nothing is shown here while typing: invoke a completion to see the model's answer"
-                cut = checked_edit(document, context, head, options.max_lines) if options.show_head else None
-                if cut is None or not cut.text.strip():
-                    self._remember(document, offset, None)
-                    return Outcome(None, "hidden", request_id, 0.0, detail=f"hidden: {why}")
+        decision = decide(answer, edit, document.text, invoked, options,
+                          lambda head: checked_edit(document, context, head, options.max_lines))  # fmt: skip
+        match decision:
+            case Hidden(reason, rejected=True):
+                self._remember(document, offset, None)
+                return Outcome(None, "rejected", request_id, 0.0, detail=reason)
+            case Hidden(reason):
+                self._remember(document, offset, None)
+                return Outcome(None, "hidden", request_id, 0.0, detail=reason)
+            case Cut(edit, why):
                 self.stats.heads += 1
-                edit, detail = cut, f"cut to its confident head: {why}"
-        self._remember(document, offset, edit)
-        return Outcome(edit, source if edit else "rejected", request_id, 0.0, detail=detail)
+                self._remember(document, offset, edit)
+                return Outcome(edit, source, request_id, 0.0, detail=why)
+        self._remember(document, offset, decision.edit)
+        return Outcome(decision.edit, source, request_id, 0.0)
 
     def _context(self, document: Document, offset: int) -> CompletionContext | Skip:
         """The windows around the cursor, the prefix led by snippets of the other files of its language."""
@@ -310,14 +315,30 @@ class Completer:
         block = self.cross_file.block(document, offset, self.documents.others(document), budget)
         return block if block is not None and block.text else None
 
-    def _key(self, document: Document, context: CompletionContext, overrides: dict[str, Any]) -> str:
-        """The cache's key: the context, the settings, and which model answers this document now (a workspace
-        model that has finished loading must not be answered for by what the configured model said before)."""
+    @staticmethod
+    def _key(document: Document, context: CompletionContext, overrides: dict[str, Any],
+             identity: Identity | None) -> str:  # fmt: skip
+        """The cache's key: the context, the settings, and which model answers this document now (`Route.identity`:
+        a switched model, a reloaded folder, a workspace model that has finished loading must never be answered for
+        by what another model said). Memory only: no file system, no clock."""
         digest = hashlib.sha1()
-        for part in (document.language, context.mode, repr(overrides), self.backend.route(document.uri),
-                     context.prefix, "\0", context.suffix):  # fmt: skip
+        for part in (document.language, context.mode, repr(overrides), str(identity), context.prefix, "\0",
+                     context.suffix):  # fmt: skip
             digest.update(part.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
+
+    def _current(self, uri: str, identity: Identity | None) -> bool:
+        """Whether the model that answered (`identity`, resolved when the request started) still answers `uri`."""
+        return identity is not None and self.backend.resolve(uri).identity == identity
+
+    def reset(self) -> None:
+        """The configuration changed: every answer computed ahead or cached goes (their keys name the old identity
+        anyway; this frees them and stops the work in flight)."""
+        self._drop_speculations(running_only=False)
+        for _, cancel in self.in_flight.values():
+            cancel.set()
+        self.cache.clear()
+        self.remembered.clear()
 
     # -- the suggestion where the cursor went, started before the editor asks ---------------------------------------
 
@@ -358,9 +379,10 @@ class Completer:
         accepted = document.edited(edit.start, edit.end, edit.text)
         context = self._context(accepted, edit.start + len(edit.text))
         key = overrides = None
+        route = self.backend.resolve(document.uri)
         if not isinstance(context, Skip):
             overrides = request_overrides(context, self.config.completion, invoked=False)
-            key = self._key(accepted, context, overrides)
+            key = self._key(accepted, context, overrides, route.identity)
         running = self.speculations.get(document.uri)
         if running is not None and running.key == key:
             return  # the same suggestion again: its speculation stands
@@ -371,10 +393,10 @@ class Completer:
         self.speculations[document.uri] = ahead
         self.stats.speculated += 1
         reply = await self.backend.infill(context.prefix, context.suffix, overrides, ahead.cancel, document.uri,
-                                          background=True)  # fmt: skip
+                                          background=True, route=route)  # fmt: skip
         if isinstance(reply, Failed):  # real requests report the engine's errors
             log.info("speculation for %s: %s", document.uri, reply.reason)
-        elif isinstance(reply, Answer) and not ahead.cancel.is_set():
+        elif isinstance(reply, Answer) and not ahead.cancel.is_set() and self._current(document.uri, route.identity):
             self._store(ahead.key, reply.cached())
             ahead.done = True
 

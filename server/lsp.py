@@ -54,6 +54,7 @@ def initialize(ls: CanvasServer, params: types.InitializeParams) -> None:
 @server.feature(types.INITIALIZED)
 async def initialized(ls: CanvasServer, params: types.InitializedParams) -> None:
     ls.loop = asyncio.get_running_loop()
+    ls.workspace_refresh = ls.loop.create_task(ls.refresh_workspaces())
     for message in ls.pending_messages:
         ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
         ls.log_to_client(message, types.MessageType.Warning)
@@ -74,6 +75,7 @@ def did_change_configuration(ls: CanvasServer, params: types.DidChangeConfigurat
 @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
 def did_open(ls: CanvasServer, params: types.DidOpenTextDocumentParams) -> None:
     ls.documents.open(params.text_document)
+    ls.backend.watch(params.text_document.uri)
 
 
 @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
@@ -519,6 +521,7 @@ async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
 
     ls.log_to_client(f"learning {root} for {minutes:g} min at the lowest CPU priority")
     final = await ls.learner.learn(job, ls.config.engine.model, minutes, report)
+    ls.backend.refresh()  # the model it installed answers from the next request on
     if "done" in final:
         done = final["done"]
         labels = {"editor_diffusion": "held-out loss where the editor asks", "diffusion": "on random spans"}

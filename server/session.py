@@ -27,6 +27,7 @@ from .workspaces import Learner, RoutedBackend
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+WORKSPACES_REFRESH_S = 2.0
 
 
 def make_backend(config: ServerConfig, learner: Learner | None = None,
@@ -59,11 +60,13 @@ class CanvasServer(LanguageServer):
         self.config = ServerConfig()
         self.learner = Learner()
         self.backend = make_backend(self.config, self.learner, self.log_to_client)
+        self.paths = self.backend.paths  # every router's: each open document's resolved path
         self.completer = Completer(self.backend, self.config, self.documents)
         self.next_edits = NextEdits()
         self.pending_messages: list[str] = []
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.workspace_refresh: asyncio.Task[None] | None = None  # `refresh_workspaces`, from `initialized` on
         self.shown_errors: set[str] = set()  # errors already shown to the user (each is shown once)
         self.dispatcher = Dispatcher(self.protocol)
         self.initialized = False  # `initialize` handled: later options that cannot be read keep the current ones
@@ -130,13 +133,23 @@ class CanvasServer(LanguageServer):
         if changed and not (in_place and config.engine.adapter == self.config.engine.adapter):
             self.backend.shutdown()
             self.backend = make_backend(config, self.learner, self.log_to_client)
+            self.backend.paths = self.paths
             self.completer.backend = self.backend
         elif changed:  # the same local backend, another model: its workspace models are another base's
             self.backend.retarget(config.engine.model, config.engine.workspace_models)
         self.config = config
         self.completer.config = config
+        if changed:
+            self.completer.reset()  # answers of the old model go (their keys name it, too)
         if reload and self.loop is not None:
             self.loop.create_task(self.load_model())
+
+    async def refresh_workspaces(self, every_s: float = WORKSPACES_REFRESH_S) -> None:
+        """Re-read the installed workspace models every `every_s` (on the loop: a folder listing), so that a request
+        reads them from memory and a model trained meanwhile takes effect without a restart."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.backend.refresh()
 
     async def begin_progress(self, token: str, title: str, message: str, cancellable: bool = False,
                              percentage: int | None = None) -> bool:  # fmt: skip

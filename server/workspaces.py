@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -25,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.paths import die_with_parent, file_path
-from ..engine.workspaces import WorkspaceIndex, WorkspaceModel
-from .backend import Backend, CancelFlag, Reply
+from ..engine.workspaces import WorkspaceIndex, WorkspaceModel, canonical
+from .backend import Backend, CancelFlag, Identity, Reply
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,29 @@ def uri_path(uri: str | None) -> Path | None:
     """The file a `file:` URI names (resolved), or None for other schemes."""
     path = file_path(uri) if uri else None
     return None if path is None else Path(path).resolve()
+
+
+def _written_path(uri: str) -> Path | None:
+    """The file a `file:` URI names, normalised as written (no file system: symbolic links not followed)."""
+    path = file_path(uri)
+    return None if path is None else Path(os.path.normpath(path))
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes, resolved once (`RoutedBackend.resolve`): which model answers (`identity`, None while
+    it loads), the backend that runs it and the adapter it answers with; `entry`: the workspace model of the
+    document, if any, and `pending` when that model's own backend has yet to be started."""
+
+    identity: Identity | None
+    backend: Backend
+    adapter: str | None
+    entry: WorkspaceModel | None = None
+    pending: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.identity is not None and self.backend.state == "ready"
 
 
 class RoutedBackend:
@@ -47,13 +71,16 @@ class RoutedBackend:
         self.default = default
         self.make = make  # (model, adapter) -> a new backend of the same kind as the default
         self.base = base
+        if base is not None:
+            canonical(base)  # resolved now, not on a request
         self.enabled = enabled
         self.notify = notify or log.info
         self.learner = learner  # "Learn this workspace" runs, held while a model answers
         self.index = WorkspaceIndex()
         self.workspace_backends: dict[tuple[str | None, str | None], Backend] = {}
         self._device = "auto"
-        self._paths: dict[str, Path | None] = {}  # uri -> resolved path (resolving costs syscalls)
+        # uri -> resolved path, filled when a document opens (`watch`); the server hands each new router its dict
+        self.paths: dict[str, Path | None] = {}
         self._announced: set[Path] = set()  # workspaces whose adapter the configured engine answers with, told
 
     # -- the configured model's state is the server's ---------------------------------------------------------
@@ -89,55 +116,69 @@ class RoutedBackend:
     def retarget(self, base: str | None, enabled: bool) -> None:
         """The default backend now runs `base` (reloaded in place): the workspace models of the old base go."""
         self.base, self.enabled = base, enabled
+        if base is not None:
+            canonical(base)
         for backend in self.workspace_backends.values():
             backend.shutdown()
         self.workspace_backends.clear()
 
     # -- requests ----------------------------------------------------------------------------------------------
 
-    def route(self, document: str | None) -> str:
-        """Which model answers this document now: "" for the configured one, else the workspace model's folder (and
-        adapter). A pure lookup that starts nothing: the completion cache's key reads it on every keystroke."""
-        entry = self._entry(document)
-        if entry is None:
-            return ""
-        model, adapter = entry.runs_as
-        own = self.workspace_backends.get(entry.runs_as)
-        ready = self._shared(entry) or (own is not None and own.state == "ready")
-        return f"{model}|{adapter}" if ready else ""
+    def watch(self, document: str) -> None:
+        """A document opened: its path resolved now (symbolic links followed: workspace roots are resolved), so that
+        `resolve` never touches the file system."""
+        if len(self.paths) > 4096:
+            self.paths.clear()
+        self.paths[document] = uri_path(document)
 
-    def select(self, document: str | None) -> tuple[Backend, str | None]:
-        """(backend, adapter) that answer this document's request now. A workspace's LoRA adapter of the configured
-        model goes to the configured model's own engine, which holds it beside the others (one copy of the base,
-        whatever the number of workspaces); a workspace's tuned model gets a backend of its own, which answers once
-        it has loaded (created and started here, on the first request of its repository's files); else the
-        configured one."""
+    def refresh(self) -> None:
+        """Re-read the installed workspace models (the server calls it on a timer and after a training run)."""
+        self.index.refresh()
+
+    def resolve(self, document: str | None) -> Route:
+        """Which backend, adapter and model identity answer this document's request now: read from memory only (no
+        file system, no clock, nothing started), once per request; the completion cache's key holds its identity.
+        A workspace's LoRA adapter of the configured model goes to the configured model's own engine, which holds
+        it beside the others (one copy of the base, whatever the number of workspaces); a workspace's tuned model
+        answers from a backend of its own once that has loaded (`pending` until then: the configured model
+        answers, and the request that calls the model starts loading it); else the configured one."""
+        default = self.default
         entry = self._entry(document)
         if entry is None:
-            return self.default, None
-        key = entry.runs_as
+            return Route(default.identity, default, None)
         if self._shared(entry):
+            adapter = entry.runs_as[1]
+            identity = default.identity.with_adapter(adapter or "") if default.identity is not None else None
+            return Route(identity, default, adapter, entry=entry)
+        own = self.workspace_backends.get(entry.runs_as)
+        if own is not None and own.state == "ready":
+            return Route(own.identity, own, None)
+        return Route(default.identity, default, None, entry=entry, pending=own is None)
+
+    def _start(self, route: Route) -> None:
+        """What a model call on `route` starts first: a workspace model's own backend (loaded in the background), or
+        the notice that its documents answer with their workspace's adapter."""
+        entry = route.entry
+        if entry is None:
+            return
+        if route.adapter is not None:
             if entry.root not in self._announced:
                 self._announced.add(entry.root)
                 self.notify(f"documents under {entry.root} answer with the adapter tuned on it")
-            return self.default, key[1]
-        backend = self.workspace_backends.get(key)
-        if backend is None:
+            return
+        key = entry.runs_as
+        if route.pending and key not in self.workspace_backends:
             backend = self.workspace_backends[key] = self.make(*key)
             self.notify(f"loading the model tuned on {entry.root}")
             loop = asyncio.get_running_loop()  # the load ends on a worker thread: report it on the server's loop
             backend.load(key[0], self._device, lambda done: loop.call_soon_threadsafe(self._loaded, entry, done))
-        return (backend, None) if backend.state == "ready" else (self.default, None)
 
     def _entry(self, document: str | None) -> WorkspaceModel | None:
-        """The workspace model of this document's repository, if any (paths of URIs remembered, up to 4096)."""
+        """The workspace model of this document's repository, if any (from memory: the index as last refreshed, the
+        path resolved when the document opened, else the URI's path as written)."""
         if not self.enabled or document is None:
             return None
-        if document not in self._paths:
-            if len(self._paths) > 4096:
-                self._paths.clear()
-            self._paths[document] = uri_path(document)
-        path = self._paths[document]
+        path = self.paths[document] if document in self.paths else _written_path(document)
         return self.index.for_path(path, self.base) if path is not None else None
 
     def _shared(self, entry: WorkspaceModel) -> bool:
@@ -152,16 +193,20 @@ class RoutedBackend:
                         "answers there")  # fmt: skip
 
     async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False) -> Reply:  # fmt: skip
-        backend, adapter = self.select(document)
+                     document: str | None = None, background: bool = False,
+                     route: Route | None = None) -> Reply:  # fmt: skip
+        """The model's answer on `route` (resolved for `document` here when not given)."""
+        route = route or self.resolve(document)
+        self._start(route)
         with self._learning_held():
-            return await backend.infill(prefix, suffix, overrides, cancel, document, background, adapter)
+            return await route.backend.infill(prefix, suffix, overrides, cancel, document, background, route.adapter)
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None) -> Reply:  # fmt: skip
-        backend, adapter = self.select(document)
+                   document: str | None = None, route: Route | None = None) -> Reply:  # fmt: skip
+        route = route or self.resolve(document)
+        self._start(route)
         with self._learning_held():
-            return await backend.fill(segments, overrides, cancel, document, adapter)
+            return await route.backend.fill(segments, overrides, cancel, document, route.adapter)
 
     @contextlib.contextmanager
     def _learning_held(self) -> Iterator[None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Reply
+from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Identity, Reply
 from canvas_ls.server.completion import Completer
 from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.documents import Document
@@ -25,6 +25,7 @@ class Fixed:
 
     adapters = False
     state, error, model_name, load_seconds = "ready", None, "fixed", 0.0
+    identity = Identity("fixed", "fixed")
 
     def __init__(self, reply: Reply) -> None:
         self.reply, self.calls, self.cancelled_after_steps = reply, 0, []

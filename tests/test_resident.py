@@ -347,15 +347,20 @@ def resident(tiny_model_dir: Path, path: Path, **completion: Any) -> dict[str, A
     return {"engine": engine, "completion": {"max_steps": 3, "speculate": False, **completion}}
 
 
-def test_one_engine_socket_per_model_and_device(tmp_path: Path) -> None:
-    from canvas_ls.engine.paths import default_socket
+def test_one_engine_socket_per_installation_model_and_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from canvas_ls.engine import paths
+    from canvas_ls.engine.paths import DEFAULT_MODEL_DIR, default_socket
 
-    assert default_socket().name == default_socket(None, "auto").name == "engine.sock"  # the shipped model
+    assert default_socket() == default_socket(None, "auto") == default_socket(str(DEFAULT_MODEL_DIR))  # shipped
+    ours = default_socket()
+    monkeypatch.setattr(paths, "installation", lambda: {"installation": "/opt/other-venv", "version": "0.1.0"})
+    assert default_socket() != ours  # another installation's server never reaches this one's engine
+    monkeypatch.undo()
     assert default_socket(str(tmp_path), "cpu") == default_socket(str(tmp_path / "." / ""), "cpu")
     assert default_socket(str(tmp_path), "cpu") not in (default_socket(str(tmp_path), "cuda"), default_socket())
     adapted = default_socket(str(tmp_path), "cpu", str(tmp_path / "adapter"))  # an adapter is another engine
     assert adapted != default_socket(str(tmp_path), "cpu") and adapted != default_socket(None, None, "other")
-    assert default_socket(None, None, None, "auto").name == "engine.sock"  # int8 weights are another engine
+    assert default_socket(None, None, None, "auto") == ours  # int8 weights are another engine
     assert default_socket(str(tmp_path), "cpu", None, "int8") != default_socket(str(tmp_path), "cpu", None, "none")
     assert oct(default_socket().parent.stat().st_mode & 0o777) == "0o700"
 

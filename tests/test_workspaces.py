@@ -51,11 +51,13 @@ def fake_run(folder: Path, weights: Path | None = None) -> Path:
 def test_an_installed_model_serves_its_repository_and_nothing_else(tmp_path: Path) -> None:
     outer, inner = tmp_path / "code", tmp_path / "code" / "libs" / "inner"
     inner.mkdir(parents=True)
-    index = workspaces.WorkspaceIndex(recheck_s=0)
+    index = workspaces.WorkspaceIndex()
     assert index.for_path(outer / "a.py", None) is None
     summary = {"step": 7, "elapsed": 90.0, "repository": {"files": 3, "train_tokens": 1234},
                "eval_before_diffusion": 3.0, "eval_diffusion": 2.5}  # fmt: skip
     workspaces.install(outer, fake_run(tmp_path / "run1"), None, summary, {"name": "full"})
+    assert index.for_path(outer / "pkg" / "a.py", None) is None  # memory only, until the index is refreshed
+    assert index.refresh() and not index.refresh()  # re-read once: nothing changed since
     entry = index.for_path(outer / "pkg" / "a.py", None)
     assert entry is not None and entry.root == outer and entry.adapter is None
     assert entry.record["tokens"] == 1234 and entry.record["held_out"] == {"before": {"diffusion": 3.0},
@@ -64,15 +66,17 @@ def test_an_installed_model_serves_its_repository_and_nothing_else(tmp_path: Pat
     assert index.for_path(outer / "a.py", "some/other-model") is None  # tuned from another base: not used
     # the innermost repository wins
     workspaces.install(inner, fake_run(tmp_path / "run2"), None, {}, {"name": "full"})
+    index.refresh()
     assert index.for_path(inner / "b.py", None).root == inner
     assert index.for_path(outer / "a.py", None).root == outer
     # installing again replaces the weights under a new name (an engine of the old ones is never reused)
     first = entry.model
     workspaces.install(outer, fake_run(tmp_path / "run3"), None, {}, {"name": "full"})
+    index.refresh()
     again = index.for_path(outer / "a.py", None)
     assert again.model != first and not Path(first).exists() and Path(again.model).is_dir()
     assert {e.root for e in workspaces.installed()} == {outer, inner}
-    assert workspaces.remove(inner) and index.for_path(inner / "b.py", None).root == outer
+    assert workspaces.remove(inner) and index.refresh() and index.for_path(inner / "b.py", None).root == outer
     assert not workspaces.remove(inner)
 
 
@@ -157,7 +161,7 @@ async def test_a_repositorys_adapter_is_answered_by_the_engine_of_its_base(
     repo = tmp_path / "repo"
     random_adapter(writing_model_dir, tmp_path / "run" / "adapter")
     workspaces.install(repo, tmp_path / "run", str(writing_model_dir), {}, {"name": "lora", "lora_rank": 4})
-    entry = workspaces.WorkspaceIndex(recheck_s=0).for_path(repo / "a.py", str(writing_model_dir))
+    entry = workspaces.WorkspaceIndex().for_path(repo / "a.py", str(writing_model_dir))
     assert entry is not None and entry.kind == "adapter" and entry.shares_base
     inside, outside = await inside_and_outside(raw_client, writing_model_dir, repo, tmp_path)
     answer = await fill_at(raw_client, inside, AFTER_RETURN)

@@ -1,0 +1,80 @@
+"""What the editor is shown of a model's answer: the one display decision.
+
+Inline completion, the completion-menu fallback, `canvas/fill` and the cache's re-decisions call `decide`; next edits
+call `reaches` with their predictor's threshold; `bench calibrate` scores its answers with the same scorer
+(`engine.confidence.judge`), so the threshold it writes means what it means here. No other module compares a
+confidence with a threshold.
+
+    answer -> shaped edit (or Hidden: nothing left to show) -> invoked? (Shown whole: the user asked)
+           -> threshold (the user's, else the model's calibrated one for this kind of request)
+           -> score of the tokens that write the shown text, between the document's text around it
+           -> Shown | Cut (its confident head, when asked for) | Hidden(why)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine.confidence import HIDDEN, judge
+from .backend import Answer
+from .config import CompletionOptions
+from .edits import Edit
+
+
+@dataclass(frozen=True)
+class Shown:
+    edit: Edit
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The answer's confident head, shown instead of the whole answer, and why."""
+
+    edit: Edit
+    why: str
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """Nothing is shown: `reason` in words for the user; `rejected` when the answer itself left nothing to show (it
+    wrote nothing, or only text that would break the code), not the threshold."""
+
+    reason: str
+    rejected: bool = False
+
+
+Decision = Shown | Cut | Hidden
+
+
+def reaches(confidence: float, threshold: float) -> bool:
+    """Whether a confidence is high enough to show at `threshold`."""
+    return confidence >= threshold
+
+
+def threshold_of(answer: Answer, options: CompletionOptions) -> float:
+    """The user's threshold (`completion.min_confidence`), else the one calibrated for the model and this kind of
+    request, which the engine reports with the answer."""
+    return options.min_confidence if options.min_confidence is not None else answer.min_confidence
+
+
+def decide(answer: Answer, edit: Edit | None, text: str, invoked: bool, options: CompletionOptions,
+           reshape: Callable[[str], Edit | None]) -> Decision:  # fmt: skip
+    """What to show of `answer`, whose shaped, syntax-checked edit of the document `text` is `edit` (None: nothing
+    of it can be shown). An invoked request shows it whole; a typing request only as far as the model stands behind
+    it: whole, else (with `options.show_head`) its confident head as `reshape` makes it an edit, else nothing."""
+    if edit is None:
+        return Hidden("the answer left nothing to show (empty, or it would add syntax errors)", rejected=True)
+    threshold = threshold_of(answer, options)
+    if invoked or threshold <= 0 or answer.score_kind is None:
+        return Shown(edit)  # asked for, or nothing to judge it by (a server that gives no confidences)
+    score, head = judge(answer, edit.text, threshold, (text[: edit.start], text[edit.end :]))
+    if reaches(score, threshold):
+        return Shown(edit)
+    why = f"confidence {score:.2f} below {threshold:.2f} ({answer.score_kind} score)"
+    if threshold >= HIDDEN:  # a calibration that stands behind nothing here (or the user's 1.0)
+        why += "; nothing is shown here while typing: invoke a completion to see the model's answer"
+    cut = reshape(head) if options.show_head else None
+    if cut is None or not cut.text.strip():
+        return Hidden(f"hidden: {why}")
+    return Cut(cut, f"cut to its confident head: {why}")
