@@ -17,14 +17,16 @@ from ..engine import confidence as calibration
 from ..engine.paths import cache_dir
 from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from ..engine.workspaces import RECIPES as RECIPE_NAMES
-from ..server.cli import (
+from ..server.arguments import (
     WORKSPACE_CACHE_HELP,
     CliError,
-    _load_engine,
-    _model_arguments,
-    _settings,
-    _settings_argument,
+    load_engine,
+    model_arguments,
+    parse_settings,
+    settings_argument,
 )
+
+BUSY_HELP = "K other processes keep a core busy each for the run (a busy machine, as a developer's is)"
 
 
 def add_parser(commands: Any) -> None:
@@ -39,8 +41,8 @@ def add_parser(commands: Any) -> None:
                         help="jsonl or jsonl.gz; or a training run's repository_report.json: lines of its held-out "
                              "files")  # fmt: skip
     infill.add_argument("--limit", type=int, help="this many tasks, spread over the set")
-    _model_arguments(infill)
-    _settings_argument(infill)
+    model_arguments(infill)
+    settings_argument(infill)
     infill.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the tasks' tests)")
     infill.add_argument("--cursor", choices=("task", "indented", "word"), default="task",
                         help="task: where the dataset puts it; indented: after the line's indentation (an editor "
@@ -54,8 +56,8 @@ def add_parser(commands: Any) -> None:
     holes.add_argument("--holes", default="2,3", help="holes per program (comma-separated)")
     holes.add_argument("--limit", type=int, help="this many programs per hole count, spread over the set")
     holes.add_argument("--rewrite-limit", type=int, help="lines in the rewrite table (default: --limit)")
-    _model_arguments(holes)
-    _settings_argument(holes)
+    model_arguments(holes)
+    settings_argument(holes)
     holes.add_argument("--max-new-tokens", type=int, default=48, help="answer bound per hole")
     holes.add_argument("--no-tests", action="store_true", help="skip pass@1 (running the programs' tests)")
     holes.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
@@ -76,8 +78,8 @@ def add_parser(commands: Any) -> None:
                            "still show")  # fmt: skip
     calibrate.add_argument("--no-tests", action="store_true", help="skip running the evaluation tasks' tests")
     calibrate.add_argument("--dry-run", action="store_true", help="report only; leave the model's canvas_ls.json")
-    _model_arguments(calibrate)
-    _settings_argument(calibrate)
+    model_arguments(calibrate)
+    settings_argument(calibrate)
     calibrate.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
 
     cross = benches.add_parser("crossfile", help="context from other files: retrieval recall by budget, exact "
@@ -92,7 +94,7 @@ def add_parser(commands: Any) -> None:
     cross.add_argument("--budget", type=int, default=512, help="the block's budget for the model's runs")
     cross.add_argument("--held-out", type=Path, metavar="REPORT", help="tasks only in the held-out files of a "
                        "training run's repository_report.json (a workspace-tuned model never saw them)")  # fmt: skip
-    _model_arguments(cross)
+    model_arguments(cross)
     cross.add_argument("--out", type=Path, help="JSON report path (the PNG plot goes beside it)")
 
     repo = benches.add_parser("repo", help="tuning recipes on one repository: held-out lines and blocks, HumanEval "
@@ -133,6 +135,7 @@ def add_parser(commands: Any) -> None:
     neovim.add_argument("--workspace-cache", type=float, help=WORKSPACE_CACHE_HELP)
     neovim.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="the engine's compiled step (engine.compile); stop a running engine first")  # fmt: skip
+    neovim.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
     neovim.add_argument("--out", type=Path, help="JSON report path")
 
     lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client: cold, typing-through, "
@@ -150,6 +153,7 @@ def add_parser(commands: Any) -> None:
                      help="where the model runs: the shared engine (the default) or inside the server")  # fmt: skip
     lsp.add_argument("--learn", type=Path, metavar="DIR", help="the same requests while the server learns DIR in "
                      "the background (\"Learn this workspace\"; its model goes to the user's cache)")  # fmt: skip
+    lsp.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
     lsp.add_argument("--out", type=Path, help="JSON report path")
 
     soak = benches.add_parser("soak", help="many LSP requests (edits, completions, cancels, opens, closes) against "
@@ -163,7 +167,7 @@ def add_parser(commands: Any) -> None:
     )
     soak.add_argument("--frames", type=int, default=100_000, help="with --fault: frames to send in all")
     soak.add_argument("--clients", type=int, default=4, help="with --fault: clients (servers) at once")
-    _model_arguments(soak)
+    model_arguments(soak)
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--out", type=Path, help="JSON report path")
 
@@ -173,14 +177,14 @@ def add_parser(commands: Any) -> None:
     sampler.add_argument("--out", type=Path, help="JSON report path")
 
     engine_bench = benches.add_parser("engine", help="the resident engine: cold vs warm prefix, 1/4/8 clients")
-    _model_arguments(engine_bench, device=False)
+    model_arguments(engine_bench, device=False)
     engine_bench.add_argument("--prefixes", default="256,1024,4096", help="prefix sizes in tokens")
     engine_bench.add_argument("--clients", default="1,4,8", help="concurrent client counts")
     engine_bench.add_argument("--runs", type=int, default=5, help="cold/warm pairs per prefix size")
     engine_bench.add_argument("--per-client", type=int, default=8, help="requests per client in the throughput runs")
     engine_bench.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                               help="the engine's --compile (the figures wait for its warm-up)")  # fmt: skip
-    _settings_argument(engine_bench)
+    settings_argument(engine_bench)
     engine_bench.add_argument("--out", type=Path, help="JSON report path")
 
     step = benches.add_parser("step", help="a denoising step: eager vs compiled, 1 and 8 rows, share of matmul peak")
@@ -198,6 +202,7 @@ def add_parser(commands: Any) -> None:
     step.add_argument("--runs", type=int, default=10, help="timed calls per figure (median)")
     step.add_argument("--quantize", choices=QUANTIZE[1:], default="none",
                       help="the layers' weights (engine.quantize; compiled if a GPU runs the experts)")  # fmt: skip
+    step.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
     step.add_argument("--out", type=Path, help="JSON report path")
 
     warmup = benches.add_parser("warmup", help="the compiled CPU step's warm-up, start after start (fresh processes)")
@@ -287,22 +292,25 @@ def _bench_repo(args: argparse.Namespace) -> int:
 
 def _bench_neovim(args: argparse.Namespace) -> int:
     from . import neovim as bench_neovim
+    from .core import busy_cores
 
     try:
-        report = bench_neovim.run(
-            args.dataset,
-            args.limit,
-            args.model,
-            args.nvim,
-            speculate=not args.no_speculate,
-            prefetch=not args.no_prefetch,
-            show_early=not args.no_show_early,
-            context_tokens=args.context_tokens,
-            compile=args.compile,
-            workspace_cache=args.workspace_cache,
-        )
+        with busy_cores(args.busy_cores):
+            report = bench_neovim.run(
+                args.dataset,
+                args.limit,
+                args.model,
+                args.nvim,
+                speculate=not args.no_speculate,
+                prefetch=not args.no_prefetch,
+                show_early=not args.no_show_early,
+                context_tokens=args.context_tokens,
+                compile=args.compile,
+                workspace_cache=args.workspace_cache,
+            )
     except (ImportError, RuntimeError, TimeoutError) as exc:
         raise CliError(f"bench neovim: {exc}") from exc
+    report["busy_cores"] = args.busy_cores
     return _report("neovim", report, bench_neovim.format_neovim, args.out)
 
 
@@ -328,22 +336,32 @@ def _bench_engine(args: argparse.Namespace) -> int:
     engine_args = ["--compile", args.compile, "--quantize", args.quantize]
     engine_args += ["--adapter", args.adapter] if args.adapter else []
     report = run_engine_bench(
-        args.model, prefixes, clients, args.runs, args.per_client, args.dtype, _settings(args.settings), engine_args
+        args.model,
+        prefixes,
+        clients,
+        args.runs,
+        args.per_client,
+        args.dtype,
+        parse_settings(args.settings),
+        engine_args,
     )
     return _report("engine", report, format_engine, args.out)
 
 
 def _bench_step(args: argparse.Namespace) -> int:
     from . import step as bench_step
+    from .core import busy_cores
 
     out = _report_path("step", args.out)
-    report = bench_step.run(
-        args.model, args.layers, args.device, args.dtype, args.prefix,
-        _ints(args.canvases), _ints(args.rows),
-        () if args.no_compile else _ints(args.compile_canvases or args.canvases), args.runs,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
-        checkpoint=lambda partial: out.write_text(json.dumps(partial, indent=2)), quantize=args.quantize,
-    )  # fmt: skip
+    with busy_cores(args.busy_cores):
+        report = bench_step.run(
+            args.model, args.layers, args.device, args.dtype, args.prefix,
+            _ints(args.canvases), _ints(args.rows),
+            () if args.no_compile else _ints(args.compile_canvases or args.canvases), args.runs,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            checkpoint=lambda partial: out.write_text(json.dumps(partial, indent=2)), quantize=args.quantize,
+        )  # fmt: skip
+    report["busy_cores"] = args.busy_cores
     return _report("step", report, bench_step.format_step, out)
 
 
@@ -372,6 +390,7 @@ def _bench_train(args: argparse.Namespace) -> int:
 
 
 def _bench_lsp(args: argparse.Namespace) -> int:
+    from .core import busy_cores
     from .lsp import LANGUAGES, format_report, run_lsp_bench
 
     fixtures = Path(__file__).resolve().parent.parent / "fixtures"  # in a checkout (an editable install) only
@@ -379,8 +398,10 @@ def _bench_lsp(args: argparse.Namespace) -> int:
         raise CliError("bench lsp: give --files (the repository's fixtures, its default, are not part of an install)")
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
     speculate = not args.no_speculate
-    report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms, speculate,
-                           args.context_tokens, args.learn, args.workspace_cache)  # fmt: skip
+    with busy_cores(args.busy_cores):
+        report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms,
+                               speculate, args.context_tokens, args.learn, args.workspace_cache)  # fmt: skip
+    report["busy_cores"] = args.busy_cores
     return _report("lsp", report, format_report, args.out)
 
 
@@ -389,8 +410,8 @@ def _bench_infill(args: argparse.Namespace) -> int:
 
     if not args.dataset.is_file():
         raise CliError(f"dataset {args.dataset} does not exist")
-    overrides = {"max_new_tokens": args.max_new_tokens, **_settings(args.settings)}
-    engine = _load_engine(args, overrides)
+    overrides = {"max_new_tokens": args.max_new_tokens, **parse_settings(args.settings)}
+    engine = load_engine(args, overrides)
 
     def progress(done: int, total: int) -> None:
         print(f"\r{done}/{total} tasks", end="", file=sys.stderr, flush=True)
@@ -413,8 +434,8 @@ def _bench_holes(args: argparse.Namespace) -> int:
         raise CliError(f"--holes wants counts such as 2,3, got '{args.holes}'") from None
     if any(c < 1 for c in counts):
         raise CliError("--holes counts must be >= 1")
-    settings = {"max_new_tokens": args.max_new_tokens, **_settings(args.settings)}
-    engine = _load_engine(args)
+    settings = {"max_new_tokens": args.max_new_tokens, **parse_settings(args.settings)}
+    engine = load_engine(args)
     report = run_holes(engine, args.dataset, counts, args.limit, not args.no_tests, settings, args.rewrite_limit)
     return _report("holes", report, format_holes, args.out, plot_holes)
 
@@ -434,7 +455,7 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
                 raise CliError(str(exc)) from exc
     if not 0 < args.target <= 1:
         raise CliError(f"--target must be in (0, 1], got {args.target}")
-    engine = _load_engine(args, _settings(args.settings))
+    engine = load_engine(args, parse_settings(args.settings))
 
     def progress(name: str, done: int, total: int) -> None:
         print(f"\r{name}: {done}/{total} tasks", end="" if done < total else "\n", file=sys.stderr, flush=True)
@@ -463,7 +484,7 @@ def _bench_crossfile(args: argparse.Namespace) -> int:
     budgets = _ints(args.budgets)
     engine = None
     if args.exact_limit > 0:
-        engine = _load_engine(args)
+        engine = load_engine(args)
     only = set(json.loads(args.held_out.read_text())["held_out_files"]) if args.held_out else None
     report = run_crossfile(args.repo, args.limit, budgets, args.open, engine, args.exact_limit, args.typing_tasks,
                            args.budget, only)  # fmt: skip

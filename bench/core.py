@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,20 @@ def paired_interval(before: list[float], after: list[float], draws: int = 4000, 
     picks = torch.randint(len(diffs), (draws, len(diffs)), generator=torch.Generator().manual_seed(seed))
     low, high = torch.quantile(diffs[picks].mean(dim=1), torch.tensor([0.025, 0.975], dtype=torch.float64))
     return float(low), float(high)
+
+
+@contextlib.contextmanager
+def busy_cores(count: int) -> Iterator[None]:
+    """`count` other processes each keeping a core busy (a spin loop) for the block: the machine as busy as a
+    developer's usually is (`--busy-cores`)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+                for _ in range(count)]  # fmt: skip
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -220,7 +220,9 @@ def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: s
 def format_report(report: dict[str, Any]) -> str:
     where = f" ({report['backend']} backend)" if "backend" in report else ""
     learning = f", while learning {report['learning']} in the background" if report.get("learning") else ""
-    lines = [f"model {report['model']}{where}", report["machine"], f"{report['requests']} requests{learning}", ""]
+    busy = f", {report['busy_cores']} other cores kept busy" if report.get("busy_cores") else ""
+    lines = [f"model {report['model']}{where}", report["machine"], f"{report['requests']} requests{learning}{busy}",
+             ""]  # fmt: skip
     for kind in ("cold", "typing", "accepted", "accepted_speculated", "accepted_other", "model_call", "engine",
                  "call_overhead"):  # fmt: skip
         s = report.get(kind, {"n": 0})

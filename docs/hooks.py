@@ -38,6 +38,6 @@ def reference(parser: argparse.ArgumentParser, name: str = "canvas-ls", depth: i
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     if MARKER not in markdown:
         return markdown
-    from canvas_ls.server.cli import _parser
+    from canvas_ls.server.cli import parser
 
-    return markdown.replace(MARKER, "\n".join(reference(_parser())))
+    return markdown.replace(MARKER, "\n".join(reference(parser())))

@@ -13,8 +13,11 @@ import logging
 from importlib import import_module
 from typing import Any
 
-from . import lazy_torchao
+from . import lazy_torchao, threads
 
+# OpenMP threads that finish a parallel region sleep instead of spinning (read once, when torch loads OpenMP): on a
+# busy machine a spinning thread takes the core the one it waits for needs (`threads.py`).
+threads.passive_wait()
 # transformers would import torchao (the `quantize` extra) in every process where it is installed: only where
 # quantised weights are asked for (`lazy_torchao`). torchao warns at import about CUDA extensions a CPU-only torch
 # cannot load and about a deprecated torch call: nothing a user can act on.

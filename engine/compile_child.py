@@ -1,4 +1,4 @@
-"""The process that compiles and saves the CPU's decoder graphs (`python -m canvas_ls.engine.compiled`), started
+"""The process that compiles and saves the CPU's decoder graphs (`python -m canvas_ls.engine.compile_worker`), started
 without importing torch: `canvas-ls engine` starts it before its own imports (on a new machine the child's imports
 and model load, ~5 s, then overlap the engine's instead of following them), else the warm-up starts it
 (`CompiledDecoder`). The engine reads one JSON line per graph saved from its stdout.
@@ -44,7 +44,8 @@ class CompilerProcess:
         self.folder, self.dtype, self.backend = folder, dtype, backend
         self.started = time.perf_counter()  # the warm-up's clock (`ready_seconds`) starts with the child
         self._errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the child writes it for its whole life)
-        command = [sys.executable, "-m", "canvas_ls.engine.compiled", folder, "--dtype", dtype, "--backend", backend]
+        command = [sys.executable, "-m", "canvas_ls.engine.compile_worker", folder, "--dtype", dtype,
+                   "--backend", backend]  # fmt: skip
         self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._errors,
                                          stdin=subprocess.DEVNULL, text=True)  # fmt: skip
 

@@ -9,7 +9,7 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
 - on, on the CPU: each graph compiled ahead of time (`aot_compile` of the model with dynamic shapes: rows, canvas
   width, cached prefix length; one graph per row count, a batch of one being its own) on made-up inputs
   (`Engine.warm_up`: one row, two rows, a prefix past the sliding window) by a child process at the lowest CPU
-  priority (`python -m canvas_ls.engine.compiled`; compiling in the engine's own process stalled requests for up
+  priority (`python -m canvas_ls.engine.compile_worker`; compiling in the engine's own process stalled requests for up
   to 8.5 s), while requests run eager, and saved under the user's cache (`graph_path`: keyed by the model's
   architecture and dtype, torch, transformers, the CPU's kernels and this code). The next engine start loads the
   saved graphs instead of tracing and compiling: ~3 s for both on 2 cores, where a new machine's first start
@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import re
-import sys
 import threading
 import time
 import weakref
@@ -56,7 +55,7 @@ import torch
 
 from .compile_child import CompilerProcess, compile_mode
 from .loading import decoder_experts
-from .paths import cache_dir, die_with_parent, lowest_priority
+from .paths import cache_dir, die_with_parent
 
 log = logging.getLogger("canvas-ls.compiled")
 
@@ -248,8 +247,8 @@ class CompiledDecoder:
         return CompilerProcess(*self.compiler, self.backend)
 
     def _compile_elsewhere(self, child: CompilerProcess, started: float) -> None:
-        """Read the compiling process (`python -m canvas_ls.engine.compiled`) and load each graph as it says it saved
-        it. If it fails, the warm-up compiles what is missing here (`compile: on`) or stays eager (`auto`), and
+        """Read the compiling process (`python -m canvas_ls.engine.compile_worker`) and load each graph as it says it
+        saved it. If it fails, the warm-up compiles what is missing here (`compile: on`) or stays eager (`auto`), and
         says why."""
         try:
             for line in child.lines():  # one JSON line per graph saved, as it is saved (the one-row graph first)
@@ -434,7 +433,7 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _die_with_parent() -> None:
+def compiler_dies_with_parent() -> None:
     """The compiling process ends when the engine that started it does (killed or exited mid-compile), instead of
     compiling on for a minute with nobody to load its graphs."""
     import signal
@@ -465,35 +464,3 @@ def warm_compiler_caches() -> threading.Thread:
     thread = threading.Thread(target=warm, name="canvas-compiler-setup", daemon=True)
     thread.start()
     return thread
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m canvas_ls.engine.compiled MODEL --dtype D --backend B`: compile and save the decoder graphs of an
-    engine of that model at the lowest CPU priority, one JSON line on stdout per graph saved (what
-    `CompiledDecoder` runs when its graphs are not saved yet)."""
-    import argparse
-
-    from .engine import Engine
-
-    parser = argparse.ArgumentParser(prog="python -m canvas_ls.engine.compiled")
-    parser.add_argument("model")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--backend", default="inductor")
-    args = parser.parse_args(argv)
-    _die_with_parent()
-    lowest_priority()
-    keep_inductor_cache()
-    warm_compiler_caches()  # on the other core while the model loads and is traced
-    engine = Engine.load(args.model, "cpu", dtype=args.dtype)
-    decoder = CompiledDecoder(engine.loaded.model, "on", backend=args.backend)
-    decoder.announce = lambda rows: print(json.dumps({"graph": rows}), flush=True)
-    engine.decoder = decoder
-    engine.warm_up(background=False, elsewhere=False)
-    if decoder.state != "ready":
-        print(f"compiling failed: {decoder.detail}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

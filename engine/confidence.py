@@ -137,11 +137,34 @@ def confident_head(token_texts: Sequence[str], confidence: Sequence[float], kind
     """The longest run of whole tokens from the start whose score reaches `threshold`, as text for the cursor
     (`healed`: the prefix text the first token re-writes, not part of the answer; `support`: the whole answer's
     `copy_support`, which its heads keep: a head of a copied line is that copy's start). Empty when the first
-    token alone falls short."""
-    kept = 0
-    for count in range(1, len(confidence) + 1):
-        text = "".join(token_texts[:count]).removeprefix(healed)
-        if sequence_score(confidence[:count], kind, text, support) >= threshold:
+    token alone falls short. One pass: each head's score from running sums (`sequence_score`'s, incrementally)."""
+    if kind not in SCORES:
+        raise ValueError(f"unknown confidence score '{kind}' (known: {', '.join(SCORES)})")
+    joined = "".join(token_texts)
+    cut = len(healed) if joined.startswith(healed) else 0  # what `removeprefix(healed)` takes off, once long enough
+    kept, lowest, total, logs, length = 0, 1.0, 0.0, 0.0, 0
+    first = last = -1  # the first and last non-blank characters written so far (offsets in `joined`)
+    first_after_cut = -1
+    for count, (piece, value) in enumerate(zip(token_texts, confidence, strict=False), 1):
+        for at, char in enumerate(piece, length):
+            if not char.isspace():
+                first = at if first < 0 else first
+                first_after_cut = at if first_after_cut < 0 and at >= cut else first_after_cut
+                last = at
+        length += len(piece)
+        lowest, total, logs = min(lowest, value), total + value, logs + math.log(max(value, _FLOOR))
+        if kind == "min":
+            score = lowest
+        elif kind == "mean":
+            score = total / count
+        else:
+            score = math.exp(logs / count)
+            if kind != "geometric":
+                start = first_after_cut if length >= cut and cut else first  # the head's text, healed part off
+                written = 0 if start < 0 or last < start else last - start + 1
+                score *= min(1.0, written / LINE_CHARS) * (support if kind == "anchored" and support is not None
+                                                           else 1.0)  # fmt: skip
+        if score >= threshold:
             kept = count
         elif kind == "min":
             break  # a longer run only gets weaker
@@ -159,13 +182,24 @@ class Written(Protocol):
 
 def judge(answer: Written, shown: str, threshold: float, around: tuple[str, str]) -> tuple[float, str]:
     """An answer as the editor would show `shown` of it between the document's text `around` it (before, after):
-    the score of the tokens that write `shown`, and their confident head at `threshold`. The one place the server
-    decides what to show; `bench calibrate` scores its answers the same way."""
-    texts, confidence, written = judged_tokens(answer, shown)
+    the score of the tokens that write `shown` (the answer's kind of score, by `scores`), and their confident head
+    at `threshold`. What `server/display.py:decide` compares with the threshold."""
     kind = answer.score_kind or "geometric"
-    support = answer_support(kind, shown, around)
-    head = confident_head(texts, confidence, kind, threshold, answer.healed, support)
-    return sequence_score(confidence, kind, written, support), head
+    found, support = scores(answer, shown, around, (kind,))
+    texts, confidence, _ = judged_tokens(answer, shown)
+    head = confident_head(texts, confidence, kind, threshold, answer.healed, support if kind == "anchored" else None)
+    return found[kind], head
+
+
+def scores(answer: Written, shown: str, around: tuple[str, str],
+           kinds: Sequence[str] = SCORES) -> tuple[dict[str, float], float]:  # fmt: skip
+    """The one scorer: the scores of `kinds` of the tokens that write `shown` between the document's text `around`
+    it, and its `copy_support` (computed once, only where "anchored" is asked for; 1.0 otherwise). The server's
+    display decision (`judge`) and `bench calibrate` (`server/calibration.py`) both score with it, so a threshold
+    calibrated means what the server compares."""
+    _, confidence, written = judged_tokens(answer, shown)
+    support = copy_support(shown, *around) if "anchored" in kinds else 1.0
+    return {kind: sequence_score(confidence, kind, written, support) for kind in kinds}, support
 
 
 def judged_tokens(answer: Written, shown: str) -> tuple[list[str], list[float], str]:

@@ -38,6 +38,7 @@ from .paths import PREFIX_CACHE_MB
 from .prefix_cache import PrefixCache
 from .regions import FillError, Hole, Region, regions_to_parts, split_parts
 from .settings import InfillSettings, model_settings
+from .threads import governor
 from .token_cache import DOCUMENT_WEIGHT, Caches, TokenCache, WorkspaceCaches
 from .tokenizer import TokenHealing
 
@@ -150,6 +151,8 @@ class Engine:
         self.display = model_display(loaded.folder)
         self._stop_ids = _stop_ids(loaded.model, self.tokenizer)
         self.lock = threading.Lock()  # one decoder forward at a time (EngineBatch and the single-request path)
+        # On a CPU: the intra-op threads, from the cores this process can get now (`engine/threads.py`)
+        self.threads = governor() if loaded.device.type == "cpu" else None
         self._newline_ids: frozenset[int] | None = None
         self.healing = TokenHealing(self.tokenizer, loaded.model.config.get_text_config().vocab_size)
         self._healing_masks: dict[str, torch.Tensor] = {}  # cut text -> allowed first tokens
@@ -175,6 +178,11 @@ class Engine:
     @property
     def name(self) -> str:
         return self.loaded.name
+
+    def use_threads(self) -> None:
+        """On the thread about to run the model: the intra-op thread count the load allows now."""
+        if self.threads is not None:
+            self.threads.apply()
 
     @property
     def identity(self) -> dict[str, str]:
@@ -517,6 +525,7 @@ class EngineBatch:
         for group in by_cache.values():
             try:
                 with engine.lock:
+                    engine.use_threads()
                     engine.use_adapter(self.adapter)
                     cache = engine.cache_for(group[0][1].settings)
                     encoded = encode_prefixes(engine.loaded.model, [p.encoder_ids for _, p in group], cache)
@@ -538,6 +547,7 @@ class EngineBatch:
 
     def step(self) -> list[tuple[InfillRequest, InfillResult | InfillCancelled]]:
         with self.engine.lock:
+            self.engine.use_threads()
             self.engine.use_adapter(self.adapter)
             ended = self._batch.step()
         outcomes: list[tuple[InfillRequest, InfillResult | InfillCancelled]] = []

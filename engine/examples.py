@@ -44,7 +44,7 @@ from .tokenizer import TokenHealing
 
 if TYPE_CHECKING:
     from .commits import EditText
-    from .training import TrainConfig
+    from .train_config import TrainConfig
 
 EOS_FILL_WEIGHT = 0.05
 

@@ -35,7 +35,7 @@ def model_config(start_from: str | None, preset: str, vocab_size: int) -> Any:
     from transformers import AutoConfig
 
     from .architecture import small_config
-    from .training import PRESETS
+    from .train_config import PRESETS
 
     if start_from == "full-width":
         from .architecture import full_width_config

@@ -144,7 +144,8 @@ class EngineService:
                              "quantize": self.engine.loaded.quantized, "queue": self.queue, "pid": os.getpid(),
                              "compile": self.engine.decoder.report(),
                              "adapters": list(self.engine.adapters.names),
-                             "identity": self.engine.identity})  # fmt: skip
+                             "identity": self.engine.identity,
+                             "threads": self.engine.threads and self.engine.threads.choice.to_dict()})  # fmt: skip
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

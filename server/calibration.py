@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.confidence import (
     HIDDEN,
@@ -38,12 +38,10 @@ from ..engine.confidence import (
     TARGET,
     WORKSPACE_LINES,
     confident_head,
-    copy_support,
     judged_tokens,
-    sequence_score,
+    scores,
 )
 from ..engine.corpus import read_repository_report
-from ..engine.engine import Engine
 from ..engine.settings import MODEL_SETTINGS_FILE
 from ..engine.tasks import Task, edit_similarity, load_tasks, machine, normalise, passes, typed
 from .completion import request_overrides
@@ -52,6 +50,9 @@ from .context import Skip, build_context
 from .documents import Document
 from .edits import checked_edit
 from .languages import language_for
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 GOOD_SIMILARITY = 0.7
 
@@ -80,12 +81,12 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
             result = engine.infill(context.prefix, context.suffix, request_overrides(context, options, False))
         edit = None if result is None else checked_edit(document, context, result.text, options.max_lines)
         text = "" if edit is None else edit.text[offset - edit.start :]  # from the cursor on
-        if result is None:
-            token_texts, confidence, tokens_write = [], [], ""
-        else:  # scored as the server's `judge` does
-            token_texts, confidence, tokens_write = judged_tokens(result, text)
+        token_texts, confidence, found, support = [], [], dict.fromkeys(SCORES, 1.0), 1.0
+        if result is not None:  # scored by the server's own scorer (`confidence.scores`, what `judge` compares)
+            token_texts, confidence, _ = judged_tokens(result, text)
+            around = (document.text[: edit.start], document.text[edit.end :]) if edit else ("", "")
+            found, support = scores(result, text, around)
         written = bool(text.strip())
-        support = copy_support(text, document.text[: edit.start], document.text[edit.end :]) if edit else 1.0
         solution = task.solution.rstrip("\r\n")
         exact = written and normalise(text) == normalise(solution)
         passed = None
@@ -103,7 +104,7 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
             "passed": passed,
             "edit_similarity": round(similarity, 4),
             "good": written and (exact or bool(passed) or similarity >= GOOD_SIMILARITY),
-            "scores": {kind: round(sequence_score(confidence, kind, tokens_write, support), 6) for kind in SCORES},
+            "scores": {kind: round(value, 6) for kind, value in found.items()},
             "support": round(support, 4),
             "confidence": confidence,
             "token_texts": token_texts,
@@ -329,6 +330,8 @@ def calibrate_folder(model_dir: Path, calibration: Path, limit: int = WORKSPACE_
     """Calibrate a model folder on held-out lines (a workspace run's `repository_report.json`: the repository's own
     code, with its document's token cache as the server answers it) and write its display policy; what was chosen,
     and how it held on the half that did not choose it."""
+    from ..engine import Engine  # torch: only where a calibration runs
+
     engine = Engine.load(str(model_dir))
     report = run_calibrate(engine, [calibration], None, limit, TARGET, MIN_SHOWN, run_tests=False)
     write_threshold(model_dir, report)

@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.paths import IDLE_EXIT_S, MAX_BATCH, MAX_BODY_BYTES, PREFIX_CACHE_MB
-from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
+from .arguments import CliError, load_engine, model_arguments, parse_settings, settings_argument
 from .positions import PositionError, offset_at
 
-WORKSPACE_CACHE_HELP = ("weight of the token cache of the user's code (the document's and its repository's; 0: off; "
-                        "default: the model's)")  # fmt: skip
 
-
-def _parser() -> argparse.ArgumentParser:
+def parser(bench: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; without `bench`, `canvas-ls bench`'s subcommands left out (every other command:
+    `canvas-ls serve` loads nothing of the benchmarks)."""
     parser = argparse.ArgumentParser(prog="canvas-ls", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -38,13 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     complete.add_argument("file", type=Path)
     complete.add_argument("--line", type=int, required=True, help="0-based line (LSP)")
     complete.add_argument("--character", type=int, required=True, help="0-based UTF-16 column (LSP)")
-    _model_arguments(complete)
+    model_arguments(complete)
     complete.add_argument("--layout", choices=("canvas", "prompt"), help="override the model's layout")
     complete.add_argument("--gap-tokens", type=int)
     complete.add_argument("--max-steps", type=int)
     complete.add_argument("--max-new-tokens", type=int)
     complete.add_argument("--seed", type=int)
-    _settings_argument(complete)
+    settings_argument(complete)
     complete.add_argument("--json", action="store_true", help="print the whole result object")
 
     fill = commands.add_parser("fill", help="fill several holes (and rewrite spans) of a file in one canvas")
@@ -55,9 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="a range to rewrite in place, starting from its current text (repeatable)")  # fmt: skip
     fill.add_argument("--strength", type=float, default=0.5,
                       help="share of a rewrite's tokens renoised before denoising (1: a plain hole)")  # fmt: skip
-    _model_arguments(fill)
+    model_arguments(fill)
     fill.add_argument("--seed", type=int)
-    _settings_argument(fill)
+    settings_argument(fill)
     fill.add_argument("--json", action="store_true", help="print each region's answer and the whole result")
 
     serve = commands.add_parser("serve", help="run the language server (stdio unless --tcp)")
@@ -76,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--token-file", type=Path, help="read the bearer token from this file")
     engine.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --tcp address")
-    _model_arguments(engine)
+    model_arguments(engine)
     engine.add_argument(
         "--idle-exit", type=float, default=IDLE_EXIT_S, help="exit after this many idle seconds (0: never)"
     )
@@ -91,9 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     from .train_cli import add_parser as add_train_parser
 
     add_train_parser(commands)
-    from ..bench.cli import add_parser as add_bench_parser
+    if bench:  # the benchmarks' parser imports their code's package: only for `canvas-ls bench ...`
+        from ..bench.cli import add_parser as add_bench_parser
 
-    add_bench_parser(commands)
+        add_bench_parser(commands)
+    else:
+        commands.add_parser("bench", help="benchmarks (figures, not pass/fail)")
 
     models = commands.add_parser("models", help="the models installed: the shipped default and those tuned on a "
                                  "workspace (`train --workspace`)")  # fmt: skip
@@ -111,44 +113,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> None:
-    parser.add_argument("--model", help="model folder or hub id (default: the shipped model)")
-    parser.add_argument("--adapter", help="a LoRA adapter folder (`canvas-ls train --lora`) to apply to the model")
-    if device:
-        parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="auto: bf16 on GPUs and on CPUs with native bf16, else fp32")  # fmt: skip
-    parser.add_argument("--quantize", choices=QUANTIZE, default="auto",
-                        help="the layers' weights (torchao): auto picks none, int8 or int4 to fit a GPU's free "
-                        "memory (none on a CPU); int4 needs an NVIDIA GPU of compute capability 8.0+")  # fmt: skip
-
-
-def _load_engine(args: argparse.Namespace, overrides: dict[str, Any] | None = None, **options: Any) -> Any:
-    """The engine of the command's model arguments (`_model_arguments`)."""
-    from ..engine import Engine
-
-    return Engine.load(args.model, getattr(args, "device", None), overrides, dtype=args.dtype, adapter=args.adapter,
-                       quantize=args.quantize, **options)  # fmt: skip
-
-
-def _settings_argument(parser: argparse.ArgumentParser) -> None:
-    help_text = "any infill setting, e.g. --set min_new_tokens=1 (repeatable; VALUE is JSON or text)"
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings", help=help_text)
-
-
-def _settings(pairs: list[str]) -> dict[str, Any]:
-    settings: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CliError(f"--set wants KEY=VALUE, got '{pair}'")
-        try:
-            settings[key] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[key] = value
-    return settings
-
-
 def _complete(args: argparse.Namespace) -> int:
 
     text = _read(args.file)
@@ -162,9 +126,9 @@ def _complete(args: argparse.Namespace) -> int:
         "max_steps": args.max_steps,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
-        **_settings(args.settings),
+        **parse_settings(args.settings),
     }
-    engine = _load_engine(args, overrides)
+    engine = load_engine(args, overrides)
     result = engine.infill(text[:offset], text[offset:])
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
@@ -195,7 +159,7 @@ def _fill(args: argparse.Namespace) -> int:
         prefix, middle, suffix = split_parts(regions_to_parts(text, regions))
     except (PositionError, FillError) as exc:
         raise CliError(f"{args.file}: {exc}") from exc
-    engine = _load_engine(args, {"seed": args.seed, **_settings(args.settings)})
+    engine = load_engine(args, {"seed": args.seed, **parse_settings(args.settings)})
     try:
         result = engine.fill(prefix, middle, suffix)
     except FillError as exc:
@@ -295,7 +259,7 @@ def _engine(args: argparse.Namespace) -> int:
                 check_socket(socket)
         except ServeError as exc:
             raise CliError(str(exc)) from exc
-        engine = _load_engine(args, prefix_cache_mb=args.prefix_cache_mb, compile=args.compile)
+        engine = load_engine(args, prefix_cache_mb=args.prefix_cache_mb, compile=args.compile)
     except BaseException:
         if early is not None:
             early.stop()
@@ -371,10 +335,6 @@ def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
-class CliError(Exception):
-    pass
-
-
 def _train(args: argparse.Namespace) -> int:
     from .train_cli import run
 
@@ -390,7 +350,8 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from ..engine import ModelLoadError, SettingsError
 
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser(bench=argv[:1] == ["bench"]).parse_args(argv)
     handlers = {
         "complete": _complete,
         "fill": _fill,

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 from .backend import Answer, CancelFlag, Cancelled, Failed, Identity
@@ -45,8 +46,29 @@ from .positions import PositionError
 from .workspaces import RoutedBackend
 
 log = logging.getLogger(__name__)
+
+
+class Source(StrEnum):
+    """Where a request's outcome came from, or why it shows nothing (`Outcome.reason` says more)."""
+
+    MODEL = "model"  # the model answered it now
+    CACHE = "cache"  # an answer computed before for the same context and model
+    PREFETCHED = "prefetched"  # ...by the prefetch started where the cursor went
+    SPECULATED = "speculated"  # ...by the speculation started when the suggestion before it was shown
+    TYPING = "typing"  # the rest of the suggestion on screen, which the user is typing out
+    SKIP = "skip"  # no request here (unknown document, position, disabled language, inside a word...)
+    RUNNING = "running"  # a prefetch for what is being computed already
+    STALE = "stale"  # the document, or the model that answers it, changed while it ran
+    SUPERSEDED = "superseded"  # a newer keystroke's request replaced it
+    CANCELLED = "cancelled"  # the editor or a newer request cancelled it while it ran
+    NOT_READY = "not ready"  # the model is loading or failed to load
+    ERROR = "error"  # the engine refused the request, went away or failed
+    HIDDEN = "hidden"  # the model does not stand behind its answer enough to show it while typing
+    REJECTED = "rejected"  # the answer left nothing to show (empty, or only text that would break the code)
+
+
 # A prefetch's outcomes after which the request for its place is answered at once (from the cache, or typed through).
-PREFETCH_READY = frozenset({"prefetched", "cache", "typing"})
+PREFETCH_READY = frozenset({Source.PREFETCHED, Source.CACHE, Source.TYPING})
 
 
 def request_overrides(context: CompletionContext, options: CompletionOptions, invoked: bool) -> dict[str, Any]:
@@ -69,11 +91,18 @@ class Outcome:
     """What a request produced, with the why, for logs, benchmarks and tests."""
 
     edit: Edit | None
-    source: str  # "model", "cache", "typing", or why there is nothing: "skip:...", "stale", "hidden", "error:..."
+    source: Source
     request_id: int
     elapsed_ms: float
     result: Mapping[str, Any] | None = None  # the backend's whole answer, when the model ran
     detail: str | None = None  # what the user should know: why the answer was hidden or cut
+    reason: str | None = None  # the skip's, the error's, the stale answer's or the loading model's why
+
+    @property
+    def label(self) -> str:
+        """The source with its reason ("error:the engine answered 401: ..."), as logs, `canvas/fill` and
+        `canvas/stats` show it."""
+        return str(self.source) if self.reason is None else f"{self.source}:{self.reason}"
 
 
 @dataclass
@@ -152,10 +181,10 @@ class Completer:
         outcome = await self._complete(document, line, character, request_id, invoked)
         outcome.elapsed_ms = (time.perf_counter() - started) * 1000
         self.stats.requests += 1
-        self.stats.by_source[outcome.source] = self.stats.by_source.get(outcome.source, 0) + 1
+        self.stats.by_source[outcome.label] = self.stats.by_source.get(outcome.label, 0) + 1
         if document is not None:
             self.last = (document.uri, outcome)
-        log.info("request %d %s: %s in %.1f ms", request_id, document.uri if document else "?", outcome.source,
+        log.info("request %d %s: %s in %.1f ms", request_id, document.uri if document else "?", outcome.label,
                  outcome.elapsed_ms)  # fmt: skip
         if outcome.edit is not None and log.isEnabledFor(logging.DEBUG):  # what was offered (editor e2e tests)
             log.debug("request %d offered %s at offsets %d-%d", request_id, json.dumps(outcome.edit.text),
@@ -174,30 +203,30 @@ class Completer:
                         invoked: bool, prefetch: bool = False) -> Outcome:  # fmt: skip
         # One function on purpose (~100 lines): the request path read top to bottom in its numbered steps, each a
         # cheap exit before the next costs more (ARCHITECTURE.md's request path follows it).
-        def nothing(source: str) -> Outcome:
-            return Outcome(None, source, request_id, 0.0)
+        def nothing(source: Source, reason: str | None = None) -> Outcome:
+            return Outcome(None, source, request_id, 0.0, reason=reason)
 
         # 1. Document, position, language switch.
         if document is None:
-            return nothing("skip:unknown document")
+            return nothing(Source.SKIP, "unknown document")
         try:
             offset = document.index.offset(line, character)
         except PositionError:
-            return nothing("skip:position past the end")
+            return nothing(Source.SKIP, "position past the end")
         if not self.config.enabled(document.language):
-            return nothing("skip:language disabled")
+            return nothing(Source.SKIP, "language disabled")
 
         # 2. Context from the syntax tree; cheap exits.
         context = self._context(document, offset)
         if isinstance(context, Skip):
-            return nothing(f"skip:{context.reason}")
+            return nothing(Source.SKIP, context.reason)
 
         # 3. Typing through the completion on screen: answer with the rest, no model call (nor a prefetch).
         edit = self._typed_through(document, offset)
         if edit is not None:
             if not prefetch:
                 self.stats.typing_hits += 1
-            return Outcome(edit, "typing", request_id, 0.0)
+            return Outcome(edit, Source.TYPING, request_id, 0.0)
 
         # 4. Cache, keyed on the context the model would see and on which model answers it (resolved once, from
         #    memory). The same completion already under way, started where the cursor went (a prefetch) or after an
@@ -206,20 +235,20 @@ class Completer:
         route = self.backend.resolve(document.uri)
         key = self._key(document, context, overrides, route.identity)
         if prefetch and not self._claim_prefetch(document.uri, key):
-            return nothing("cache" if key in self.cache else "running")  # answered already, or being answered
+            return nothing(Source.CACHE if key in self.cache else Source.RUNNING)  # answered already, or being answered
         early = None if prefetch else self._early(document.uri, key)
         if early is not None and not early[1].done():
             version = document.version
             await asyncio.shield(early[1])
             if document.version != version:
-                return nothing("stale")  # the document moved on while it ran
+                return nothing(Source.STALE)  # the document moved on while it ran
         if key in self.cache:
             self.cache.move_to_end(key)
             self.stats.cache_hits += 1
-            source = "cache"
+            source = Source.CACHE
             if early is not None:
                 source = early[0]
-                if source == "prefetched":
+                if source is Source.PREFETCHED:
                     self.stats.prefetch_used += 1
                 else:
                     self.speculations.pop(document.uri, None)
@@ -239,7 +268,7 @@ class Completer:
             if self.config.completion.debounce_ms > 0:
                 await asyncio.sleep(self.config.completion.debounce_ms / 1000)
                 if cancel.is_set():
-                    return nothing("superseded")
+                    return nothing(Source.SUPERSEDED)
             self._drop_speculations(running_only=True)  # real requests first
             self.stats.model_calls += 1
             called = time.perf_counter()
@@ -250,26 +279,26 @@ class Completer:
                 del self.in_flight[document.uri]
         match reply:
             case Cancelled():
-                return nothing("cancelled")
+                return nothing(Source.CANCELLED)
             case Failed(reason, loading=True):
-                return nothing(f"not ready:{reason}")
+                return nothing(Source.NOT_READY, reason)
             case Failed(reason):
                 log.error("request %d: %s", request_id, reason)
                 self.stats.errors += 1
                 self.stats.last_error = reason
-                return nothing(f"error:{reason}")
+                return nothing(Source.ERROR, reason)
         self.stats.call_ms.append(((time.perf_counter() - called) * 1000, reply.engine_ms))
 
         # 6. Never answer for a document that has moved on, nor with a model that is no longer the one that answers
         #    it (the configuration changed, a workspace model loaded): such an answer is neither shown nor cached.
         if document.version != version:
-            return nothing("stale")
+            return nothing(Source.STALE)
         if not self._current(document.uri, route.identity):
-            return nothing("stale:the model changed while it answered")
+            return nothing(Source.STALE, "the model changed while it answered")
         self._store(key, reply.cached())
         if prefetch:
-            return Outcome(None, "prefetched", request_id, 0.0, result=reply.details)
-        outcome = self._answer(document, context, offset, reply, invoked, "model", request_id)
+            return Outcome(None, Source.PREFETCHED, request_id, 0.0, result=reply.details)
+        outcome = self._answer(document, context, offset, reply, invoked, Source.MODEL, request_id)
         outcome.result = reply.details
         self._speculate(document, outcome.edit)
         return outcome
@@ -277,7 +306,7 @@ class Completer:
     # -- helpers -------------------------------------------------------------------------------------------------
 
     def _answer(self, document: Document, context: CompletionContext, offset: int, answer: Answer,
-                invoked: bool, source: str, request_id: int) -> Outcome:  # fmt: skip
+                invoked: bool, source: Source, request_id: int) -> Outcome:  # fmt: skip
         """The model's answer as the edit to show (shaped and syntax-checked): whole when the user asked for it or
         the model stands behind it, else its confident head, else nothing."""
         options = self.config.completion
@@ -287,10 +316,10 @@ class Completer:
         match decision:
             case Hidden(reason, rejected=True):
                 self._remember(document, offset, None)
-                return Outcome(None, "rejected", request_id, 0.0, detail=reason)
+                return Outcome(None, Source.REJECTED, request_id, 0.0, detail=reason)
             case Hidden(reason):
                 self._remember(document, offset, None)
-                return Outcome(None, "hidden", request_id, 0.0, detail=reason)
+                return Outcome(None, Source.HIDDEN, request_id, 0.0, detail=reason)
             case Cut(edit, why):
                 self.stats.heads += 1
                 self._remember(document, offset, edit)
@@ -353,16 +382,16 @@ class Completer:
         self.stats.prefetched += 1
         return True
 
-    def _early(self, uri: str, key: str) -> tuple[str, asyncio.Task[Any]] | None:
+    def _early(self, uri: str, key: str) -> tuple[Source, asyncio.Task[Any]] | None:
         """For a request: the computation of its very answer started before it (its source, "prefetched" or
         "speculated", and its task), if any; a prefetch is taken (it answers one request)."""
         prefetched = self.prefetches.get(uri)
         if prefetched is not None and prefetched[0] == key:
             del self.prefetches[uri]
-            return "prefetched", prefetched[1]
+            return Source.PREFETCHED, prefetched[1]
         ahead = self.speculations.get(uri)
         if ahead is not None and ahead.key == key and ahead.task is not None:
-            return "speculated", ahead.task
+            return Source.SPECULATED, ahead.task
         return None
 
     # -- the next suggestion, computed ahead ---------------------------------------------------------------------

@@ -152,7 +152,8 @@ def fitting_base(request: TrainRequest) -> str:
 
 def plan_config(request: TrainRequest) -> Any:
     """The TrainConfig a request would run (its preset, its recipe and the flags over them), for the memory plan."""
-    from ..engine.training import PRESETS, TrainConfig, as_run
+    from ..engine.train_config import PRESETS, TrainConfig
+    from ..engine.training import as_run
 
     return as_run(TrainConfig(**{**PRESETS[request.preset]["train"], **_settings(request, _asked_recipe(request))[0]}))
 
@@ -163,7 +164,7 @@ def lora_plan_config(cfg: Any) -> Any:
 
 
 def run_plan(cfg: Any, request: TrainRequest) -> dict[str, Any]:
-    from ..engine.training import PRESETS
+    from ..engine.train_config import PRESETS
     from ..engine.training import run_plan as plan_of
 
     return plan_of(cfg, request.start_from, request.preset, PRESETS[request.preset]["vocab_size"])

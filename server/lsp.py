@@ -19,7 +19,7 @@ from ..engine.confidence import HIDDEN
 from ..engine.regions import Region
 from ..engine.workspaces import WORKSPACE_MINUTES, repository_root
 from .backend import CancelFlag
-from .completion import PREFETCH_READY, Outcome
+from .completion import PREFETCH_READY, Outcome, Source
 from .config import layered
 from .documents import Document
 from .fill import FillOutcome, Lead, fill_regions
@@ -96,8 +96,8 @@ async def _complete(ls: CanvasServer, uri: str, position: types.Position,
                     invoked: bool = False) -> tuple[Outcome, types.Range | None]:  # fmt: skip
     document = ls.documents.get(uri)
     outcome = await ls.completer.complete(document, position.line, position.character, invoked)
-    if outcome.source.startswith("error:"):
-        ls.show_error_once(outcome.source.removeprefix("error:"))
+    if outcome.source is Source.ERROR:
+        ls.show_error_once(outcome.reason or "the engine failed")
     if outcome.edit is None or document is None:
         return outcome, None
     return outcome, _span(document.index, outcome.edit.start, outcome.edit.end)
@@ -142,7 +142,7 @@ async def fill(ls: CanvasServer, params: Any) -> dict[str, Any]:
                                    "positions: integers from 0 to 2**31 - 1)")  # fmt: skip
     outcome, span = await _complete(ls, uri, types.Position(*position))
     return {
-        "source": outcome.source,
+        "source": outcome.label,
         "detail": outcome.detail,
         "elapsedMs": round(outcome.elapsed_ms, 2),
         "edit": None if span is None or outcome.edit is None else {
@@ -245,7 +245,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
         if ls.completer.last is None
         else {
             "uri": ls.completer.last[0],
-            "source": ls.completer.last[1].source,
+            "source": ls.completer.last[1].label,
             "detail": ls.completer.last[1].detail,
         },  # the last completion request: what it gave, or why nothing was shown
         "errors": counters.errors,

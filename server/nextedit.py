@@ -26,6 +26,7 @@ from ..engine.regions import Hole, parts_to_json
 from .backend import Answer, Backend, CancelFlag, Cancelled, Failed, Gap
 from .config import NextEditOptions
 from .context import is_word, node_at, prefix_window
+from .display import reaches
 from .documents import Document
 from .edits import Edit, adds_syntax_errors
 from .history import Change, UserEdit
@@ -368,7 +369,7 @@ def _closing(text: str, start: int, end: int, opening: int) -> int | None:
 
 
 def _shown(found: list[Suggestion], options: NextEditOptions) -> list[Suggestion]:
-    return [s for s in found if s.confidence >= options.min_confidence.get(s.predictor, 0.0)]
+    return [s for s in found if reaches(s.confidence, options.min_confidence.get(s.predictor, 0.0))]
 
 
 @dataclass

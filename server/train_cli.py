@@ -19,7 +19,7 @@ from ..engine.paths import lowest_priority
 from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from ..engine.workspaces import RECIPES as RECIPE_NAMES
 from . import learning
-from .cli import CliError
+from .arguments import CliError
 
 
 def add_parser(commands: Any) -> None:

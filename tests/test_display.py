@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Identity, Reply
-from canvas_ls.server.completion import Completer
+from canvas_ls.server.completion import Completer, Source
 from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.documents import Document
 from canvas_ls.server.workspaces import RoutedBackend
@@ -94,9 +94,10 @@ async def test_answers_without_confidences_are_shown_as_they_are() -> None:
 async def test_failed_and_cancelled_replies_are_said_so() -> None:
     complete, _, document = completer(Failed("the engine answered 401: no"))
     outcome = await complete.complete(document, LINE, CHARACTER)
-    assert (outcome.source, outcome.edit, complete.stats.errors) == ("error:the engine answered 401: no", None, 1)
+    assert (outcome.label, outcome.edit, complete.stats.errors) == ("error:the engine answered 401: no", None, 1)
     complete, _, document = completer(Failed("the model is still loading", loading=True))
     outcome = await complete.complete(document, LINE, CHARACTER)
-    assert (outcome.source, complete.stats.errors) == ("not ready:the model is still loading", 0)
+    assert (outcome.source, outcome.reason) == (Source.NOT_READY, "the model is still loading")
+    assert complete.stats.errors == 0
     complete, _, document = completer(Cancelled())
     assert (await complete.complete(document, LINE, CHARACTER)).source == "cancelled"

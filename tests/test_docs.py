@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from canvas_ls.server.cli import _parser
+from canvas_ls.server import cli
 from tests.conftest import REPO
 
 DOCS = [REPO / "README.md", REPO / "ARCHITECTURE.md", *sorted((REPO / "docs" / "pages").glob("*.md"))]
@@ -28,7 +28,7 @@ def commands() -> dict[str, argparse.ArgumentParser]:
                     found[f"{prefix}{name}"] = sub
                     walk(sub, f"{prefix}{name} ")
 
-    walk(_parser(), "")
+    walk(cli.parser(), "")
     return found
 
 
@@ -87,7 +87,7 @@ def test_every_command_is_documented_by_hand_and_every_option_in_the_reference()
     written = {command for _, command, _ in mentions()}
     missing = [command for command in commands() if command not in written and command != "bench"]
     assert not missing, f"commands no page shows in use: {missing}"
-    generated = "\n".join(reference(_parser()))
+    generated = "\n".join(reference(cli.parser()))
     for command, parser in commands().items():
         assert f"`canvas-ls {command}`" in generated
         assert all(f"`{flag}`" in generated for flag in options(parser) if flag not in ("-h", "--help"))

@@ -77,7 +77,7 @@ async def test_an_answer_of_a_model_that_no_longer_answers_is_dropped_not_cached
     backend.identity = Identity("local", "/models/new", "f2")  # the user switched models meanwhile
     backend.release.set()
     outcome = await running
-    assert (outcome.source, outcome.edit, len(complete.cache)) == ("stale:the model changed while it answered", None, 0)
+    assert (outcome.label, outcome.edit, len(complete.cache)) == ("stale:the model changed while it answered", None, 0)
     backend.reply = Answer("x.size")
     again = await complete.complete(document, 1, 11)
     assert (again.source, again.edit.text if again.edit else None, backend.calls) == ("model", "x.size", 2)

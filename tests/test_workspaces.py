@@ -296,7 +296,7 @@ def test_the_training_plan_is_the_recipes() -> None:
     from canvas_ls.server import cli, learning, train_cli
 
     def plan_of(*argv: str) -> Any:
-        return learning.plan_config(train_cli.request(cli._parser().parse_args(["train", "--plan", *argv])))
+        return learning.plan_config(train_cli.request(cli.parser().parse_args(["train", "--plan", *argv])))
 
     assert plan_of("--recipe", "editor-ema").ema == workspaces.RECIPES["editor-ema"]["ema"] > 0
     assert plan_of("--recipe", "lora").lora_rank == workspaces.RECIPES["lora"]["lora_rank"]
