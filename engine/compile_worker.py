@@ -8,9 +8,12 @@ import argparse
 import json
 import sys
 
+import torch
+
 from .compiled import CompiledDecoder, compiler_dies_with_parent, keep_inductor_cache, warm_compiler_caches
 from .engine import Engine
 from .paths import lowest_priority
+from .threads import full_threads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     keep_inductor_cache()
     warm_compiler_caches()  # on the other core while the model loads and is traced
     engine = Engine.load(args.model, "cpu", dtype=args.dtype)
+    engine.threads = None  # compiled with every thread, whatever the load: the engine checks its guards with as many
+    torch.set_num_threads(full_threads())
     decoder = CompiledDecoder(engine.loaded.model, "on", backend=args.backend)
     decoder.announce = lambda rows: print(json.dumps({"graph": rows}), flush=True)
     engine.decoder = decoder

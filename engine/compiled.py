@@ -56,6 +56,7 @@ import torch
 from .compile_child import CompilerProcess, compile_mode
 from .loading import decoder_experts
 from .paths import cache_dir, die_with_parent
+from .threads import full_threads
 
 log = logging.getLogger("canvas-ls.compiled")
 
@@ -171,6 +172,16 @@ class CompiledDecoder:
         if kept is not None and kept[0]() is inputs["cache"] and kept[1] == signature:
             return kept[2]
         accepted = bool(graph.guard_check(self.model, **inputs))
+        if not accepted and torch.get_num_threads() < full_threads():
+            # The graphs are compiled with every thread, and their guards record the count (dynamo's global state):
+            # with fewer threads (`engine/threads.py`, a busy machine) they are checked as compiled, and run with
+            # fewer (their parallel regions take the caller's thread count; never more than they were built for).
+            current = torch.get_num_threads()
+            torch.set_num_threads(full_threads())
+            try:
+                accepted = bool(graph.guard_check(self.model, **inputs))
+            finally:
+                torch.set_num_threads(current)
         self._accepted = (weakref.ref(inputs["cache"]), signature, accepted)
         return accepted
 

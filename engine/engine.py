@@ -77,6 +77,9 @@ class InfillRequest:
     adapter: str | None = None
     # The workspace folder the document belongs to: its token cache (`token_cache`) is mixed into the answer.
     workspace: str | None = None
+    # Whether the answer gets the engine's own score (`InfillResult.score`): the language server scores what it
+    # shows itself (`confidence.scores`), so it asks for none and the document is searched once (`copy_support`).
+    score: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class InfillResult:
     gaps: list[dict[str, Any]] = field(default_factory=list)
     # How much the model stands behind `text` (`engine.confidence`): the score, which score it is, and the
     # threshold calibrated for this model (`canvas-ls bench calibrate`; 0: uncalibrated, show everything).
-    score: float = 1.0
+    score: float | None = 1.0  # None: not asked for (`InfillRequest.score`)
     score_kind: str = "geometric"
     min_confidence: float = 0.0
     adapter: str | None = None  # the LoRA adapter that answered (`InfillRequest.adapter`)
@@ -208,10 +211,13 @@ class Engine:
         on_step: Callable[[StepView], None] | None = None,
         adapter: str | None = None,
         workspace: str | None = None,
+        score: bool = True,
     ) -> InfillResult:
         """Fill the gap between `prefix` and `suffix` (with a LoRA `adapter` of this model, and the token cache of
-        the `workspace` folder, when given). Raises InfillCancelled when `cancel` is set mid-way."""
-        return self.run(InfillRequest(prefix, suffix, overrides, cancel, on_step, adapter=adapter, workspace=workspace))
+        the `workspace` folder, when given; `score`: the answer's own score too). Raises InfillCancelled when
+        `cancel` is set mid-way."""
+        return self.run(InfillRequest(prefix, suffix, overrides, cancel, on_step, adapter=adapter, workspace=workspace,
+                                      score=score))  # fmt: skip
 
     def fill(
         self,
@@ -222,12 +228,13 @@ class Engine:
         cancel: CancelToken | None = None,
         adapter: str | None = None,
         workspace: str | None = None,
+        score: bool = True,
     ) -> InfillResult:
         """Fill every `Hole` of `middle` (holes and the code between them) in one canvas after `prefix`, before
         `suffix`: each gap sees the code on both sides and the other gaps' drafts. The answers are `result.gaps`.
         Raises FillError for a request that cannot be laid out, InfillCancelled when cancelled."""
         return self.run(InfillRequest(prefix, suffix, overrides, cancel, middle=middle, adapter=adapter,
-                                      workspace=workspace))  # fmt: skip
+                                      workspace=workspace, score=score))  # fmt: skip
 
     def run(self, request: InfillRequest) -> InfillResult:
         """One request: a batch of one (the resident engine's path, alone). Raises what its preparation raised, or
@@ -403,8 +410,9 @@ class Engine:
                 self._healing_masks[cut] = allowed
         return allowed
 
-    def result(self, prepared: Prepared, out: CanvasOutput) -> InfillResult:
-        """The answer of a finished CanvasJob: decoded text, per-gap answers, confidence score, timings."""
+    def result(self, prepared: Prepared, out: CanvasOutput, score: bool = True) -> InfillResult:
+        """The answer of a finished CanvasJob: decoded text, per-gap answers, timings, and (`score`) the confidence
+        score of each gap (None when not asked for)."""
         specs = [s for s in prepared.segments or () if isinstance(s, GapSpec)]
         cuts = [spec.healed for spec in specs] if specs else [prepared.params.healed]
         texts = [self.tokenizer.decode(gap.tokens, skip_special_tokens=True).removeprefix(cut if gap.tokens else "")
@@ -420,7 +428,8 @@ class Engine:
             "tokens": gap.tokens,
             "token_texts": texts_of(gap.tokens),
             "confidence": [round(c, 4) for c in gap.confidence],
-            "score": round(sequence_score(gap.confidence, kind, text, answer_support(kind, text, side)), 4),
+            "score": round(sequence_score(gap.confidence, kind, text, answer_support(kind, text, side)), 4)
+            if score else None,
             "healed": cut if gap.tokens else "",
             "stop_reason": "eos" if gap.ended_with_eos else "truncated",
         } for gap, cut, text, side in zip(out.gaps, cuts, texts, prepared.around or [None] * len(texts),
@@ -553,7 +562,7 @@ class EngineBatch:
         outcomes: list[tuple[InfillRequest, InfillResult | InfillCancelled]] = []
         for job in ended:
             request, prepared = self._requests.pop(job.serial)
-            outcome = job.error if job.error is not None else self.engine.result(prepared, job.out)
+            outcome = job.error if job.error is not None else self.engine.result(prepared, job.out, request.score)
             if isinstance(outcome, InfillResult):
                 outcome.adapter = request.adapter
             outcomes.append((request, outcome))

@@ -161,7 +161,8 @@ class EngineService:
             raise BadRequest(400, f"'priority' must be 'normal' or 'background', got {priority!r}")
         endpoint = "infill_background" if priority == "background" else "infill"  # counted apart in /metrics
         result = await self._run(request, endpoint, prefix, suffix, settings, body.get("document"),
-                                 background=priority == "background", adapter=_adapter(body))  # fmt: skip
+                                 background=priority == "background", adapter=_adapter(body),
+                                 score=_flag(body, "score"))  # fmt: skip
         if result is None:
             return JSONResponse({"cancelled": True}, status_code=CANCELLED_STATUS)
         return JSONResponse(result)
@@ -179,7 +180,7 @@ class EngineService:
         except FillError as exc:
             raise BadRequest(400, str(exc)) from exc
         result = await self._run(request, "fill", prefix, suffix, settings, body.get("document"), middle=middle,
-                                 adapter=_adapter(body))  # fmt: skip
+                                 adapter=_adapter(body), score=_flag(body, "score"))  # fmt: skip
         if result is None:
             return JSONResponse({"cancelled": True}, status_code=CANCELLED_STATUS)
         return JSONResponse(result)
@@ -274,6 +275,7 @@ class EngineService:
         middle: list[str | Hole] | None = None,
         background: bool = False,
         adapter: str | None = None,
+        score: bool = True,
     ) -> dict[str, Any] | None:
         """Run one infill on the worker; None when it was cancelled (client gone, superseded, or, in the
         background, preempted). A document's background request supersedes only its older background one."""
@@ -294,7 +296,8 @@ class EngineService:
         self.last_activity = time.monotonic()
         started = time.perf_counter()
 
-        submitted = InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background, adapter, workspace)
+        submitted = InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background, adapter, workspace,
+                                  score)  # fmt: skip
         job = asyncio.wrap_future(self.batcher.submit(submitted))
         watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
         try:
@@ -406,6 +409,13 @@ def _text(body: dict[str, Any], key: str, default: str | None = None) -> str:
     value = body.get(key, default)
     if not isinstance(value, str):
         raise BadRequest(400, f"'{key}' must be a string")
+    return value
+
+
+def _flag(body: dict[str, Any], name: str, default: bool = True) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(400, f"'{name}' must be true or false, got {value!r}")
     return value
 
 

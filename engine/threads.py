@@ -60,6 +60,16 @@ def usable_cores(proc: Path = Path("/proc/self"), cgroup: Path = Path("/sys/fs/c
     return cores, why
 
 
+@functools.cache
+def full_threads() -> int:
+    """The most intra-op threads the engine uses: torch's own default (one per physical core, or `OMP_NUM_THREADS`)
+    within the cores this process may use; read once, before anything here changed the count. The compiled step's
+    graphs are compiled with it (their guards record the count: `compiled.CompiledDecoder._accepts`)."""
+    import torch
+
+    return max(1, min(usable_cores()[0], torch.get_num_threads()))
+
+
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int
@@ -128,7 +138,8 @@ class ThreadGovernor:
     the parallel regions)."""
 
     def __init__(self, sample_s: float = SAMPLE_S, start_sample_s: float = 0.1) -> None:
-        self.cores, self._limit = usable_cores()
+        self._limit = usable_cores()[1]
+        self.cores = full_threads()
         self._sampler = LoadSampler()
         self._lower = 0  # samples in a row that would allow more threads
         fixed = os.environ.get("OMP_NUM_THREADS")

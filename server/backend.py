@@ -269,7 +269,8 @@ class LocalBackend:
 
         workspace = document_repository(document)  # its token cache (`engine.token_cache`), once built
         return await self._call(cancel, lambda engine: engine.infill(prefix, suffix, overrides, cancel=cancel,
-                                                                     adapter=adapter, workspace=workspace))  # fmt: skip
+                                                                     adapter=adapter, workspace=workspace,
+                                                                     score=False))  # fmt: skip
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
                    document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
@@ -280,7 +281,7 @@ class LocalBackend:
         def compute(engine: Any) -> Any:
             prefix, middle, suffix = split_parts(parts_from_json(segments))
             return engine.fill(prefix, middle, suffix, overrides, cancel=cancel, adapter=adapter,
-                               workspace=document_repository(document))  # fmt: skip
+                               workspace=document_repository(document), score=False)  # fmt: skip
 
         return await self._call(cancel, compute)
 
@@ -452,7 +453,9 @@ class ResidentBackend:
         not_ready = _not_ready(self.state, self.error)
         if not_ready is not None:
             return not_ready
-        body = {**body, "document": document, "settings": {k: v for k, v in overrides.items() if v is not None}}
+        # "score": false: the server scores what it shows itself (`display.decide`), the engine need not
+        body = {**body, "document": document, "settings": {k: v for k, v in overrides.items() if v is not None},
+                "score": False}  # fmt: skip
         if adapter is not None:
             body["adapter"] = adapter
         try:

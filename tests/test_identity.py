@@ -90,6 +90,7 @@ async def test_an_answer_of_a_model_that_no_longer_answers_is_dropped_not_cached
 async def test_the_cache_key_reads_memory_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Computing a request's route and cache key with the file system and the clock patched to raise: no error,
     and a workspace model installed for the document's repository is part of the key."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # its workspace model is this test's alone
     repo = tmp_path / "repo"
     base = str(tmp_path / "base")
     workspaces.install(repo, fake_run(tmp_path / "run"), base, {}, {"name": "full"})
@@ -201,4 +202,4 @@ async def test_a_model_switch_is_answered_by_the_new_model_where_the_old_one_ans
     await wait_model(client, ending_model_dir)
     after = await fill(client, "size.py", AFTER_RETURN)
     assert (after["source"], after["edit"]["text"]) == ("model", "None")
-    assert after["result"]["model"] == str(ending_model_dir)
+    assert (after["result"]["model"], after["result"]["score"]) == (str(ending_model_dir), None)  # the server scores

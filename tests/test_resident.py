@@ -173,6 +173,18 @@ def test_a_bad_temperature_is_400_not_500(unix_engine: httpx.Client) -> None:
     assert response.status_code == 400 and response.json() == {"error": "'temperature' must be a number from 0"}
 
 
+def test_the_engines_own_score_is_given_unless_the_caller_scores_itself(unix_engine: httpx.Client) -> None:
+    """The language server asks for no score (it scores what it shows itself, `display.decide`): the engine then
+    leaves it out instead of searching the document for copies a second time; a flag that is no boolean is a 400."""
+    body = {"prefix": "def f(x):\n    return ", "suffix": "\n", "settings": {"max_new_tokens": 2, "seed": 0}}
+    scored = unix_engine.post("/v1/infill", json=body).json()
+    assert isinstance(scored["score"], float) and isinstance(scored["gaps"][0]["score"], float)
+    unscored = unix_engine.post("/v1/infill", json={**body, "score": False}).json()
+    assert (unscored["score"], unscored["gaps"][0]["score"], unscored["text"]) == (None, None, scored["text"])
+    refused = unix_engine.post("/v1/infill", json={**body, "score": "no"})
+    assert refused.status_code == 400 and refused.json() == {"error": "'score' must be true or false, got 'no'"}
+
+
 def test_truncated_and_slow_bodies(unix_engine: httpx.Client) -> None:
     """A client that declares 200 bytes, sends 10 and hangs up costs nothing; one that sends its body slowly, in
     pieces, is answered; the engine answers a valid request after both."""
@@ -461,7 +473,7 @@ async def test_kill_9_mid_request_answers_empty_then_recovers(tiny_model_dir: Pa
         os.kill(victim, signal.SIGKILL)
         answer = await asyncio.wait_for(pending, 60)
         assert answer.edit is None  # the editor gets an empty result, said to be an error (never "cancelled")
-        assert answer.label.startswith("error:the engine went away during the completion")
+        assert answer.source.startswith("error:the engine went away during the completion")
         assert (await stats(client)).errors == 1
         await wait_ready(client)  # ...the server starts a new engine...
         assert engine_health(path)["pid"] != victim
@@ -498,7 +510,7 @@ async def test_kill_9_under_8_editors_answers_each_its_own_document(tiny_model_d
         await asyncio.sleep(1.5)
         os.kill(victim, signal.SIGKILL)
         answers = await asyncio.wait_for(asyncio.gather(*pending), 120)
-        assert all(a.edit is None and a.source == "error" for a in answers), [a.label for a in answers]
+        assert all(a.edit is None and a.source.startswith("error:") for a in answers), [a.source for a in answers]
         for client in clients:
             await wait_ready(client)
             client.workspace_did_change_configuration(
@@ -546,10 +558,10 @@ async def test_openai_backend_against_our_engine(tiny_model_dir: Path) -> None:
     try:
         await asyncio.gather(wait_ready(good), wait_ready(bad))
         answer = await fill(good)
-        assert answer.source != "error"  # the OpenAI-compatible server's answer reached the server,
+        assert not answer.source.startswith("error:")  # the OpenAI-compatible server's answer reached the server,
         assert isinstance(answer.result.choices[0].text, str)  # which the fill names as the backend's whole answer
         refused = await fill(bad, uri="file:///w/b.py")
-        assert refused.source == "error" and "401" in refused.label
+        assert refused.source.startswith("error:") and "401" in refused.source
     finally:
         await asyncio.gather(close(good), close(bad))
         engine.kill()

@@ -1,0 +1,110 @@
+"""The engine's intra-op threads (`engine/threads.py`): the cores a process may use (affinity mask, cgroup quota), the
+load of other processes as /proc shows it, and the count decided from both: fewer at once when the load rises,
+more only after it stayed low."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from canvas_ls.engine import threads
+from canvas_ls.engine.threads import RAISE_AFTER, LoadSampler, ThreadGovernor, usable_cores
+
+
+def governor(monkeypatch: pytest.MonkeyPatch, cores: int, loads: list[float]) -> ThreadGovernor:
+    """A governor of `cores` cores whose load samples are `loads` (the first one at its start); no watch thread."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: (cores, "affinity mask"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    samples = iter(loads)
+    monkeypatch.setattr(LoadSampler, "others_busy", lambda self: next(samples))
+    monkeypatch.setattr(threads.threading.Thread, "start", lambda self: None)
+    return ThreadGovernor(start_sample_s=0)
+
+
+def test_threads_follow_the_cores_other_processes_leave(monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen = governor(monkeypatch, 2, [0.05])
+    assert (chosen.choice.threads, chosen.choice.others_busy) == (2, 0.05)
+    assert chosen.describe() == "2 of 2 cores (affinity mask; other processes keep 0.1 cores busy)"
+    chosen.choice = chosen._decide(1.02)  # one core taken: one thread at once
+    assert chosen.choice.threads == 1
+    assert chosen.choice.why == ("affinity mask; other processes keep 1.0 of 2 cores busy: no thread waits on a core "
+                                 "it cannot get")  # fmt: skip
+    for _ in range(RAISE_AFTER - 1):  # the load went: more threads only once it has stayed low
+        chosen.choice = chosen._decide(0.0)
+        assert chosen.choice.threads == 1
+    chosen.choice = chosen._decide(0.0)
+    assert chosen.choice.threads == 2
+    assert governor(monkeypatch, 8, [2.6]).choice.threads == 5  # 2.6 busy cores of 8 leave 5 (a little slack)
+    assert governor(monkeypatch, 2, [7.0]).choice.threads == 1  # never fewer than one
+
+
+def test_a_count_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    chosen = ThreadGovernor()
+    assert (chosen.fixed, chosen.choice.threads, chosen.choice.why) == (3, 3, "OMP_NUM_THREADS set by the user")
+
+
+def test_a_cgroup_quota_below_the_affinity_mask_limits_the_cores(tmp_path: Path) -> None:
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "cgroup").write_text("0::/user.slice/editor\n")
+    group = tmp_path / "cgroup" / "user.slice" / "editor"
+    group.mkdir(parents=True)
+    (group / "cpu.max").write_text("150000 100000\n")  # 1.5 cores
+    cores, why = usable_cores(tmp_path / "proc", tmp_path / "cgroup")
+    assert (min(cores, 1), why) == (1, "cgroup CPU quota 1.5 cores") or len(threads.os.sched_getaffinity(0)) == 1
+    (group / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(tmp_path / "proc", tmp_path / "cgroup") == (len(threads.os.sched_getaffinity(0)),
+                                                                     "affinity mask")  # fmt: skip
+
+
+def test_one_core_in_the_affinity_mask_is_one_thread() -> None:
+    script = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+              "from canvas_ls.engine.threads import ThreadGovernor; g = ThreadGovernor(); g.stop(); "
+              "print(g.choice.cores, g.choice.threads)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["1", "1"]
+
+
+def test_another_process_spinning_shows_as_a_busy_core() -> None:
+    """Measured for real: a process that is not ours spinning for a second is at least 0.7 of a core busy (whatever
+    else the machine runs only adds to it)."""
+    script = ("import time, sys; from canvas_ls.engine.threads import LoadSampler; s = LoadSampler(); "
+              "sys.stdin.readline(); s.others_busy(); time.sleep(1.0); print(s.others_busy())")  # fmt: skip
+    sampler = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        out, _ = sampler.communicate("go\n", timeout=30)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert float(out) > 0.7
+
+
+def test_this_process_and_its_children_are_not_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Busy ticks of the whole machine less this process's and its children's (the compiling child among them)."""
+    ticks = {"system": 1000, "self": 100, "42": 50}
+    monkeypatch.setattr(threads, "_system_busy", lambda: ticks["system"])
+    monkeypatch.setattr(threads, "_process_ticks", lambda pid: ticks[str(pid)])
+    monkeypatch.setattr(threads, "_children", lambda: ["42"])
+    clock = iter([10.0, 11.0])
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    sampler = LoadSampler()
+    ticks.update(
+        system=1000 + 3 * threads._TICKS // 2, self=100 + threads._TICKS // 2, **{"42": 50 + threads._TICKS // 2}
+    )
+    assert sampler.others_busy() == pytest.approx(0.5, abs=0.02)  # 1.5 cores busy, 1 of them ours
+
+
+def test_passive_waiting_is_set_before_torch_loads_unless_the_user_chose() -> None:
+    script = "import canvas_ls.engine, os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          check=True).stdout.strip() == "PASSIVE"  # fmt: skip
+    chosen = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
+                            env={**threads.os.environ, "OMP_WAIT_POLICY": "ACTIVE"})  # fmt: skip
+    assert chosen.stdout.strip() == "ACTIVE"
