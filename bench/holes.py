@@ -94,7 +94,7 @@ def _joint(engine: Engine, task: HoleTask, settings: dict[str, Any]) -> tuple[li
         position = end
     started = time.perf_counter()
     result = engine.fill(parts[0], parts[1:], task.program[position:], settings)  # type: ignore[arg-type]
-    return [gap["text"] for gap in result.gaps], result.forward_passes, time.perf_counter() - started
+    return [gap.text for gap in result.gaps], result.forward_passes, time.perf_counter() - started
 
 
 def _sequential(engine: Engine, task: HoleTask, settings: dict[str, Any]) -> tuple[list[str], int, float]:
@@ -204,7 +204,7 @@ def run_rewrites(engine: Engine, dataset: Path, limit: int | None, settings: dic
         for strength in STRENGTHS:
             suffix = task.solution[len(original) :] + task.suffix
             result = engine.fill(task.prompt, [Hole(broken or "", strength)], suffix, settings)
-            text = result.gaps[0]["text"]
+            text = result.gaps[0].text
             row[str(strength)] = {"text": text, "restored": normalise(text) == normalise(original),
                                   "kept_corruption": normalise(text) == normalise(broken or ""),
                                   "similarity": edit_similarity(text, original),

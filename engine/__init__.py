@@ -13,11 +13,8 @@ import logging
 from importlib import import_module
 from typing import Any
 
-from . import lazy_torchao, threads
+from . import lazy_torchao
 
-# OpenMP threads that finish a parallel region sleep instead of spinning (read once, when torch loads OpenMP): on a
-# busy machine a spinning thread takes the core the one it waits for needs (`threads.py`).
-threads.passive_wait()
 # transformers would import torchao (the `quantize` extra) in every process where it is installed: only where
 # quantised weights are asked for (`lazy_torchao`). torchao warns at import about CUDA extensions a CPU-only torch
 # cannot load and about a deprecated torch call: nothing a user can act on.
@@ -31,7 +28,7 @@ _PUBLIC = {
     "FillError": "canvas_ls.engine.regions",
     "Hole": "canvas_ls.engine.regions",
     "InfillCancelled": "canvas_ls.engine.canvas",
-    "InfillResult": "canvas_ls.engine.engine",
+    "InfillResult": "canvas_ls.engine.results",
     "InfillSettings": "canvas_ls.engine.settings",
     "ModelLoadError": "canvas_ls.engine.errors",
     "SettingsError": "canvas_ls.engine.settings",

@@ -9,9 +9,10 @@ the resident engine) use only this module's names; nothing outside `engine/` tou
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from .loading import LoadedModel, load_model
 from .paths import PREFIX_CACHE_MB
 from .prefix_cache import PrefixCache
 from .regions import FillError, Hole, Region, regions_to_parts, split_parts
+from .results import GapResult, InfillResult
 from .settings import InfillSettings, model_settings
 from .threads import governor
 from .token_cache import DOCUMENT_WEIGHT, Caches, TokenCache, WorkspaceCaches
@@ -94,44 +96,6 @@ class Prepared:
     around: tuple[tuple[str, str], ...] = ()  # per gap, the request's text before and after it (its copy support)
 
 
-@dataclass
-class InfillResult:
-    text: str
-    tokens: list[int]
-    token_texts: list[str]
-    confidence: list[float]  # per token, probability of the chosen token at the last step
-    steps: int  # denoising steps, all canvases
-    forward_passes: int  # decoder forward passes
-    tokens_per_forward: float  # answer tokens (plus the closing EOS) per decoder forward
-    canvases: int
-    canvas_stops: list[str]  # per canvas: "converged" (adaptive stop) or "step_cap"
-    stop_reason: str  # "eos" (the model closed the gap) or "max_tokens"
-    encode_ms: float
-    denoise_ms: float
-    prefix_tokens: int
-    prefix_reused_tokens: int  # of those, how many came from the prefix KV cache (not re-encoded)
-    suffix_head_tokens: int
-    layout: str
-    model: str
-    dtype: str  # what the model computed in ("bfloat16", "float32")
-    # Token healing: prefix text cut back to a token boundary and re-written by the first token; not in `text`
-    # (`text` is what goes at the cursor; `tokens` are what the model wrote, healed text included).
-    healed: str = ""
-    settings: dict[str, Any] = field(default_factory=dict)
-    # Per gap, in document order: text, tokens, confidence, healed, stop_reason ("eos", or "truncated": it filled its
-    # budget without one). One entry for `infill`, whose `text` is that gap's; `fill` fills several.
-    gaps: list[dict[str, Any]] = field(default_factory=list)
-    # How much the model stands behind `text` (`engine.confidence`): the score, which score it is, and the
-    # threshold calibrated for this model (`canvas-ls bench calibrate`; 0: uncalibrated, show everything).
-    score: float | None = 1.0  # None: not asked for (`InfillRequest.score`)
-    score_kind: str = "geometric"
-    min_confidence: float = 0.0
-    adapter: str | None = None  # the LoRA adapter that answered (`InfillRequest.adapter`)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 class Engine:
     """One model, ready to fill gaps. Thread-safe: requests run one at a time on the model."""
 
@@ -182,10 +146,10 @@ class Engine:
     def name(self) -> str:
         return self.loaded.name
 
-    def use_threads(self) -> None:
-        """On the thread about to run the model: the intra-op thread count the load allows now."""
-        if self.threads is not None:
-            self.threads.apply()
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        """Around the model's work on its thread: the intra-op thread count the load allows now, and the load
+        measured while it computes (`threads.ThreadGovernor.computing`)."""
+        return self.threads.computing() if self.threads is not None else contextlib.nullcontext()
 
     @property
     def identity(self) -> dict[str, str]:
@@ -423,20 +387,20 @@ class Engine:
         def texts_of(tokens: list[int]) -> list[str]:
             return token_texts if tokens == out.tokens else [self.tokenizer.decode([t]) for t in tokens]
 
-        gaps = [{
-            "text": text,
-            "tokens": gap.tokens,
-            "token_texts": texts_of(gap.tokens),
-            "confidence": [round(c, 4) for c in gap.confidence],
-            "score": round(sequence_score(gap.confidence, kind, text, answer_support(kind, text, side)), 4)
+        gaps = [GapResult(
+            text=text,
+            tokens=gap.tokens,
+            token_texts=texts_of(gap.tokens),
+            confidence=[round(c, 4) for c in gap.confidence],
+            score=round(sequence_score(gap.confidence, kind, text, answer_support(kind, text, side)), 4)
             if score else None,
-            "healed": cut if gap.tokens else "",
-            "stop_reason": "eos" if gap.ended_with_eos else "truncated",
-        } for gap, cut, text, side in zip(out.gaps, cuts, texts, prepared.around or [None] * len(texts),
+            healed=cut if gap.tokens else "",
+            stop_reason="eos" if gap.ended_with_eos else "truncated",
+        ) for gap, cut, text, side in zip(out.gaps, cuts, texts, prepared.around or [None] * len(texts),
                                           strict=True)]  # fmt: skip
         produced = len(out.tokens) + sum(1 for gap in out.gaps if gap.ended_with_eos)
         return InfillResult(
-            text=gaps[0]["text"],
+            text=gaps[0].text,
             tokens=out.tokens,
             token_texts=token_texts,
             confidence=[round(c, 4) for c in out.confidence],
@@ -456,10 +420,10 @@ class Engine:
             layout=prepared.settings.layout,
             model=self.name,
             dtype=self.dtype,
-            healed=gaps[0]["healed"],
+            healed=gaps[0].healed,
             settings=prepared.settings.to_dict(),
             gaps=gaps,
-            score=gaps[0]["score"],
+            score=gaps[0].score,
             score_kind=kind,
             min_confidence=threshold,
         )
@@ -533,8 +497,7 @@ class EngineBatch:
             by_cache.setdefault(prepared.settings.reuse_prefix, []).append((request, prepared))
         for group in by_cache.values():
             try:
-                with engine.lock:
-                    engine.use_threads()
+                with engine.lock, engine.computing():
                     engine.use_adapter(self.adapter)
                     cache = engine.cache_for(group[0][1].settings)
                     encoded = encode_prefixes(engine.loaded.model, [p.encoder_ids for _, p in group], cache)
@@ -555,8 +518,7 @@ class EngineBatch:
             return self._batch.decoder_inputs([(job, *job.inputs()) for job in self._batch.jobs])
 
     def step(self) -> list[tuple[InfillRequest, InfillResult | InfillCancelled]]:
-        with self.engine.lock:
-            self.engine.use_threads()
+        with self.engine.lock, self.engine.computing():
             self.engine.use_adapter(self.adapter)
             ended = self._batch.step()
         outcomes: list[tuple[InfillRequest, InfillResult | InfillCancelled]] = []

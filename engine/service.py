@@ -29,6 +29,7 @@ until the batch drains.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -64,6 +65,7 @@ from .errors import ModelLoadError
 from .paths import CANCELLED_STATUS, MAX_BATCH, MAX_BODY_BYTES, default_socket, document_repository
 from .regions import FillError, Hole, parts_from_json, split_parts
 from .settings import SettingsError
+from .supersession import Supersession
 
 __all__ = ["EngineService", "ServeError", "check_address", "check_socket", "default_socket", "serve"]
 
@@ -82,7 +84,7 @@ class EngineService:
         self.max_body = max_body
         self.idle_exit_s = idle_exit_s
         self.last_activity = time.monotonic()
-        self.in_flight: dict[str, threading.Event] = {}  # document -> cancel flag of its newest request
+        self.in_flight: Supersession[threading.Event] = Supersession()  # document -> its newest request
         self.queue = 0
         registry = self.registry = CollectorRegistry()
         self.m_requests = Counter("canvas_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
@@ -283,39 +285,34 @@ class EngineService:
             self.engine.settings.merged(settings)  # a bad setting is this request's 400, not its batch's failure
         except SettingsError as exc:
             raise BadRequest(400, str(exc)) from exc
-        cancel = threading.Event()
         workspace = document_repository(document)  # its token cache (`engine.token_cache`), once built
-        if isinstance(document, str):
-            document = f"background:{document}" if background else document
-            older = self.in_flight.get(document)
-            if older is not None:
-                older.set()  # a newer request for the same document supersedes the older one
-            self.in_flight[document] = cancel
-        self.queue += 1
-        self.m_queue.set(self.queue)
-        self.last_activity = time.monotonic()
-        started = time.perf_counter()
-
-        submitted = InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background, adapter, workspace,
-                                  score)  # fmt: skip
-        job = asyncio.wrap_future(self.batcher.submit(submitted))
-        watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
-        try:
-            try:
-                outcome = await job
-            except (FillError, ModelLoadError) as exc:  # a fill that cannot be laid out, an adapter that cannot load
-                self.m_requests.labels(endpoint, "bad_request").inc()
-                raise BadRequest(400, str(exc)) from exc
-            if isinstance(outcome, InfillCancelled):
-                self.m_cancelled_steps.observe(outcome.steps)
-            result = None if isinstance(outcome, InfillCancelled) else outcome.to_dict()
-        finally:
-            watcher.cancel()
-            self.queue -= 1
+        # a newer request for the same document supersedes the older one (a background one only the older background)
+        key = (f"background:{document}" if background else document) if isinstance(document, str) else None
+        running = self.in_flight.running(key, threading.Event()) if key else contextlib.nullcontext(threading.Event())
+        with running as cancel:
+            self.queue += 1
             self.m_queue.set(self.queue)
             self.last_activity = time.monotonic()
-            if isinstance(document, str) and self.in_flight.get(document) is cancel:
-                del self.in_flight[document]
+            started = time.perf_counter()
+
+            submitted = InfillRequest(prefix, suffix, settings, cancel, on_step, middle, background, adapter, workspace,
+                                      score)  # fmt: skip
+            job = asyncio.wrap_future(self.batcher.submit(submitted))
+            watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
+            try:
+                try:
+                    outcome = await job
+                except (FillError, ModelLoadError) as exc:  # a fill it cannot lay out, an adapter it cannot load
+                    self.m_requests.labels(endpoint, "bad_request").inc()
+                    raise BadRequest(400, str(exc)) from exc
+                if isinstance(outcome, InfillCancelled):
+                    self.m_cancelled_steps.observe(outcome.steps)
+                result = None if isinstance(outcome, InfillCancelled) else outcome.to_dict()
+            finally:
+                watcher.cancel()
+                self.queue -= 1
+                self.m_queue.set(self.queue)
+                self.last_activity = time.monotonic()
         outcome = "cancelled" if result is None else "ok"
         self.m_requests.labels(endpoint, outcome).inc()
         if result is not None:

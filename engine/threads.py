@@ -5,42 +5,41 @@ default, a thread that reaches the end of a parallel region spins waiting for th
 taken by another process, the engine's second thread gets half a core, and every op waits for it while the first
 spins (measured on the 2-core machine: the editor's completion p50 85 ms idle, 5 s with one core busy). So:
 
-- threads that finish wait passively (`OMP_WAIT_POLICY=PASSIVE`, set before torch loads OpenMP: `passive_wait`):
-  they sleep instead of taking a core from the thread they wait for, or from the user's other programs;
 - the thread count is the cores this process may use (its affinity mask, its cgroup's CPU quota) less the cores
   other processes kept busy (`/proc/stat`'s busy time less this process's and its children's), sampled when the
   engine starts and every second while it runs (`ThreadGovernor`); fewer threads at once when the load rises,
-  more again only after it has stayed low for a few samples;
+  more again only after it has stayed low for a few samples. With no more threads than free cores, OpenMP's
+  brief spin at the end of a parallel region costs nothing, and it is faster than waiting passively
+  (`OMP_WAIT_POLICY=PASSIVE` measured 12-15% slower with the compiled step, idle: 174-177 vs 151-156 ms a
+  completion, 2-core EPYC, 2026-12-06); a load that starts meets two threads for at most a second;
 - `OMP_NUM_THREADS` set by the user is a fixed choice: kept, and said so.
 
-The choice and why are in `/health` ("threads") and the engine's log. No torch at import: `passive_wait` must run
-before torch does; `ThreadGovernor.apply` imports it when the model's thread calls it.
+The choice and why are in `/health` ("threads") and the engine's log. No torch at import: `ThreadGovernor.apply`
+imports it when the model's thread calls it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SAMPLE_S = 1.0  # how often the load is sampled while the engine runs
+SAMPLE_S = 1.0  # how often the thread count is decided
+WINDOW_S = 0.1  # the shortest run of steps the others' load is read over (two /proc reads a run)
+GAP_S = 0.02  # a pause between two steps longer than this ends a run
 RAISE_AFTER = 3  # samples in a row that allow more threads before the count goes up (down: at once)
 # Busy time of other processes up to this share of a core leaves that core to the engine (noise, short bursts)
 SLACK = 0.3
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def passive_wait() -> None:
-    """Threads that finish an OpenMP parallel region sleep instead of spinning; before torch loads OpenMP (it reads
-    the policy once), and only where the user has not chosen a policy."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def usable_cores(proc: Path = Path("/proc/self"), cgroup: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
@@ -110,38 +109,49 @@ def _children() -> list[str]:
     return pids
 
 
+Reading = tuple[float, int, int]  # (monotonic seconds, the machine's busy ticks, this process's and its children's)
+
+
+def read_load() -> Reading:
+    return time.monotonic(), _system_busy(), _process_ticks("self") + sum(_process_ticks(p) for p in _children())
+
+
+def others_between(then: Reading, now: Reading) -> float:
+    """Cores other processes kept busy between two readings (this process and its children aside)."""
+    seconds = now[0] - then[0]
+    return 0.0 if seconds <= 0 else max(0.0, (now[1] - then[1]) - (now[2] - then[2])) / _TICKS / seconds
+
+
 class LoadSampler:
-    """Cores kept busy by other processes between two calls of `others_busy` (this process and its children
-    aside)."""
+    """Cores kept busy by other processes between two calls of `others_busy`."""
 
     def __init__(self) -> None:
-        self._last = self._read()
-
-    @staticmethod
-    def _read() -> tuple[float, int, int]:
-        busy = _system_busy()
-        ours = _process_ticks("self") + sum(_process_ticks(pid) for pid in _children())
-        return time.monotonic(), busy, ours
+        self._last = read_load()
 
     def others_busy(self) -> float:
-        now = self._read()
-        (then, busy, ours), self._last = self._last, now
-        seconds = now[0] - then
-        if seconds <= 0:
-            return 0.0
-        return max(0.0, (now[1] - busy) - (now[2] - ours)) / _TICKS / seconds
+        now = read_load()
+        then, self._last = self._last, now
+        return others_between(then, now)
 
 
 class ThreadGovernor:
-    """The engine's intra-op thread count, re-decided every `SAMPLE_S` by a daemon thread from the load; the
-    model's own thread applies it between steps (`apply`: OpenMP's thread count belongs to the thread that starts
-    the parallel regions)."""
+    """The engine's intra-op thread count. What counts is the load other processes put on the machine while the
+    engine computes (`computing`: the model's thread marks its steps, and the load is read over runs of steps at
+    least `WINDOW_S` long): an editor's language server and client work between the engine's answers, not during
+    them, and must not cost it a thread. A daemon thread decides every `SAMPLE_S`: from the windows computed since
+    (fewer threads at once; more after `RAISE_AFTER` such decisions), or, when the engine was idle, from the whole
+    machine's load (only ever more threads: an idle engine has nobody to contend with). The model's thread applies
+    the count as a step starts (OpenMP's thread count belongs to the thread that starts the parallel regions)."""
 
     def __init__(self, sample_s: float = SAMPLE_S, start_sample_s: float = 0.1) -> None:
         self._limit = usable_cores()[1]
         self.cores = full_threads()
         self._sampler = LoadSampler()
-        self._lower = 0  # samples in a row that would allow more threads
+        self._lower = 0  # decisions in a row that would allow more threads
+        self._lock = threading.Lock()
+        self._window: Reading | None = None  # the run of steps being measured (the model's thread)
+        self._last_end = 0.0
+        self._seen: list[tuple[float, float]] = []  # (others' cores, seconds) of each window computed since
         fixed = os.environ.get("OMP_NUM_THREADS")
         if fixed and fixed.isdigit() and int(fixed) > 0:
             self.fixed: int | None = int(fixed)
@@ -150,7 +160,7 @@ class ThreadGovernor:
         self.fixed = None
         time.sleep(start_sample_s)
         self.choice = self._decide(self._sampler.others_busy(), start=True)
-        log.info("threads: %s", self.describe())
+        log.warning("threads: %s", self.describe())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(sample_s,), name="canvas-threads", daemon=True)
         self._thread.start()
@@ -158,34 +168,61 @@ class ThreadGovernor:
     def describe(self) -> str:
         return f"{self.choice.threads} of {self.cores} cores ({self.choice.why})"
 
-    def _decide(self, others: float, start: bool = False) -> ThreadChoice:
+    def _decide(self, others: float, start: bool = False, idle: bool = False) -> ThreadChoice:
         free = max(1, min(self.cores, math.floor(self.cores - others + SLACK)))
         current = None if start else self.choice.threads
-        if current is not None and free > current:  # more only once the load has stayed low
-            self._lower += 1
+        if current is not None and (free > current or (idle and free < current)):
+            if free < current:  # an idle engine's machine: busy or not, nobody contends with it
+                return ThreadChoice(current, self.cores, round(others, 2), self.choice.why)
+            self._lower += 1  # more only once the load has stayed low
             if self._lower < RAISE_AFTER:
                 return ThreadChoice(current, self.cores, round(others, 2), self.choice.why)
         self._lower = 0
         if free == self.cores:
             why = f"{self._limit}; other processes keep {others:.1f} cores busy"
         else:
-            why = f"{self._limit}; other processes keep {others:.1f} of {self.cores} cores busy: no thread waits " \
-                  "on a core it cannot get"  # fmt: skip
+            why = f"{self._limit}; other processes keep {others:.1f} of {self.cores} cores busy while it computes: " \
+                  "no thread waits on a core it cannot get"  # fmt: skip
         return ThreadChoice(free, self.cores, round(others, 2), why)
 
     def _watch(self, sample_s: float) -> None:
         while not self._stop.wait(sample_s):
-            choice = self._decide(self._sampler.others_busy())
+            machine = self._sampler.others_busy()
+            with self._lock:
+                seen, self._seen = self._seen, []
+            seconds = sum(s for _, s in seen)
+            if seconds > 0:
+                choice = self._decide(sum(o * s for o, s in seen) / seconds)
+            else:
+                choice = self._decide(machine, idle=True)
             if choice.threads != self.choice.threads:
-                log.info("threads: %d -> %d (%s)", self.choice.threads, choice.threads, choice.why)
+                log.warning("threads: %d -> %d (%s)", self.choice.threads, choice.threads, choice.why)
             self.choice = choice
 
-    def apply(self) -> None:
-        """On the thread that runs the model, before a step: use the current choice."""
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Around a step (or an encode) on the thread that runs the model: the current count applied, and the
+        others' load read over runs of steps (a pause of over `GAP_S` between two steps ends a run)."""
         import torch
 
         if torch.get_num_threads() != self.choice.threads:
             torch.set_num_threads(self.choice.threads)
+        if self.fixed is not None:
+            yield
+            return
+        if self._window is not None and time.monotonic() - self._last_end > GAP_S:
+            self._window = None  # the engine waited in between: the others' work then was no contention
+        if self._window is None:
+            self._window = read_load()
+        try:
+            yield
+        finally:
+            self._last_end = now = time.monotonic()
+            if now - self._window[0] >= WINDOW_S:
+                reading = read_load()
+                with self._lock:
+                    self._seen.append((others_between(self._window, reading), reading[0] - self._window[0]))
+                self._window = None
 
     def stop(self) -> None:
         if self.fixed is None:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import httpx
 
 from ..engine.paths import CANCELLED_STATUS, IDLE_EXIT_S
+from ..engine.results import GapResult, InfillResult
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +75,9 @@ class Gap:
     healed: str = ""  # the text before the gap its first token re-writes (token healing); not in `text`
 
     @classmethod
-    def from_engine(cls, gap: Mapping[str, Any]) -> Gap:
-        """A gap of the engine's result; a resident engine started by an older canvas-ls gives no token texts (its
-        gap's confidence is then the least of all its tokens)."""
-        return cls(gap["text"], gap["stop_reason"] == "eos", tuple(gap.get("token_texts", ())),
-                   tuple(gap.get("confidence", ())), gap.get("healed", ""))  # fmt: skip
+    def of(cls, gap: GapResult) -> Gap:
+        """A gap of the engine's result."""
+        return cls(gap.text, gap.stop_reason == "eos", tuple(gap.token_texts), tuple(gap.confidence), gap.healed)
 
 
 @dataclass(frozen=True)
@@ -97,23 +96,29 @@ class Answer:
     gaps: tuple[Gap, ...] = ()  # per gap of a fill, in document order
     steps: int = 0
     engine_ms: float | None = None  # the engine's own encode + denoise time; None where the server does not say
-    details: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the backend's whole answer
+    # The backend's whole answer: canvas-ls's engine's `InfillResult`, or another server's JSON
+    raw: InfillResult | Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_engine(cls, result: Mapping[str, Any]) -> Answer:
-        """An answer of canvas-ls's engine (`InfillResult`, in this process or from `/v1/infill` and `/v1/fill`)."""
+    def of(cls, result: InfillResult) -> Answer:
+        """An answer of canvas-ls's engine (in this process, or decoded from `/v1/infill` and `/v1/fill`)."""
         return cls(
-            text=result["text"],
-            token_texts=tuple(result["token_texts"]),
-            confidence=tuple(result["confidence"]),
-            healed=result["healed"],
-            score_kind=result["score_kind"],
-            min_confidence=result["min_confidence"],
-            gaps=tuple(Gap.from_engine(gap) for gap in result["gaps"]),
-            steps=result["steps"],
-            engine_ms=result["encode_ms"] + result["denoise_ms"],
-            details=result,
+            text=result.text,
+            token_texts=tuple(result.token_texts),
+            confidence=tuple(result.confidence),
+            healed=result.healed,
+            score_kind=result.score_kind,
+            min_confidence=result.min_confidence,
+            gaps=tuple(Gap.of(gap) for gap in result.gaps),
+            steps=result.steps,
+            engine_ms=result.encode_ms + result.denoise_ms,
+            raw=result,
         )
+
+    @property
+    def details(self) -> Mapping[str, Any] | None:
+        """The backend's whole answer as JSON (`canvas/fill`'s "result"), made when asked for."""
+        return self.raw.to_dict() if isinstance(self.raw, InfillResult) else self.raw
 
     def cached(self) -> Answer:
         """What a completion cache keeps of it (the tokens the display decision reads, not the engine's report)."""
@@ -298,7 +303,7 @@ class LocalBackend:
             if cancel.is_set():
                 return Cancelled()
             try:
-                return Answer.from_engine(compute(engine).to_dict())
+                return Answer.of(compute(engine))
             except (FillError, ModelLoadError) as exc:  # a fill it cannot lay out, an adapter it cannot load
                 return Failed(str(exc))
             except InfillCancelled as stopped:
@@ -469,7 +474,10 @@ class ResidentBackend:
             return Cancelled()
         if response.status_code != 200:
             return Failed(_error_text(response))
-        return Answer.from_engine(response.json())
+        try:
+            return Answer.of(InfillResult.from_dict(response.json()))
+        except (ValueError, KeyError, TypeError) as exc:  # a resident engine is this installation's: a bug of ours
+            return Failed(f"the engine answered something that is not a result ({exc})")
 
     def shutdown(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
@@ -556,7 +564,7 @@ class OpenAIBackend:
             return Failed(f"{self.url} answered something that is no completion: {response.text[:200]}")
         if not isinstance(text, str):
             return Failed(f"{self.url} answered a completion whose text is not a string: {text!r:.200}")
-        return Answer(text, details=data)
+        return Answer(text, raw=data)
 
     async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
                    document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +171,12 @@ def _fill(args: argparse.Namespace) -> int:
         ranges = [
             {"start": {"line": a, "character": b}, "end": {"line": c, "character": d}} for (a, b, c, d), _ in spans
         ]
-        regions_out = [{"range": ranges[i], "strength": spans[i][1], **answers[i]} for i in range(len(spans))]
+        regions_out = [{"range": ranges[i], "strength": spans[i][1], **asdict(answers[i])} for i in range(len(spans))]
         print(json.dumps({"regions": regions_out, "result": result.to_dict()}, indent=2, ensure_ascii=False))
         return 0
     position, pieces = 0, []
     for i in ordered:
-        pieces += [text[position : regions[i].start], answers[i]["text"]]
+        pieces += [text[position : regions[i].start], answers[i].text]
         position = regions[i].end
     print("".join([*pieces, text[position:]]), end="")
     return 0

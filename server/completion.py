@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from ..engine.supersession import Supersession
 from .backend import Answer, CancelFlag, Cancelled, Failed, Identity
 from .config import CompletionOptions, ServerConfig
 from .context import CompletionContext, Skip, build_context
@@ -166,7 +167,7 @@ class Completer:
         # context key -> the model's answer (text, and its tokens' texts and confidences), before shaping
         self.cache: OrderedDict[str, Answer] = OrderedDict()
         self.remembered: dict[str, _Remembered] = {}
-        self.in_flight: dict[str, tuple[str, CancelFlag]] = {}  # uri -> key and cancel flag of its newest model call
+        self.in_flight: Supersession[CancelFlag] = Supersession()  # uri -> its newest model call (key, cancel flag)
         self.ids = itertools.count(1)
         self.stats = Stats()
         self.speculations: dict[str, _Speculation] = {}  # uri -> the next suggestion computed ahead
@@ -258,13 +259,8 @@ class Completer:
             return outcome
 
         # 5. Supersede the document's older request; debounce; call the model off the loop.
-        cancel = CancelFlag()
-        older = self.in_flight.get(document.uri)
-        if older is not None:
-            older[1].set()
-        self.in_flight[document.uri] = (key, cancel)
         version = document.version
-        try:
+        with self.in_flight.running(document.uri, CancelFlag(), key) as cancel:
             if self.config.completion.debounce_ms > 0:
                 await asyncio.sleep(self.config.completion.debounce_ms / 1000)
                 if cancel.is_set():
@@ -274,9 +270,6 @@ class Completer:
             called = time.perf_counter()
             reply = await self.backend.infill(context.prefix, context.suffix, overrides, cancel, document.uri,
                                               route=route)  # fmt: skip
-        finally:
-            if self.in_flight.get(document.uri, ("", None))[1] is cancel:
-                del self.in_flight[document.uri]
         match reply:
             case Cancelled():
                 return nothing(Source.CANCELLED)
@@ -364,8 +357,7 @@ class Completer:
         """The configuration changed: every answer computed ahead or cached goes (their keys name the old identity
         anyway; this frees them and stops the work in flight)."""
         self._drop_speculations(running_only=False)
-        for _, cancel in self.in_flight.values():
-            cancel.set()
+        self.in_flight.cancel_all()
         self.cache.clear()
         self.remembered.clear()
 
@@ -375,8 +367,8 @@ class Completer:
         """Register the running prefetch as the one computing `key` for `uri`; False when nothing is left to do: the
         answer is cached, or being computed (a model call in flight for it, or the speculation after an accepted
         suggestion)."""
-        running, ahead = self.in_flight.get(uri), self.speculations.get(uri)
-        if key in self.cache or (running and running[0] == key) or (ahead and ahead.key == key):
+        ahead = self.speculations.get(uri)
+        if key in self.cache or self.in_flight.what(uri) == key or (ahead and ahead.key == key):
             return False
         self.prefetches[uri] = (key, asyncio.current_task())  # type: ignore[assignment]
         self.stats.prefetched += 1
@@ -479,9 +471,7 @@ class Completer:
         self.prefetches.pop(uri, None)
         self.cross_file.forget(uri)
         self.remembered.pop(uri, None)
-        running = self.in_flight.pop(uri, None)
-        if running is not None:
-            running[1].set()
+        self.in_flight.cancel(uri)
 
 
 def _log_failure(task: asyncio.Task[Outcome]) -> None:

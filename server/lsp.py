@@ -27,7 +27,7 @@ from .holes import find_holes
 from .positions import PositionError
 from .session import CanvasServer
 from .wire import unstructure
-from .workspaces import LearnJob, uri_path
+from .workspaces import Learned, LearnJob, uri_path
 
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"
@@ -522,8 +522,8 @@ async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
     ls.log_to_client(f"learning {root} for {minutes:g} min at the lowest CPU priority")
     final = await ls.learner.learn(job, ls.config.engine.model, minutes, report)
     ls.backend.refresh()  # the model it installed answers from the next request on
-    if "done" in final:
-        done = final["done"]
+    if isinstance(final, Learned):
+        done = final.summary
         labels = {"editor_diffusion": "held-out loss where the editor asks", "diffusion": "on random spans"}
         loss = "".join(f"{label} {done[f'eval_before_{key}']:.3f} -> {done[f'eval_{key}']:.3f}; "
                        for key, label in labels.items()
@@ -533,7 +533,7 @@ async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
                    f"({done.get('stopped')}); {loss}{used}{_shown_while_typing(done.get('display'))}")  # fmt: skip
         kind = types.MessageType.Info
     else:
-        message, kind = f"learning {root.name} failed: {final.get('error')}", types.MessageType.Error
+        message, kind = f"learning {root.name} failed: {final.reason}", types.MessageType.Error
     ls.log_to_client(message, kind)
     ls.window_show_message(types.ShowMessageParams(type=kind, message=f"canvas-ls: {message}"))
     if progress:
@@ -563,7 +563,6 @@ def _shown_while_typing(display: dict[str, Any] | None) -> str:
 
 @server.feature(types.SHUTDOWN)
 def shutdown(ls: CanvasServer, params: None) -> None:
-    for uri in list(ls.completer.in_flight):
-        ls.completer.forget(uri)
+    ls.completer.reset()  # every model call and speculation in flight stops
     ls.learner.interrupt_all()  # a run in progress keeps what it learnt and installs it
     ls.backend.shutdown()

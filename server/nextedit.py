@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..engine.commits import recent_edits_comment
 from ..engine.regions import Hole, parts_to_json
+from ..engine.supersession import Supersession
 from .backend import Answer, Backend, CancelFlag, Cancelled, Failed, Gap
 from .config import NextEditOptions
 from .context import is_word, node_at, prefix_window
@@ -162,16 +163,27 @@ def edits_block(document: Document, count: int) -> str:
     return recent_edits_comment(document.language, [(edit.removed, edit.inserted) for edit in edits])
 
 
+@dataclass(frozen=True)
+class Unchanged:
+    """The canvas suggests nothing, and why (the window is blank or too long, the model left it as it was, its
+    answer did not end, or it adds syntax errors)."""
+
+    reason: str
+
+
+Rewrite = list[Suggestion] | Unchanged | Failed | Cancelled
+
+
 async def rewrite(document: Document, offset: int, backend: Backend, options: NextEditOptions,
-                  cancel: CancelFlag, prefix_tokens: int) -> list[Suggestion] | Failed | Cancelled | str:  # fmt: skip
+                  cancel: CancelFlag, prefix_tokens: int) -> Rewrite:  # fmt: skip
     """The windows `sites` picks rewritten by the model in one canvas (the code between them kept as it is): a
-    Suggestion per window it changed, or why there is none (the model left them as they were, its answer did not
-    end, or it adds syntax errors)."""
+    Suggestion per window it changed, or `Unchanged` with why there is none; the backend's `Failed` or
+    `Cancelled` as it is."""
     windows = sites(document, offset, options)
     if not any(around.text.strip() for around in windows):
-        return "the window around the cursor is blank"
+        return Unchanged("the window around the cursor is blank")
     if len(windows[0].text) > MAX_WINDOW_CHARS:
-        return f"the window around the cursor is over {MAX_WINDOW_CHARS} characters"
+        return Unchanged(f"the window around the cursor is over {MAX_WINDOW_CHARS} characters")
     ordered = sorted(windows, key=lambda around: around.start)
     parts: list[str | Hole] = [edits_block(document, options.history_edits)
                                + prefix_window(document, ordered[0].start, prefix_tokens)]  # fmt: skip
@@ -196,7 +208,7 @@ async def rewrite(document: Document, offset: int, backend: Backend, options: Ne
     if found:
         return sorted(found, key=lambda suggestion: _distance(suggestion, document, offset))
     rest = [reason for reason in reasons if reason != LEFT_AS_IT_WAS]
-    return rest[0] if rest else "the model left the window as it was"
+    return Unchanged(rest[0] if rest else "the model left the window as it was")
 
 
 def _changed(document: Document, around: Window, gap: Gap) -> tuple[Edit, float] | str:
@@ -387,7 +399,7 @@ class NextEdits:
     steps), each answered for the document version it read."""
 
     def __init__(self) -> None:
-        self.in_flight: dict[str, CancelFlag] = {}
+        self.in_flight: Supersession[CancelFlag] = Supersession()
         self.requests = 0
         self.shown: dict[str, int] = {"repeat": 0, "canvas": 0}
 
@@ -402,23 +414,17 @@ class NextEdits:
             found += repeat(document, offset, others, options)
         reason, failed = None, False
         if "canvas" in options.predictors and not _shown(found, options):  # the model where `repeat` shows nothing
-            older = self.in_flight.get(document.uri)
-            if older is not None:
-                older.set()
-            cancel = self.in_flight[document.uri] = CancelFlag()
-            try:
+            with self.in_flight.running(document.uri, CancelFlag()) as cancel:
                 answer = await rewrite(document, offset, backend, options, cancel, prefix_tokens)
-            finally:
-                if self.in_flight.get(document.uri) is cancel:
-                    del self.in_flight[document.uri]
-            if isinstance(answer, list):
-                found += answer
-            elif isinstance(answer, Cancelled):
-                return Outcome(version, [], "superseded by a newer request")
-            elif isinstance(answer, Failed):
-                reason, failed = answer.reason, not answer.loading
-            else:
-                reason = answer
+            match answer:
+                case list():
+                    found += answer
+                case Cancelled():
+                    return Outcome(version, [], "superseded by a newer request")
+                case Failed(why, loading):
+                    reason, failed = why, not loading
+                case Unchanged(why):
+                    reason = why
         if document.version != version:
             return Outcome(version, [], "the document changed while the suggestion was computed")
         shown = _shown(found, options)
@@ -430,6 +436,4 @@ class NextEdits:
 
     def forget(self, uri: str) -> None:
         """The document closed: its running request stops."""
-        running = self.in_flight.pop(uri, None)
-        if running is not None:
-            running.set()
+        self.in_flight.cancel(uri)

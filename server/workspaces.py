@@ -247,6 +247,18 @@ class LearnJob:
         return True
 
 
+@dataclass(frozen=True)
+class Learned:
+    """A finished "Learn this workspace" run: its summary (`train --progress json`'s final "done" record)."""
+
+    summary: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LearnFailed:
+    reason: str
+
+
 class Learner:
     """`canvas-ls train --workspace` for the editor's "Learn this workspace": one run per repository at a time
     (`reserve` claims the repository at once, before anything is awaited), at the lowest CPU priority, stopped
@@ -298,8 +310,8 @@ class Learner:
         return command
 
     async def learn(self, job: LearnJob, base: str | None, minutes: float | None,
-                    report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
-        """Run a `reserve`d job to the end; returns the run's final record ({"done": {...}} or {"error": "..."})."""
+                    report: Callable[[dict[str, Any]], None]) -> Learned | LearnFailed:  # fmt: skip
+        """Run a `reserve`d job to the end: the run's summary, or why it failed."""
         try:
             job.process = process = await asyncio.create_subprocess_exec(
                 *self.command(job.root, base, minutes), stdin=asyncio.subprocess.DEVNULL,
@@ -321,10 +333,12 @@ class Learner:
                     report(record)
             status = await process.wait()
             await stderr
-            if not final:
-                tail = " ".join(job.lines[-3:]) or "no output"
-                final = {"error": f"training exited with status {status}: {tail}"}
-            return final
+            if isinstance(final.get("done"), dict):
+                return Learned(final["done"])
+            if "error" in final:
+                return LearnFailed(str(final["error"]))
+            tail = " ".join(job.lines[-3:]) or "no output"
+            return LearnFailed(f"training exited with status {status}: {tail}")
         finally:
             del self.jobs[job.root]
 

@@ -29,7 +29,7 @@ def test_one_hole_is_the_single_infill(tiny_engine_fp32: Engine) -> None:
             single = tiny_engine_fp32.infill(prefix, SUFFIX, settings)
             filled = tiny_engine_fp32.fill(prefix, [Hole()], SUFFIX, settings)
             assert (filled.tokens, filled.steps, filled.text) == (single.tokens, single.steps, single.text)
-            assert filled.gaps[0]["text"] == single.text and len(filled.gaps) == 1
+            assert filled.gaps[0].text == single.text and len(filled.gaps) == 1
     batched = tiny_engine_fp32.infill_batch(
         [InfillRequest(PREFIX, SUFFIX, {"seed": s}, middle=[Hole()]) for s in (1, 2)]
     )
@@ -58,9 +58,9 @@ def test_each_hole_ends_at_its_own_eos(tiny_engine: Engine) -> None:
     answer = {start: 40, start + 1: 41, second: 42, second + 1: 43, second + 2: 44}
     with confident(tiny_engine, lambda p: answer.get(p, EOS)):
         result = tiny_engine.fill(PREFIX, [Hole(), MIDDLE, Hole()], SUFFIX, PLAIN)
-    assert [gap["tokens"] for gap in result.gaps] == [[40, 41], [42, 43, 44]]
-    assert [gap["stop_reason"] for gap in result.gaps] == ["eos", "eos"]
-    assert result.gaps[1]["text"] == tiny_engine.tokenizer.decode([42, 43, 44])
+    assert [gap.tokens for gap in result.gaps] == [[40, 41], [42, 43, 44]]
+    assert [gap.stop_reason for gap in result.gaps] == ["eos", "eos"]
+    assert result.gaps[1].text == tiny_engine.tokenizer.decode([42, 43, 44])
     assert result.canvas_stops == ["converged"] and result.tokens_per_forward == pytest.approx(7 / result.steps)
 
 
@@ -80,18 +80,18 @@ def test_a_hole_that_fills_grows_and_the_canvas_reruns(tiny_engine: Engine) -> N
     with confident(tiny_engine, target):
         result = tiny_engine.fill(PREFIX, [Hole(), MIDDLE, Hole()], SUFFIX, PLAIN)
     assert result.canvases == 2
-    assert result.gaps[0]["tokens"] == list(range(60, 71)) and result.gaps[0]["stop_reason"] == "eos"
-    assert result.gaps[1]["tokens"] == [80, 81]
+    assert result.gaps[0].tokens == list(range(60, 71)) and result.gaps[0].stop_reason == "eos"
+    assert result.gaps[1].tokens == [80, 81]
 
 
 def test_a_hole_past_its_budget_is_truncated(tiny_engine: Engine) -> None:
     with confident(tiny_engine, lambda p: 70):
         result = tiny_engine.fill(PREFIX, [Hole(), MIDDLE, Hole()], SUFFIX, {**PLAIN, "max_new_tokens": 12})
-    assert [len(gap["tokens"]) for gap in result.gaps] == [12, 12]  # 8, then grown by 4 to the per-hole cap
-    assert [gap["stop_reason"] for gap in result.gaps] == ["truncated", "truncated"]
+    assert [len(gap.tokens) for gap in result.gaps] == [12, 12]  # 8, then grown by 4 to the per-hole cap
+    assert [gap.stop_reason for gap in result.gaps] == ["truncated", "truncated"]
     assert result.canvases == 2
     small = tiny_engine.fill(PREFIX, [Hole(), MIDDLE, Hole()], SUFFIX, {**PLAIN, "fill_tokens": 20})
-    assert sum(len(gap["tokens"]) for gap in small.gaps) <= 20
+    assert sum(len(gap.tokens) for gap in small.gaps) <= 20
 
 
 def test_multi_hole_fill_batched_equals_alone(tiny_engine_fp32: Engine) -> None:
@@ -156,7 +156,7 @@ def test_a_confident_model_keeps_a_lightly_renoised_span(tiny_engine: Engine) ->
     start = prefix_len(tiny_engine)
     with confident(tiny_engine, lambda p: span[p - start] if 0 <= p - start < len(span) else EOS):
         result = tiny_engine.fill(PREFIX, [Hole("return total * 2", 0.3)], SUFFIX, PLAIN)
-    assert result.gaps[0]["text"] == "return total * 2"
+    assert result.gaps[0].text == "return total * 2"
 
 
 def test_a_fill_reuses_the_prefix_kv_of_the_last_one(tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,7 +204,7 @@ def test_each_hole_is_token_healed(tiny_engine: Engine) -> None:
     result = tiny_engine.fill(PREFIX + "    ", [Hole(), "\n" + MIDDLE + "    ", Hole()], SUFFIX,
                               {"gap_tokens": 8, "min_new_tokens": 1})  # fmt: skip
     for gap in result.gaps:
-        first = tiny_engine.tokenizer.decode(gap["tokens"][:1])
-        assert gap["healed"] and first.startswith(gap["healed"])
-        assert gap["text"] == tiny_engine.tokenizer.decode(gap["tokens"]).removeprefix(gap["healed"])
+        first = tiny_engine.tokenizer.decode(gap.tokens[:1])
+        assert gap.healed and first.startswith(gap.healed)
+        assert gap.text == tiny_engine.tokenizer.decode(gap.tokens).removeprefix(gap.healed)
     assert torch.is_inference_mode_enabled() is False

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from canvas_ls.server.backend import Answer, Identity
+from canvas_ls.engine.supersession import Supersession
+from canvas_ls.server.backend import Answer, CancelFlag, Identity
 from canvas_ls.server.config import CompletionOptions
 from canvas_ls.server.context import CompletionContext, Skip, build_context
 from canvas_ls.server.documents import Document
@@ -84,3 +85,18 @@ def test_a_configuration_change_gives_a_new_backend_and_forgets_the_old_models_a
     assert server.backend is same  # the engine's options did not change: the same backend
     assert server.backend.default.identity is None  # nothing loaded yet: no identity to answer for
     assert Identity("local", "m") != Identity("local", "m", "other fingerprint")
+
+
+def test_a_newer_request_for_a_document_supersedes_the_older() -> None:
+    """One running request per document (the completer's, next edits' and the engine's): the newer one's start sets
+    the older's flag; the older's end leaves the newer in place; a close cancels it."""
+    running: Supersession[CancelFlag] = Supersession()
+    with running.running("a.py", CancelFlag(), "key 1") as first:
+        assert (running.what("a.py"), first.is_set()) == ("key 1", False)
+        with running.running("a.py", CancelFlag(), "key 2") as second, running.running("b.py", CancelFlag()) as other:
+            assert (first.is_set(), second.is_set(), other.is_set(), running.what("a.py")) == (True, False, False,
+                                                                                                "key 2")  # fmt: skip
+        assert running.what("a.py") is None and "b.py" not in running  # both ended
+    with running.running("a.py", CancelFlag()) as third:
+        running.cancel("a.py")
+        assert third.is_set() and len(running) == 0

@@ -18,6 +18,7 @@ from canvas_ls.engine.threads import RAISE_AFTER, LoadSampler, ThreadGovernor, u
 def governor(monkeypatch: pytest.MonkeyPatch, cores: int, loads: list[float]) -> ThreadGovernor:
     """A governor of `cores` cores whose load samples are `loads` (the first one at its start); no watch thread."""
     monkeypatch.setattr(threads, "usable_cores", lambda: (cores, "affinity mask"))
+    monkeypatch.setattr(threads, "full_threads", lambda: cores)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     samples = iter(loads)
     monkeypatch.setattr(LoadSampler, "others_busy", lambda self: next(samples))
@@ -31,12 +32,14 @@ def test_threads_follow_the_cores_other_processes_leave(monkeypatch: pytest.Monk
     assert chosen.describe() == "2 of 2 cores (affinity mask; other processes keep 0.1 cores busy)"
     chosen.choice = chosen._decide(1.02)  # one core taken: one thread at once
     assert chosen.choice.threads == 1
-    assert chosen.choice.why == ("affinity mask; other processes keep 1.0 of 2 cores busy: no thread waits on a core "
-                                 "it cannot get")  # fmt: skip
+    assert chosen.choice.why == ("affinity mask; other processes keep 1.0 of 2 cores busy while it computes: no thread "
+                                 "waits on a core it cannot get")  # fmt: skip
     for _ in range(RAISE_AFTER - 1):  # the load went: more threads only once it has stayed low
         chosen.choice = chosen._decide(0.0)
         assert chosen.choice.threads == 1
     chosen.choice = chosen._decide(0.0)
+    assert chosen.choice.threads == 2
+    chosen.choice = chosen._decide(1.02, idle=True)  # an idle engine's busy machine: nobody contends with it
     assert chosen.choice.threads == 2
     assert governor(monkeypatch, 8, [2.6]).choice.threads == 5  # 2.6 busy cores of 8 leave 5 (a little slack)
     assert governor(monkeypatch, 2, [7.0]).choice.threads == 1  # never fewer than one
@@ -101,10 +104,17 @@ def test_this_process_and_its_children_are_not_others(monkeypatch: pytest.Monkey
     assert sampler.others_busy() == pytest.approx(0.5, abs=0.02)  # 1.5 cores busy, 1 of them ours
 
 
-def test_passive_waiting_is_set_before_torch_loads_unless_the_user_chose() -> None:
-    script = "import canvas_ls.engine, os; print(os.environ.get('OMP_WAIT_POLICY'))"
-    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          check=True).stdout.strip() == "PASSIVE"  # fmt: skip
-    chosen = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
-                            env={**threads.os.environ, "OMP_WAIT_POLICY": "ACTIVE"})  # fmt: skip
-    assert chosen.stdout.strip() == "ACTIVE"
+def test_the_load_counts_while_the_engine_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of steps (marked by `computing`) are what the others' load is read over: a step alone shorter than a
+    window reads nothing, a run of steps reads the load, and a pause between steps starts a new run."""
+    chosen = governor(monkeypatch, 2, [0.0])
+    readings = iter([(0.0, 0, 0), (0.2, threads._TICKS // 5, 0)])  # a run of 0.2 s: another process busy all along
+    monkeypatch.setattr(threads, "read_load", lambda: next(readings))
+    clock = iter([0.05, 0.05, 0.2])  # the first step ends, the next starts at once, and ends
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    with chosen.computing():  # 0.0 - 0.05: shorter than a window, the run goes on
+        pass
+    assert chosen._seen == []
+    with chosen.computing():  # right after (no pause): the same run, 0.0 - 0.2
+        pass
+    assert chosen._seen == [(pytest.approx(1.0), 0.2)]

@@ -138,7 +138,7 @@ def test_each_hole_of_a_fill_gets_the_workspace_where_its_context_is_known(tiny_
     middle = [Hole(), "\n\ndef other(request):\n    return", Hole()]
     settings = {"seed": 3, "max_steps": 16}
     result = engine.fill("def handler(request):\n    return", middle, "\n", settings, workspace="/ws")
-    assert [gap["text"][:7] for gap in result.gaps] == [" render", " render"], result.gaps
+    assert [gap.text[:7] for gap in result.gaps] == [" render", " render"], result.gaps
 
 
 def test_the_least_recently_used_workspaces_cache_goes_beyond_the_bound() -> None:
