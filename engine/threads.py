@@ -160,7 +160,7 @@ class ThreadGovernor:
         self.fixed = None
         time.sleep(start_sample_s)
         self.choice = self._decide(self._sampler.others_busy(), start=True)
-        log.warning("threads: %s", self.describe())
+        log.info("threads: %s", self.describe())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(sample_s,), name="canvas-threads", daemon=True)
         self._thread.start()

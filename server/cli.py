@@ -268,6 +268,8 @@ def _engine(args: argparse.Namespace) -> int:
     engine.early_compiler = early
     service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
     where = f"{engine.name} on {engine.loaded.device} ({engine.dtype})"
+    if engine.threads is not None:  # a change later is in the log (`engine/threads.py`) and /health
+        where += f", threads {engine.threads.describe()}"
     print(f"canvas-ls engine: {where}, listening on {socket or args.tcp}", file=sys.stderr, flush=True)
     try:
         serve(service, socket, host, port, allow_remote=args.allow_remote)
