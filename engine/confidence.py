@@ -182,11 +182,11 @@ class Written(Protocol):
 
 def judge(answer: Written, shown: str, threshold: float, around: tuple[str, str]) -> tuple[float, str]:
     """An answer as the editor would show `shown` of it between the document's text `around` it (before, after):
-    the score of the tokens that write `shown` (the answer's kind of score, by `scores`), and their confident head
-    at `threshold`. What `server/display.py:decide` compares with the threshold."""
+    the score of the tokens that write `shown` (the answer's kind of score, as `scores` gives it), and their
+    confident head at `threshold`. What `server/display.py:decide` compares with the threshold."""
     kind = answer.score_kind or "geometric"
-    found, support = scores(answer, shown, around, (kind,))
-    texts, confidence, _ = judged_tokens(answer, shown)
+    texts, confidence, written = judged_tokens(answer, shown)
+    found, support = _scored(confidence, written, shown, around, (kind,))
     head = confident_head(texts, confidence, kind, threshold, answer.healed, support if kind == "anchored" else None)
     return found[kind], head
 
@@ -198,6 +198,11 @@ def scores(answer: Written, shown: str, around: tuple[str, str],
     display decision (`judge`) and `bench calibrate` (`server/calibration.py`) both score with it, so a threshold
     calibrated means what the server compares."""
     _, confidence, written = judged_tokens(answer, shown)
+    return _scored(confidence, written, shown, around, kinds)
+
+
+def _scored(confidence: Sequence[float], written: str, shown: str, around: tuple[str, str],
+            kinds: Sequence[str]) -> tuple[dict[str, float], float]:  # fmt: skip
     support = copy_support(shown, *around) if "anchored" in kinds else 1.0
     return {kind: sequence_score(confidence, kind, written, support) for kind in kinds}, support
 

@@ -65,9 +65,11 @@ def installation() -> dict[str, str]:
     return {"installation": str(Path(__file__).resolve().parent.parent), "version": version}
 
 
+@functools.lru_cache(maxsize=64)
 def resolved_model(model: str | None) -> str:
     """A model as the engine loads it: the shipped default's folder for None, a folder's resolved path, else the
-    name as given (a hub id)."""
+    name as given (a hub id). Resolved once per name: the language server resolves its configured model and each
+    workspace model's base when it reads them (`workspaces.same_base`), so that a request touches no file."""
     if model is None:
         return str(DEFAULT_MODEL_DIR)
     folder = Path(model).expanduser()

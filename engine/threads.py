@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -169,15 +169,17 @@ class ThreadGovernor:
         return f"{self.choice.threads} of {self.cores} cores ({self.choice.why})"
 
     def _decide(self, others: float, start: bool = False, idle: bool = False) -> ThreadChoice:
+        """The count for `others` busy cores: fewer at once, more only after `RAISE_AFTER` decisions in a row that
+        allow more; `idle` (the engine computed nothing since the last decision): never fewer, nobody contends."""
         free = max(1, min(self.cores, math.floor(self.cores - others + SLACK)))
-        current = None if start else self.choice.threads
-        if current is not None and (free > current or (idle and free < current)):
-            if free < current:  # an idle engine's machine: busy or not, nobody contends with it
-                return ThreadChoice(current, self.cores, round(others, 2), self.choice.why)
-            self._lower += 1  # more only once the load has stayed low
-            if self._lower < RAISE_AFTER:
-                return ThreadChoice(current, self.cores, round(others, 2), self.choice.why)
-        self._lower = 0
+        if not start:
+            current = self.choice.threads
+            self._lower = self._lower + 1 if free > current else 0
+            if (idle and free < current) or 0 < self._lower < RAISE_AFTER:
+                free = current
+            if free == current:
+                return replace(self.choice, others_busy=round(others, 2))
+            self._lower = 0
         if free == self.cores:
             why = f"{self._limit}; other processes keep {others:.1f} cores busy"
         else:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .paths import cache_dir
+from .paths import cache_dir, resolved_model
 
 ENTRY_FILE = "workspace.json"
 
@@ -94,15 +94,7 @@ def same_base(a: str | None, b: str | None) -> bool:
     """Whether two model names (None: the shipped default) are the same model: folders compare resolved."""
     if a is None or b is None:
         return a is b
-    return canonical(a) == canonical(b)
-
-
-@functools.lru_cache(maxsize=64)
-def canonical(name: str) -> str:
-    """A model folder's resolved path (a hub id as it is); asked on every completion, resolved once (the server
-    resolves its configured model and each entry's base when it reads them, so that a request touches no file)."""
-    folder = Path(name).expanduser()
-    return str(folder.resolve()) if folder.exists() else name
+    return resolved_model(a) == resolved_model(b)
 
 
 @dataclass(frozen=True)
@@ -252,7 +244,7 @@ class WorkspaceIndex:
         self._stamp, self._entries = stamp, installed()
         for entry in self._entries:
             if entry.base is not None:
-                canonical(entry.base)
+                resolved_model(entry.base)
         return True
 
     def for_path(self, path: Path, base: str | None) -> WorkspaceModel | None:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -163,10 +163,6 @@ class Identity:
         return cls(backend, *(str(identity.get(name, "")) for name in
                               ("model", "fingerprint", "device", "dtype", "quantize", "adapter")))  # fmt: skip
 
-    def with_adapter(self, adapter: str) -> Identity:
-        """This model answering with a workspace's adapter (whose folder name is its version)."""
-        return replace(self, adapter=adapter)
-
     def __str__(self) -> str:
         return "|".join((self.backend, self.model, self.fingerprint, self.device, self.dtype, self.quantize,
                          self.adapter))  # fmt: skip
@@ -180,12 +176,11 @@ def engine_mismatch(health: Mapping[str, Any], model: str | None, adapter: str |
     theirs = health.get("identity")
     if not isinstance(theirs, dict):
         return "it was started by an older canvas-ls that does not say which installation it belongs to"
-    ours = installation()
-    for field_name, wanted in (*ours.items(), ("model", resolved_model(model))):
-        if theirs.get(field_name) != wanted:
-            return (f"it belongs to another canvas-ls ({field_name} {theirs.get(field_name)!r}, this server's "
-                    f"{wanted!r})" if field_name in ours else
-                    f"it runs model {theirs.get('model')!r}, not {wanted!r}")  # fmt: skip
+    for name, ours in installation().items():
+        if theirs.get(name) != ours:
+            return f"it belongs to another canvas-ls ({name} {theirs.get(name)!r}, this server's {ours!r})"
+    if theirs.get("model") != resolved_model(model):
+        return f"it runs model {theirs.get('model')!r}, not {resolved_model(model)!r}"
     if adapter and not str(theirs.get("adapter", "")).startswith(f"{Path(adapter).expanduser().resolve()}@"):
         return f"it runs adapter {theirs.get('adapter') or 'none'!r}, not {adapter!r}"
     return None
@@ -476,7 +471,7 @@ class ResidentBackend:
             return Failed(_error_text(response))
         try:
             return Answer.of(InfillResult.from_dict(response.json()))
-        except (ValueError, KeyError, TypeError) as exc:  # a resident engine is this installation's: a bug of ours
+        except (ValueError, TypeError) as exc:  # a resident engine is this installation's: a bug of ours
             return Failed(f"the engine answered something that is not a result ({exc})")
 
     def shutdown(self) -> None:

@@ -95,9 +95,14 @@ class Outcome:
     source: Source
     request_id: int
     elapsed_ms: float
-    result: Mapping[str, Any] | None = None  # the backend's whole answer, when the model ran
+    answer: Answer | None = None  # the model's answer, when the model ran for this request
     detail: str | None = None  # what the user should know: why the answer was hidden or cut
     reason: str | None = None  # the skip's, the error's, the stale answer's or the loading model's why
+
+    @property
+    def result(self) -> Mapping[str, Any] | None:
+        """The backend's whole answer as JSON (`canvas/fill`), made only when asked for: not on the keystroke path."""
+        return None if self.answer is None else self.answer.details
 
     @property
     def label(self) -> str:
@@ -290,9 +295,9 @@ class Completer:
             return nothing(Source.STALE, "the model changed while it answered")
         self._store(key, reply.cached())
         if prefetch:
-            return Outcome(None, Source.PREFETCHED, request_id, 0.0, result=reply.details)
+            return Outcome(None, Source.PREFETCHED, request_id, 0.0, answer=reply)
         outcome = self._answer(document, context, offset, reply, invoked, Source.MODEL, request_id)
-        outcome.result = reply.details
+        outcome.answer = reply
         self._speculate(document, outcome.edit)
         return outcome
 
@@ -307,12 +312,9 @@ class Completer:
         decision = decide(answer, edit, document.text, invoked, options,
                           lambda head: checked_edit(document, context, head, options.max_lines))  # fmt: skip
         match decision:
-            case Hidden(reason, rejected=True):
+            case Hidden(reason, rejected):
                 self._remember(document, offset, None)
-                return Outcome(None, Source.REJECTED, request_id, 0.0, detail=reason)
-            case Hidden(reason):
-                self._remember(document, offset, None)
-                return Outcome(None, Source.HIDDEN, request_id, 0.0, detail=reason)
+                return Outcome(None, Source.REJECTED if rejected else Source.HIDDEN, request_id, 0.0, detail=reason)
             case Cut(edit, why):
                 self.stats.heads += 1
                 self._remember(document, offset, edit)

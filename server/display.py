@@ -52,12 +52,6 @@ def reaches(confidence: float, threshold: float) -> bool:
     return confidence >= threshold
 
 
-def threshold_of(answer: Answer, options: CompletionOptions) -> float:
-    """The user's threshold (`completion.min_confidence`), else the one calibrated for the model and this kind of
-    request, which the engine reports with the answer."""
-    return options.min_confidence if options.min_confidence is not None else answer.min_confidence
-
-
 def decide(answer: Answer, edit: Edit | None, text: str, invoked: bool, options: CompletionOptions,
            reshape: Callable[[str], Edit | None]) -> Decision:  # fmt: skip
     """What to show of `answer`, whose shaped, syntax-checked edit of the document `text` is `edit` (None: nothing
@@ -65,7 +59,8 @@ def decide(answer: Answer, edit: Edit | None, text: str, invoked: bool, options:
     it: whole, else (with `options.show_head`) its confident head as `reshape` makes it an edit, else nothing."""
     if edit is None:
         return Hidden("the answer left nothing to show (empty, or it would add syntax errors)", rejected=True)
-    threshold = threshold_of(answer, options)
+    # the user's threshold, else the one calibrated for the model and this kind of request (reported with the answer)
+    threshold = options.min_confidence if options.min_confidence is not None else answer.min_confidence
     if invoked or threshold <= 0 or answer.score_kind is None:
         return Shown(edit)  # asked for, or nothing to judge it by (a server that gives no confidences)
     score, head = judge(answer, edit.text, threshold, (text[: edit.start], text[edit.end :]))

@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from lsprotocol import types
@@ -30,8 +31,8 @@ VERSION = "0.1.0"
 WORKSPACES_REFRESH_S = 2.0
 
 
-def make_backend(config: ServerConfig, learner: Learner | None = None,
-                 notify: Callable[[str], None] | None = None) -> RoutedBackend:  # fmt: skip
+def make_backend(config: ServerConfig, learner: Learner | None = None, notify: Callable[[str], None] | None = None,
+                 paths: dict[str, Path | None] | None = None) -> RoutedBackend:  # fmt: skip
     """The configured backend, behind the router that sends a workspace's documents to its own model (and holds
     `learner`'s runs while a model answers; `notify` tells the user when a workspace model is in use)."""
     options = config.engine
@@ -39,7 +40,7 @@ def make_backend(config: ServerConfig, learner: Learner | None = None,
         key = options.api_key or os.environ.get("CANVAS_LS_API_KEY")
         remote = OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
                                options.fim_template)  # fmt: skip
-        return RoutedBackend(remote, lambda model, adapter: remote, options.model, False, notify, learner)
+        return RoutedBackend(remote, lambda model, adapter: remote, options.model, False, notify, learner, paths)
 
     def make(model: str | None, adapter: str | None, socket: str | None = None) -> Backend:
         if options.backend == "resident":
@@ -50,7 +51,7 @@ def make_backend(config: ServerConfig, learner: Learner | None = None,
     default = make(options.model, options.adapter, options.socket)
     # a workspace model applies to the configured model as it is, not to one with an adapter of the user's own
     enabled = options.workspace_models and not options.adapter
-    return RoutedBackend(default, make, options.model, enabled, notify, learner)
+    return RoutedBackend(default, make, options.model, enabled, notify, learner, paths)
 
 
 class CanvasServer(LanguageServer):
@@ -59,8 +60,8 @@ class CanvasServer(LanguageServer):
         self.documents = DocumentStore()
         self.config = ServerConfig()
         self.learner = Learner()
-        self.backend = make_backend(self.config, self.learner, self.log_to_client)
-        self.paths = self.backend.paths  # every router's: each open document's resolved path
+        self.paths: dict[str, Path | None] = {}  # each open document's resolved path, for every router of this server
+        self.backend = make_backend(self.config, self.learner, self.log_to_client, self.paths)
         self.completer = Completer(self.backend, self.config, self.documents)
         self.next_edits = NextEdits()
         self.pending_messages: list[str] = []
@@ -132,8 +133,7 @@ class CanvasServer(LanguageServer):
         in_place = {config.engine.backend, self.config.engine.backend} == {"local"}
         if changed and not (in_place and config.engine.adapter == self.config.engine.adapter):
             self.backend.shutdown()
-            self.backend = make_backend(config, self.learner, self.log_to_client)
-            self.backend.paths = self.paths
+            self.backend = make_backend(config, self.learner, self.log_to_client, self.paths)
             self.completer.backend = self.backend
         elif changed:  # the same local backend, another model: its workspace models are another base's
             self.backend.retarget(config.engine.model, config.engine.workspace_models)

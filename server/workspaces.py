@@ -21,27 +21,24 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..engine.paths import die_with_parent, file_path
-from ..engine.workspaces import WorkspaceIndex, WorkspaceModel, canonical
+from ..engine.paths import die_with_parent, file_path, resolved_model
+from ..engine.workspaces import WorkspaceIndex, WorkspaceModel
 from .backend import Backend, CancelFlag, Identity, Reply
 
 log = logging.getLogger(__name__)
 
 
-def uri_path(uri: str | None) -> Path | None:
-    """The file a `file:` URI names (resolved), or None for other schemes."""
+def uri_path(uri: str | None, resolve: bool = True) -> Path | None:
+    """The file a `file:` URI names, or None for other schemes: resolved (symbolic links followed), or only
+    normalised as written (no file system read)."""
     path = file_path(uri) if uri else None
-    return None if path is None else Path(path).resolve()
-
-
-def _written_path(uri: str) -> Path | None:
-    """The file a `file:` URI names, normalised as written (no file system: symbolic links not followed)."""
-    path = file_path(uri)
-    return None if path is None else Path(os.path.normpath(path))
+    if path is None:
+        return None
+    return Path(path).resolve() if resolve else Path(os.path.normpath(path))
 
 
 @dataclass(frozen=True)
@@ -56,31 +53,26 @@ class Route:
     entry: WorkspaceModel | None = None
     pending: bool = False
 
-    @property
-    def ready(self) -> bool:
-        return self.identity is not None and self.backend.state == "ready"
-
 
 class RoutedBackend:
     """The configured model's backend for most documents; a workspace's own model for documents of that workspace.
     Same methods as every `Backend`; its state, errors and counters are the configured model's."""
 
     def __init__(self, default: Backend, make: Callable[[str | None, str | None], Backend], base: str | None,
-                 enabled: bool = True, notify: Callable[[str], None] | None = None,
-                 learner: Learner | None = None) -> None:  # fmt: skip
+                 enabled: bool = True, notify: Callable[[str], None] | None = None, learner: Learner | None = None,
+                 paths: dict[str, Path | None] | None = None) -> None:  # fmt: skip
         self.default = default
         self.make = make  # (model, adapter) -> a new backend of the same kind as the default
         self.base = base
-        if base is not None:
-            canonical(base)  # resolved now, not on a request
+        resolved_model(base)  # resolved now, not on a request
         self.enabled = enabled
         self.notify = notify or log.info
         self.learner = learner  # "Learn this workspace" runs, held while a model answers
         self.index = WorkspaceIndex()
         self.workspace_backends: dict[tuple[str | None, str | None], Backend] = {}
         self._device = "auto"
-        # uri -> resolved path, filled when a document opens (`watch`); the server hands each new router its dict
-        self.paths: dict[str, Path | None] = {}
+        # uri -> resolved path, filled when a document opens (`watch`); the server's, kept across its routers
+        self.paths: dict[str, Path | None] = {} if paths is None else paths
         self._announced: set[Path] = set()  # workspaces whose adapter the configured engine answers with, told
 
     # -- the configured model's state is the server's ---------------------------------------------------------
@@ -116,8 +108,7 @@ class RoutedBackend:
     def retarget(self, base: str | None, enabled: bool) -> None:
         """The default backend now runs `base` (reloaded in place): the workspace models of the old base go."""
         self.base, self.enabled = base, enabled
-        if base is not None:
-            canonical(base)
+        resolved_model(base)
         for backend in self.workspace_backends.values():
             backend.shutdown()
         self.workspace_backends.clear()
@@ -148,7 +139,7 @@ class RoutedBackend:
             return Route(default.identity, default, None)
         if self._shared(entry):
             adapter = entry.runs_as[1]
-            identity = default.identity.with_adapter(adapter or "") if default.identity is not None else None
+            identity = None if default.identity is None else replace(default.identity, adapter=adapter or "")
             return Route(identity, default, adapter, entry=entry)
         own = self.workspace_backends.get(entry.runs_as)
         if own is not None and own.state == "ready":
@@ -178,7 +169,7 @@ class RoutedBackend:
         path resolved when the document opened, else the URI's path as written)."""
         if not self.enabled or document is None:
             return None
-        path = self.paths[document] if document in self.paths else _written_path(document)
+        path = self.paths[document] if document in self.paths else uri_path(document, resolve=False)
         return self.index.for_path(path, self.base) if path is not None else None
 
     def _shared(self, entry: WorkspaceModel) -> bool:
