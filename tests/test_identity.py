@@ -130,9 +130,12 @@ def other_installation_engine(model: Path, socket: Path) -> subprocess.Popen[byt
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def test_a_server_never_takes_answers_from_another_installations_engine(fixed_model_dir: Path) -> None:
+async def test_a_server_never_takes_answers_from_another_installations_engine(
+    fixed_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Another installation's engine listens on the socket this server would use for the same model: the server
     refuses it with why (and sends it no request) instead of answering with its code and model."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))  # this test's own: no other test's engine there
     socket = default_socket(str(fixed_model_dir), "cpu")
     process = other_installation_engine(fixed_model_dir, socket)
     try:
