@@ -190,7 +190,10 @@ def add_parser(commands: Any) -> None:
     step = benches.add_parser("step", help="a denoising step: eager vs compiled, 1 and 8 rows, share of matmul peak")
     step.add_argument("--model", help="model folder or hub id (default: the shipped model), or 'full-width': "
                                       "DiffusionGemma 26B-A4B's geometry with random weights")  # fmt: skip
-    step.add_argument("--layers", type=int, default=30, help="with --model full-width: this many of its 30 layers")
+    step.add_argument("--layers", type=int, help="with --model full-width: this many of its 30 layers (default all); "
+                                                 "with --vocab: this deep (default 2)")  # fmt: skip
+    step.add_argument("--vocab", type=int, metavar="V", help="instead of --model: the shipped architecture at this "
+                      "vocabulary and DiffusionGemma's hidden size (262144: DiffusionGemma's)")  # fmt: skip
     step.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     step.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     step.add_argument("--prefix", type=int, help="prefix tokens (default: 4096 on a GPU, 1024 on the CPU)")
@@ -360,6 +363,7 @@ def _bench_step(args: argparse.Namespace) -> int:
             () if args.no_compile else _ints(args.compile_canvases or args.canvases), args.runs,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
             checkpoint=lambda partial: out.write_text(json.dumps(partial, indent=2)), quantize=args.quantize,
+            vocab=args.vocab,
         )  # fmt: skip
     report["busy_cores"] = args.busy_cores
     return _report("step", report, bench_step.format_step, out)

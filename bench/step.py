@@ -9,6 +9,9 @@ it measures, in one run:
     (`step_stats_rows`, the sampler's vocabulary-sized work), eager and compiled (`torch.compile`; CUDA graphs on a
     GPU), with the compiled logits compared to the eager ones;
   - FLOPs per step counted by torch's FlopCounterMode (not estimated), hence GFLOP/s and the share of the peak;
+  - the engine's own step (`DenoisingBatch.step` on real jobs, 1 and 8 rows): ms per step and the bytes it
+    allocates per step, in the decoder forward (its logits among them) and beyond it; `--vocab V` builds the
+    shipped architecture at DiffusionGemma's vocabulary (262,144) and hidden size, where those bytes matter;
   - a torch.profiler table of one eager configuration: the ops a step spends its time in;
   - with `--quantize int8|int4` the same on quantised weights (`engine.quantize`; compiled only where the experts run
     the GPU kernel), and the bytes the weights hold (for DiffusionGemma: which card it fits).
@@ -73,6 +76,101 @@ class StepCase:
 
     def statistics(self, logits: torch.Tensor) -> None:
         step_stats_rows(logits, [1.0] * self.rows, self.generators, [self.canvas] * self.rows)
+
+
+class _Forward:
+    """The batch's decoder forward, marked for the profiler (its allocations told apart from the step's own)."""
+
+    static_inputs = False
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def __call__(self, **inputs: Any) -> torch.Tensor:
+        with torch.profiler.record_function(FORWARD):
+            return self.model(**inputs).logits
+
+
+FORWARD = "canvas-ls: decoder forward"
+
+
+def engine_step(model: Any, prefix_tokens: int, rows: int, gap: int = 16, suffix: int = 16, steps: int = 6,
+                runs: int = 10) -> dict[str, Any]:  # fmt: skip
+    """The resident engine's step as it runs (`DenoisingBatch.step`: inputs, the decoder forward with
+    self-conditioning, sampling, the next step's self-conditioning): `rows` jobs of a `gap`-slot gap and a
+    `suffix`-token suffix head on one `prefix_tokens` prefix, kept from converging. Median ms per step, and the bytes
+    it allocates per step: in the decoder forward, its returned logits, and the step's own beyond both (the
+    profiler's memory events on the CPU, the allocator's counters on a GPU)."""
+    from ..engine.canvas import CanvasJob, DenoiseParams, DenoisingBatch
+    from ..engine.settings import InfillSettings
+
+    device = next(model.parameters()).device
+    vocab = model.config.text_config.vocab_size
+    generator = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, vocab, (prefix_tokens,), generator=generator).tolist()
+    head = torch.randint(3, vocab, (suffix,), generator=generator).tolist()
+    settings = InfillSettings(gap_tokens=gap, max_new_tokens=gap, max_steps=10_000, confidence_threshold=0.0)
+    batch = DenoisingBatch(model, pad_id=0, decoder=_Forward(model))  # type: ignore[arg-type]
+    for _ in range(rows):
+        batch.add(CanvasJob(model, prefix, head, DenoiseParams(settings, max_new_tokens=gap), stop_ids=[1, 0]))
+    for _ in range(2):  # past each job's first step: every row conditioned from now on
+        batch.step()
+    milliseconds = timed(batch.step, device, runs, warmup=0)
+    forward, total = _allocations(batch.step, device, steps)
+    logits = rows * (gap + suffix) * vocab * 4  # float32 (softcapped)
+    assert len(batch) == rows, "a job converged: the figures would mix batch sizes"
+    return {"rows": rows, "canvas": gap + suffix, "vocab": vocab, "step_ms": round(milliseconds, 3),
+            "bytes_per_step": {"total": total, "forward": forward, "logits": logits,
+                               "step_own": total - forward}}  # fmt: skip
+
+
+def _allocations(step: Callable[[], Any], device: torch.device, steps: int) -> tuple[int, int]:
+    """Bytes allocated per `step()` (mean of `steps`): inside the decoder forward, and in all."""
+    if device.type == "cuda":
+        counter = "allocated_bytes.all.allocated"
+        inside = 0
+        forward = _Forward.__call__
+
+        def counted(self: _Forward, **inputs: Any) -> torch.Tensor:
+            nonlocal inside
+            before = torch.cuda.memory_stats(device)[counter]
+            logits = forward(self, **inputs)
+            inside += torch.cuda.memory_stats(device)[counter] - before
+            return logits
+
+        _Forward.__call__ = counted  # type: ignore[method-assign]
+        try:
+            before = torch.cuda.memory_stats(device)[counter]
+            for _ in range(steps):
+                step()
+            total = torch.cuda.memory_stats(device)[counter] - before
+        finally:
+            _Forward.__call__ = forward  # type: ignore[method-assign]
+        return inside // steps, total // steps
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            step()
+    inside = total = 0
+    for event in prof.events():
+        allocated = event.self_cpu_memory_usage
+        if allocated <= 0:
+            continue
+        total += allocated
+        parent = event.cpu_parent
+        while parent is not None and parent.name != FORWARD:
+            parent = parent.cpu_parent
+        inside += allocated if parent is not None else 0
+    return inside // steps, total // steps
+
+
+def vocab_model(vocab: int, layers: int, device: torch.device, dtype: torch.dtype) -> Any:
+    """The shipped model's architecture at DiffusionGemma's vocabulary and hidden size (`vocab`, 2816), `layers`
+    deep, random weights: what the step's vocabulary-sized work costs, without DiffusionGemma's 30 layers."""
+    from ..engine.architecture import FULL_WIDTH, small_config
+
+    return random_model(small_config(vocab, hidden_size=FULL_WIDTH["hidden_size"], num_layers=layers), device, dtype)
 
 
 def flops_of(fn: Callable[[], Any]) -> int | None:
@@ -191,6 +289,11 @@ def run_step_bench(
                 row[label]["max_abs_diff_vs_eager"] = float((logits.float() - eager_logits[key].float()).abs().max())
             progress(f"{name}: canvas {key[0]} x{key[1]} {label}: forward {forward_ms:.2f} ms, step {step_ms:.2f} ms")
             checkpoint(report)
+    report["engine_steps"] = []
+    for count in rows:
+        report["engine_steps"].append(engine_step(model, prefix_tokens, count, runs=runs))
+        progress(f"{name}: engine step x{count}: {report['engine_steps'][-1]['step_ms']} ms")
+        checkpoint(report)
     first = StepCase(model, prefix, canvases[0], 1)
     ops = profile_table(lambda: first.statistics(first.forward(model)), device)
     report["profile"] = {"canvas": canvases[0], "rows": 1, "ops": ops}
@@ -227,6 +330,15 @@ def format_step(report: dict[str, Any]) -> str:
         for label in ("eager", "compiled"):
             if "error" in case.get(label, {}):
                 lines.append(f"canvas {case['canvas']} x{case['rows']} {label}: {case[label]['error']}")
+    engine = report.get("engine_steps")
+    if engine:
+        lines.append(f"the engine's step (DenoisingBatch.step, canvas {engine[0]['canvas']} slots, V = "
+                     f"{engine[0]['vocab']:,}); MB allocated per step:")  # fmt: skip
+        lines.append(f"{'rows':>6} {'step ms':>9} {'forward':>9} {'its logits':>10} {'the step beyond it':>19}")
+        for row in engine:
+            sizes = {key: value / 2**20 for key, value in row["bytes_per_step"].items()}
+            lines.append(f"{row['rows']:>6} {row['step_ms']:>9.2f} {sizes['forward']:>9.1f} {sizes['logits']:>10.1f} "
+                         f"{sizes['step_own']:>19.1f}")  # fmt: skip
     profile = report.get("profile")
     if profile:
         lines.append(f"where an eager step goes (canvas {profile['canvas']}, 1 row; self time per step):")
@@ -236,19 +348,26 @@ def format_step(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(model_name: str | None, layers: int, device: str | None, dtype: str | None, prefix_tokens: int | None,
-        canvases: tuple[int, ...], rows: tuple[int, ...], compile_canvases: tuple[int, ...], runs: int,
-        progress: Callable[[str], None] = lambda _: None,
+def run(model_name: str | None, layers: int | None, device: str | None, dtype: str | None,
+        prefix_tokens: int | None, canvases: tuple[int, ...], rows: tuple[int, ...], compile_canvases: tuple[int, ...],
+        runs: int, progress: Callable[[str], None] = lambda _: None,
         checkpoint: Callable[[dict[str, Any]], None] = lambda _: None,
-        quantize: str = "none") -> dict[str, Any]:  # fmt: skip
+        quantize: str = "none", vocab: int | None = None) -> dict[str, Any]:  # fmt: skip
     """`bench step` for a model folder or hub id (None: the shipped one) or, with model_name "full-width", for
-    DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30); its layers' weights quantised as
-    `quantize` says (eager only unless their experts run the GPU kernel: `quantize.compiles`)."""
+    DiffusionGemma 26B-A4B's geometry with random weights (`layers` of its 30), or with `vocab` for the shipped
+    architecture at that vocabulary and DiffusionGemma's hidden size (`layers` deep, 2 by default); its layers'
+    weights quantised as `quantize` says (eager only unless their experts run the GPU kernel: `quantize.compiles`)."""
     from ..engine.loading import load_model, resolve_device, resolve_dtype
     from ..engine.quantize import compiles, quantize_model, resolve
 
-    if model_name == "full-width":
+    if vocab is not None:
         target = resolve_device(device)
+        layers = layers or 2
+        model = vocab_model(vocab, layers, target, resolve_dtype(dtype, target))
+        name = f"shipped architecture at V = {vocab:,}, hidden 2816, {layers} layers, random weights"
+    elif model_name == "full-width":
+        target = resolve_device(device)
+        layers = layers or 30
         config = full_width_config(layers)
         model = random_model(config, target, resolve_dtype(dtype, target))
         model = quantize_model(model, resolve(quantize, config, target))

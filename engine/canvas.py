@@ -45,6 +45,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 
 from .compiled import CompiledDecoder
+from .conditioning import SelfConditioning
 from .encoding import EncodedPrefix, encode, encode_prefixes, left_pad
 from .prefix_cache import PrefixCache
 from .sampling import (
@@ -190,7 +191,6 @@ class CanvasJob:
         self.generator = make_generator(params.settings.seed, device)
         self.stop_tensor = torch.tensor(sorted(set(stop_ids)), device=device)
         self.fill_id = next(iter(stop_ids))  # what a gap holds after its answer (EOS)
-        self.embed_dtype = model.model.decoder.embed_tokens.weight.dtype
         self.left_to_right = params.settings.order == "left_to_right"
         if segments is None:
             first = GapSpec(params.settings.gap_tokens, allowed_first=params.first_slot_allowed, healed=params.healed)
@@ -285,8 +285,9 @@ class CanvasJob:
         self.positions = torch.arange(self.cursor, self.cursor + self.length, device=self.device)[None]  # [1, L]
         self.gap_canvas = gap_canvas  # [1, G]
         self.argmax = self.gap_canvas
-        self.self_cond: torch.Tensor | None = None  # [1, L, V] last step's tempered logits
-        self.raw_gap_logits: torch.Tensor | None = None
+        # The temperature the next step's self-conditioning divides this step's logits by (the batch keeps them:
+        # `conditioning.py`); None: the next step has none (a canvas's first step, or self_condition "off")
+        self.conditioning: float | None = None
         self.step = 0
 
     def canvas(self) -> torch.Tensor:
@@ -305,10 +306,12 @@ class CanvasJob:
         """The logit bars of this step: a continued canvas carries on an answer, so only the first one has them."""
         return self.bars if not (self.continues and self.out.canvases > 0) else []
 
+    def cancelled(self) -> InfillCancelled | None:
+        """Why this job stops before its next step, when its request was cancelled."""
+        return InfillCancelled(self.out.steps) if self.cancel is not None and self.cancel.is_set() else None
+
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The canvas to denoise next ([1, L]; clamped segments written back every step) and its positions."""
-        if self.cancel is not None and self.cancel.is_set():
-            raise InfillCancelled(self.out.steps)
         return self.canvas(), self.positions
 
     def cache_lookups(self, cache: Caches, weight: float) -> list[Found]:
@@ -336,7 +339,7 @@ class CanvasJob:
         remaining = self.steps_cap - self.step + 1
         self.out.steps += 1
         self.out.forward_passes += 1
-        self.raw_gap_logits = self.gap_logits(logits)
+        gap_logits = self.gap_logits(logits)
         self.argmax = stats.argmax
         proposal = stats.argmax if self.left_to_right else stats.sample
         accepted = self.sampler.accept_entropy(self.gap_canvas, proposal, stats.entropy)
@@ -345,10 +348,7 @@ class CanvasJob:
             kept, ids = self.anchor
             self.gap_canvas = torch.where(kept & ~self.sampler.accepted_token_mask, ids, self.gap_canvas)
         mode = self.params.settings.self_condition
-        if mode == "processed":
-            logits = self.temperature(None, logits, cur_step=remaining)
-        if mode != "off":
-            self.self_cond = logits.to(self.embed_dtype)  # [1, L, V]
+        self.conditioning = None if mode == "off" else self._temperature_at(remaining) if mode == "processed" else 1.0
         if self.left_to_right:
             self.argmax = accepted  # the committed tokens are the answer
             converged = self.sampler.finished(accepted, self.stop_tensor)
@@ -361,14 +361,18 @@ class CanvasJob:
                                   self.sampler.accepted_token_mask[0], self.params.healed))  # fmt: skip
         if converged or self.step >= self.steps_cap:
             stop = "converged" if converged else "step_cap"
-            (self._close_canvas if self.continues else self._close_gaps)(stop)
+            (self._close_canvas if self.continues else self._close_gaps)(stop, gap_logits)
 
-    def _close_canvas(self, stop: str) -> None:
+    def _temperature_at(self, remaining: int) -> float:
+        """The schedule's temperature with `remaining` steps to go (transformers' processor on a float64 one)."""
+        return float(self.temperature(None, torch.ones((), dtype=torch.float64), cur_step=remaining)) ** -1
+
+    def _close_canvas(self, stop: str, gap_logits: torch.Tensor) -> None:
         """The answer is the gap's argmax up to the first EOS/pad; with no EOS, the next canvas continues it."""
         out = self.out
         out.canvases += 1
         out.canvas_stops.append(stop)
-        (answer,) = self._answers()
+        (answer,) = self._answers(gap_logits)
         out.tokens.extend(answer.tokens)
         out.confidence.extend(answer.confidence)
         out.ended_with_eos = answer.ended_with_eos
@@ -387,14 +391,14 @@ class CanvasJob:
         self.anchor = None
         self._open_canvas(self.sampler.initialize_canvas(1, self.device))
 
-    def _close_gaps(self, stop: str) -> None:
+    def _close_gaps(self, stop: str, gap_logits: torch.Tensor) -> None:
         """Several gaps: each answer is its gap's argmax up to its first EOS. Gaps that filled without one grow (to
         twice their length, within their budget and the canvas's) and the canvas is re-run from the drafts so far;
         what cannot grow is truncated."""
         out = self.out
         out.canvases += 1
         out.canvas_stops.append(stop)
-        answers = self._answers()
+        answers = self._answers(gap_logits)
         room = self.params.max_new_tokens - self.gap  # slots the canvas may still add over all gaps
         grown: list[Segment] = []
         starts: list[list[int]] = []
@@ -427,12 +431,12 @@ class CanvasJob:
         noise = torch.randint(0, self.vocab_size, (self.gap,), device=self.device, generator=self.generator)
         self._open_canvas(torch.where(flat >= 0, flat, noise)[None])
 
-    def _answers(self) -> list[GapOutput]:
+    def _answers(self, gap_logits: torch.Tensor) -> list[GapOutput]:
         """Per gap, its argmax up to its first EOS/pad, with each token's probability under the last step's
-        (untempered) logits."""
+        (untempered) gap logits [1, G, V]."""
         block = self.argmax[0]
         is_stop = torch.isin(block, self.stop_tensor)
-        probs = torch.softmax(self.raw_gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
+        probs = torch.softmax(gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
         answers = []
         for start, end in self.gap_bounds:
             stops = is_stop[start:end].nonzero()
@@ -522,7 +526,9 @@ class DenoisingBatch:
         self.model, self.pad_id = model, pad_id
         self.decoder = decoder or CompiledDecoder(model, "off")  # the forward: eager, or compiled once warm
         self.layer_types = list(model.config.text_config.layer_types)
-        self.jobs: list[CanvasJob] = []
+        self.jobs: list[CanvasJob] = []  # in the order of the forward's rows (and of `conditioning`'s)
+        embed = model.model.decoder.embed_tokens.weight
+        self.conditioning = SelfConditioning(model.config.text_config.vocab_size, embed.dtype, embed.device)
         self._kv: tuple[tuple[tuple[int, int], ...], BatchedKV] | None = None
 
     def __len__(self) -> int:
@@ -530,31 +536,43 @@ class DenoisingBatch:
 
     def add(self, job: CanvasJob) -> None:
         self.jobs.append(job)
+        self.conditioning.clear(len(self.jobs) - 1)
 
     @torch.inference_mode()
     def step(self) -> list[CanvasJob]:
         """One denoising step for every job; returns (and drops) the jobs that ended: done, or cancelled with
         `job.error` set."""
-        ready, ended = [], []
+        ended = []
         for job in self.jobs:
-            try:
-                ready.append((job, *job.inputs()))
-            except InfillCancelled as cancelled:
-                job.error = cancelled
+            job.error = job.cancelled()
+            if job.error is not None:
                 ended.append(job)
-        if ready:
-            self._forward(ready)
-        ended += [job for job, _, _ in ready if job.done]
-        self.jobs = [job for job in self.jobs if job not in ended]
-        return ended
+        self._drop(ended)
+        if not self.jobs:
+            return ended
+        jobs = list(self.jobs)
+        logits = self.decoder(**self.decoder_inputs())  # [B, Lc, V]
+        step_jobs(jobs, logits)
+        if any(job.conditioning is not None for job in jobs):
+            self.conditioning.fit(len(jobs), logits.shape[1])
+        for row, job in enumerate(jobs):  # the next step's self-conditioning, written in place
+            if job.conditioning is None or job.done:
+                self.conditioning.clear(row)
+            else:
+                self.conditioning.write(row, logits[row, : job.length], job.conditioning)
+        done = [job for job in jobs if job.done]
+        self._drop(done)
+        return ended + done
 
-    def _forward(self, ready: list[tuple[CanvasJob, torch.Tensor, torch.Tensor]]) -> None:
-        logits = self.decoder(**self.decoder_inputs(ready))  # [B, Lc, V]
-        step_jobs([job for job, _, _ in ready], logits)
+    def _drop(self, ended: list[CanvasJob]) -> None:
+        if ended:
+            self.conditioning.keep([row for row, job in enumerate(self.jobs) if job not in ended])
+            self.jobs = [job for job in self.jobs if job not in ended]
 
-    def decoder_inputs(self, ready: list[tuple[CanvasJob, torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-        """The shared decoder forward's inputs for jobs with their `inputs()`: canvases right-padded to one width,
-        their caches left-padded to one length (masks hide both)."""
+    def decoder_inputs(self) -> dict[str, Any]:
+        """The shared decoder forward's inputs for the batch's jobs: canvases right-padded to one width, their caches
+        left-padded to one length (masks hide both), the rows' self-conditioning logits."""
+        ready = [(job, *job.inputs()) for job in self.jobs]
         width = max(canvas.shape[1] for _, canvas, _ in ready)
         canvases = torch.cat([_right_pad(canvas, width, self.pad_id) for _, canvas, _ in ready])  # [B, Lc]
         positions = torch.cat([_right_pad_positions(p, width) for _, _, p in ready])  # [B, Lc]
@@ -563,22 +581,15 @@ class DenoisingBatch:
         if self._kv is None or self._kv[0] != key:
             self._kv = (key, BatchedKV([job.cache for job, _, _ in ready], self.layer_types))
         kv = self._kv[1]
-        conditioned = [job.self_cond is not None for job, _, _ in ready]
-        self_cond = None
-        if any(conditioned) or self.decoder.static_inputs:  # a compiled decoder always takes them (one graph)
-            first = ready[0][0]
-            vocab = next((job.self_cond.shape[-1] for job, _, _ in ready if job.self_cond is not None),
-                         self.model.config.text_config.vocab_size)  # fmt: skip
-            self_cond = torch.cat([
-                _right_pad_logits(job.self_cond, width) if job.self_cond is not None
-                else torch.zeros((1, width, vocab), dtype=first.embed_dtype, device=first.device)
-                for job, _, _ in ready
-            ])  # fmt: skip
+        self_cond = mask = None
+        # A compiled decoder always takes them (one graph); eager, they are left out while no row has any
+        if self.conditioning.any(len(ready)) or self.decoder.static_inputs:
+            self_cond, mask = self.conditioning.inputs(len(ready), width)
         return dict(
             decoder_input_ids=canvases,
             cache=kv,
             self_conditioning_logits=self_cond,
-            self_conditioning_mask=torch.tensor(conditioned, device=canvases.device) if self_cond is not None else None,
+            self_conditioning_mask=mask,
             decoder_attention_mask=kv.masks([canvas.shape[1] for _, canvas, _ in ready], width),
             decoder_position_ids=positions,
         )
@@ -594,7 +605,3 @@ def _right_pad_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
         return positions
     tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)[None, :]
     return torch.cat([positions, tail], dim=1)
-
-
-def _right_pad_logits(logits: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(logits, (0, 0, 0, width - logits.shape[1]))

@@ -30,8 +30,9 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
   compilation at the lowest priority, a new machine's first start's 1-2 minutes of compiling (2 cores) cost
   requests little (p50 112 vs 91 ms on a 2-core Xeon), and every later step is 0.6x eager.
 
-The compiled step always passes self-conditioning logits (zeros with a False mask where a row has none): the model
-zeroes masked rows' soft embeddings exactly as it does without logits, and one graph then serves every step.
+The compiled step always passes self-conditioning logits (the batch's buffer, `conditioning.py`, with a False mask
+where a row has none): the model zeroes masked rows' soft embeddings exactly as it does without logits, and one graph
+then serves every step.
 """
 
 from __future__ import annotations
@@ -129,9 +130,9 @@ class CompiledDecoder:
         try:
             if self._graphs_on_cuda:  # a new iteration: the last replay's outputs were copied out
                 torch.compiler.cudagraph_mark_step_begin()
+            # A replay's outputs live until the next replay: the step reads these logits before it (the next step's
+            # self-conditioning is copied into the batch's buffer, `conditioning.py`), so nothing is cloned
             logits = self._fn(**inputs).logits
-            if self._graphs_on_cuda:  # the next replay overwrites a graph's outputs; rows keep these logits
-                logits = logits.clone()
         except Exception as exc:  # a compiler failure costs the speed, never the request
             self._fail(exc)
             return None

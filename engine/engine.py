@@ -515,7 +515,7 @@ class EngineBatch:
     def decoder_inputs(self) -> dict[str, Any]:
         """The inputs of this batch's next decoder forward (what the compiler warms up on)."""
         with self.engine.lock:
-            return self._batch.decoder_inputs([(job, *job.inputs()) for job in self._batch.jobs])
+            return self._batch.decoder_inputs()
 
     def step(self) -> list[tuple[InfillRequest, InfillResult | InfillCancelled]]:
         with self.engine.lock, self.engine.computing():

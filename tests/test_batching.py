@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from canvas_ls.engine import Engine, InfillCancelled
 from canvas_ls.engine.canvas import StepView
+from canvas_ls.engine.conditioning import SelfConditioning
 from canvas_ls.engine.encoding import encode, encode_rows
 from canvas_ls.engine.engine import InfillRequest
 from tests.test_canvas import EOS, confident
@@ -131,6 +132,7 @@ def test_a_cancelled_row_leaves_the_batch_and_the_others_finish(tiny_engine: Eng
             cancel.set()
 
     settings = {"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 6}
+    alone = [tiny_engine.infill(PREFIXES[row], SUFFIXES[row], settings) for row in (0, 2)]
     results = tiny_engine.infill_batch([
         InfillRequest(PREFIXES[0], SUFFIXES[0], settings),
         InfillRequest(PREFIXES[1], SUFFIXES[1], settings, cancel, stop_after_two),
@@ -138,6 +140,41 @@ def test_a_cancelled_row_leaves_the_batch_and_the_others_finish(tiny_engine: Eng
     ])  # fmt: skip
     assert isinstance(results[1], InfillCancelled) and results[1].steps == 2
     assert results[0].steps > 2 and results[2].steps > 2
+    # the last row moved up into the cancelled one's place, its self-conditioning with it: answers as alone
+    assert [results[0].tokens, results[2].tokens] == [single.tokens for single in alone]
+    assert [results[0].steps, results[2].steps] == [single.steps for single in alone]
+
+
+def test_self_conditioning_rows_are_written_in_place_and_move_up_when_a_row_leaves() -> None:
+    conditioning = SelfConditioning(vocab_size=5, dtype=torch.float32, device=torch.device("cpu"))
+    logits, mask = conditioning.inputs(rows=3, width=2)  # laid out for the batch (no row conditioned yet)
+    assert logits.shape == (3, 2, 5) and mask.tolist() == [False] * 3 and not conditioning.any(3)
+    for row in range(3):
+        conditioning.write(row, torch.full((2, 5), float(row + 1)), temperature=2.0)
+    written = conditioning.buffer
+    assert conditioning.inputs(3, 2)[0].data_ptr() == written.data_ptr()  # the same buffer, step after step
+    conditioning.keep([0, 2])  # row 1 left: row 2 moves up
+    conditioning.clear(0)  # row 0 opened a new canvas
+    logits, mask = conditioning.inputs(2, 2)
+    assert mask.tolist() == [False, True] and conditioning.flags[:3] == [False, True, False]
+    assert logits[1].tolist() == [[1.5] * 5] * 2
+    logits, mask = conditioning.inputs(2, 3)  # a wider canvas joined: the rows are carried over, the new slots zero
+    assert logits[1, :2].tolist() == [[1.5] * 5] * 2 and logits[1, 2].tolist() == [0.0] * 5
+    assert conditioning.reallocations == 2
+
+
+def test_a_batchs_steps_reuse_one_self_conditioning_buffer(tiny_engine_fp32: Engine) -> None:
+    """No per-step [rows, width, V] tensor: the buffer is laid out once for the batch and written in place."""
+    settings = {"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 6, "stability_threshold": 99}
+    batch = tiny_engine_fp32.batch()
+    batch.add_many([InfillRequest(PREFIXES[row], SUFFIXES[0], settings) for row in range(2)])
+    conditioning = batch._batch.conditioning
+    pointers = set()
+    while batch:
+        batch.step()
+        if conditioning.buffer is not None:
+            pointers.add(conditioning.buffer.data_ptr())
+    assert conditioning.reallocations == 1 and len(pointers) == 1
 
 
 def test_a_request_joins_a_running_batch_between_steps(tiny_engine: Engine) -> None:

@@ -1,0 +1,87 @@
+"""Self-conditioning for a batch of canvases: each row's last-step logits, kept in one buffer the decoder reads.
+
+DiffusionGemma's decoder takes the previous step's (tempered) logits of every canvas slot, `[rows, width, V]`, and a
+per-row mask (a row in its first step has none). At DiffusionGemma's vocabulary (V = 262,144) a row of 256 slots is
+134 MB in bf16, so the batch keeps one buffer for its rows and writes into it in place: a row's logits when its job
+steps (`write`), its mask off when a job joins or opens a new canvas (`clear`), rows moved up when jobs leave
+(`keep`). Nothing per step allocates or concatenates `[rows, width, V]`; the buffer is reallocated only when the
+batch outgrows it or its canvas width changes (a job joins or leaves), never during a run of steps.
+
+The decoder reads `inputs(rows, width)`: contiguous views of the buffer, so a compiled graph sees the same layout
+as before. Slots past a row's canvas and rows whose mask is off hold stale but finite values (the buffer starts at
+zero): the model multiplies masked rows' soft embeddings by zero and masks padded slots out of attention, so the
+answers are those of freshly zeroed inputs. The buffer is an inference tensor, as the step's inputs are (a compiled
+graph's guards read that); the methods that write it run in inference mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SelfConditioning:
+    def __init__(self, vocab_size: int, dtype: torch.dtype, device: torch.device):
+        self.vocab_size, self.dtype, self.device = vocab_size, dtype, device
+        self.buffer: torch.Tensor | None = None  # [capacity, width, V]
+        self.mask: torch.Tensor | None = None  # [capacity] bool, on the device
+        self.flags: list[bool] = []  # the mask as the host knows it (no device read to decide anything)
+        self.reallocations = 0
+
+    def any(self, rows: int) -> bool:
+        """Whether any of the first `rows` rows carries last step's logits."""
+        return any(self.flags[:rows])
+
+    def inputs(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's `self_conditioning_logits` [rows, width, V] and `self_conditioning_mask` [rows]."""
+        self.fit(rows, width)
+        assert self.buffer is not None and self.mask is not None
+        return self.buffer[:rows], self.mask[:rows]
+
+    @torch.inference_mode()
+    def write(self, row: int, logits: torch.Tensor, temperature: float) -> None:
+        """Row `row` conditions the next step on `logits` [L, V] / `temperature` (in the buffer's dtype); the buffer
+        `fit` the batch first."""
+        assert self.buffer is not None and row < self.buffer.shape[0] and logits.shape[0] <= self.width
+        torch.div(logits, temperature, out=self.buffer[row, : logits.shape[0]])
+        self._flag(row, True)
+
+    @torch.inference_mode()
+    def clear(self, row: int) -> None:
+        """Row `row` has no logits to condition on (a job's first step on a canvas)."""
+        if row < len(self.flags) and self.flags[row]:
+            self._flag(row, False)
+
+    @torch.inference_mode()
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows stay, in this order, moved up to 0..len(rows)-1 (the jobs left in the batch)."""
+        for target, source in enumerate(rows):
+            if source != target and self.buffer is not None:
+                self.buffer[target].copy_(self.buffer[source])
+                self._flag(target, self.flags[source])
+        for row in range(len(rows), len(self.flags)):
+            self.clear(row)
+
+    @property
+    def width(self) -> int:
+        return 0 if self.buffer is None else self.buffer.shape[1]
+
+    def _flag(self, row: int, value: bool) -> None:
+        assert self.mask is not None
+        self.flags[row] = value
+        self.mask[row] = value
+
+    @torch.inference_mode()
+    def fit(self, rows: int, width: int) -> None:
+        """A buffer of at least `rows` rows and exactly `width` slots, the kept rows' logits carried over."""
+        if self.buffer is not None and self.buffer.shape[0] >= rows and self.buffer.shape[1] == width:
+            return
+        capacity = max(rows, len(self.flags))
+        buffer = torch.zeros((capacity, width, self.vocab_size), dtype=self.dtype, device=self.device)
+        mask = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        if self.buffer is not None and self.mask is not None:
+            kept, slots = self.buffer.shape[0], min(width, self.buffer.shape[1])
+            buffer[:kept, :slots] = self.buffer[:, :slots]
+            mask[:kept] = self.mask
+        self.flags += [False] * (capacity - len(self.flags))
+        self.buffer, self.mask = buffer, mask
+        self.reallocations += 1
