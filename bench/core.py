@@ -325,20 +325,7 @@ def run_engine_bench(
     import httpx
 
     filler = filler_code()
-    folder = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-"))
-    socket = folder / "engine.sock"
-    command = [sys.executable, "-m", "canvas_ls.server.cli", "engine", "--socket", str(socket), "--idle-exit", "0",
-               "--dtype", dtype]  # fmt: skip
-    command += (["--model", model] if model else []) + (engine_args or [])
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-    client = _engine_client(socket)
-    try:
-        for _ in range(3000):
-            with contextlib.suppress(httpx.HTTPError):
-                health = client.get("/health")
-                if health.status_code == 200 and health.json()["compile"]["state"] != "warming":
-                    break  # up, and its decoder compiled (when asked to) before anything is timed
-            time.sleep(0.1)
+    with engine_process(model, dtype, engine_args) as (client, socket):
         tokenizer_ratio = 3.3  # characters per token, for sizing the prefixes (the result reports exact counts)
 
         def prefix_of(tokens: int, tag: str) -> str:
@@ -385,6 +372,33 @@ def run_engine_bench(
         return {"machine": machine(), "model": model or "(default)", "dtype": health["dtype"],
                 "settings": settings or {}, "prefix": prefix_rows, "throughput": throughput_rows,
                 "steps": _step_costs(client.get("/metrics").text)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def engine_process(model: str | None, dtype: str = "auto", engine_args: list[str] | None = None,
+                   timeout_s: float = 300) -> Iterator[tuple[Any, Path]]:  # fmt: skip
+    """`canvas-ls engine` (with `engine_args`: an adapter, --compile...) on a private socket, up and its decoder
+    compiled when asked to, before anything is timed: its HTTP client and socket; killed after."""
+    import httpx
+
+    folder = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-"))
+    socket = folder / "engine.sock"
+    command = [sys.executable, "-m", "canvas_ls.server.cli", "engine", "--socket", str(socket), "--idle-exit", "0",
+               "--dtype", dtype]  # fmt: skip
+    command += (["--model", model] if model else []) + (engine_args or [])
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    client = _engine_client(socket)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                health = client.get("/health")
+                if health.status_code == 200 and health.json()["compile"]["state"] != "warming":
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the engine did not come up ({' '.join(command)}: exit {process.poll()})")
+            time.sleep(0.1)
+        yield client, socket
     finally:
         client.close()
         process.kill()

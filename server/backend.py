@@ -30,6 +30,7 @@ import httpx
 
 from ..engine.paths import CANCELLED_STATUS, IDLE_EXIT_S
 from ..engine.results import GapResult, InfillResult
+from .silence import Why
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +134,11 @@ class Cancelled:
 @dataclass(frozen=True)
 class Failed:
     """No answer, and why, in words for the user. `loading`: the model is loading (or failed to load), which is not
-    an error of this request."""
+    an error of this request; `why`: which of the closed list's reasons (`silence.py`)."""
 
     reason: str
     loading: bool = False
+    why: Why = Why.ENGINE_FAILED
 
 
 Reply = Answer | Cancelled | Failed
@@ -211,10 +213,12 @@ class Backend(Protocol):
     def shutdown(self) -> None: ...
 
 
-def _not_ready(state: str, error: str | None) -> Failed | None:
+def _not_ready(state: str, error: str | None, mismatch: bool = False) -> Failed | None:
     if state == "ready":
         return None
-    return Failed(f"the model failed to load: {error}" if state == "failed" else "the model is still loading", True)
+    if state != "failed":
+        return Failed("the model is still loading", True, Why.LOADING)
+    return Failed(f"the model failed to load: {error}", True, Why.ENGINE_MISMATCH if mismatch else Why.LOAD_FAILED)
 
 
 class LocalBackend:
@@ -341,6 +345,7 @@ class ResidentBackend:
         self.log_file = self.socket.with_suffix(".log")
         self.idle_exit_s = idle_exit_s
         self.state = "idle"
+        self.mismatch = False  # the engine at the socket is not this server's (`engine_mismatch`)
         self.error: str | None = None
         self.model_name: str | None = None
         self.load_seconds: float | None = None
@@ -358,7 +363,7 @@ class ResidentBackend:
 
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None:
         self._model, self._device = model, device
-        self.state, self.error, self.identity = "loading", None, None
+        self.state, self.error, self.identity, self.mismatch = "loading", None, None, False
 
         def work() -> None:
             started = time.perf_counter()
@@ -366,6 +371,7 @@ class ResidentBackend:
                 health = self._ensure_engine()
                 why = engine_mismatch(health, self._model, self.adapter)
                 if why is not None:
+                    self.mismatch = True
                     raise RuntimeError(f"the engine at {self.socket} is not this server's: {why}; stop that engine "
                                        "(it exits when idle) or set engine.socket to another path")  # fmt: skip
                 self.identity = Identity.of_engine("resident", health["identity"])
@@ -450,7 +456,7 @@ class ResidentBackend:
                     adapter: str | None, cancel: CancelFlag, what: str) -> Reply:  # fmt: skip
         """Cancelled when `cancel` won (or the engine says the request was cancelled). An engine that went away is
         restarted and the request Failed, as is one that the engine refused."""
-        not_ready = _not_ready(self.state, self.error)
+        not_ready = _not_ready(self.state, self.error, self.mismatch)
         if not_ready is not None:
             return not_ready
         # "score": false: the server scores what it shows itself (`display.decide`), the engine need not

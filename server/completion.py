@@ -44,6 +44,7 @@ from .display import Cut, Hidden, decide
 from .documents import Document, DocumentStore
 from .edits import Edit, checked_edit
 from .positions import PositionError
+from .silence import Why
 from .workspaces import RoutedBackend
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Outcome:
     answer: Answer | None = None  # the model's answer, when the model ran for this request
     detail: str | None = None  # what the user should know: why the answer was hidden or cut
     reason: str | None = None  # the skip's, the error's, the stale answer's or the loading model's why
+    why: Why | None = None  # nothing shown to the user: which reason of the closed list (`silence.py`)
 
     @property
     def result(self) -> Mapping[str, Any] | None:
@@ -157,6 +159,10 @@ class Stats:
     heads: int = 0  # answers cut to their confident head
     prefetched: int = 0  # completions started where the editor said the cursor went, before it asked
     prefetch_used: int = 0  # ...that answered the request which followed
+    shown: int = 0  # requests that showed a suggestion
+    silent: dict[Why, int] = field(default_factory=dict)  # requests that showed nothing, by reason
+    # The last requests (newest last): uri, outcome, whether the user asked for it (`canvas/status`)
+    recent: deque[tuple[str, Outcome, bool]] = field(default_factory=lambda: deque(maxlen=20))
     # Per answered model call (the last 1,000): the backend call as the server waited on it (ms), and the engine's
     # own encode + denoise time within it (None from servers that do not say); the rest is transport and queueing.
     call_ms: deque[tuple[float, float | None]] = field(default_factory=lambda: deque(maxlen=1000))
@@ -186,8 +192,17 @@ class Completer:
         started = time.perf_counter()
         outcome = await self._complete(document, line, character, request_id, invoked)
         outcome.elapsed_ms = (time.perf_counter() - started) * 1000
-        self.stats.requests += 1
-        self.stats.by_source[outcome.label] = self.stats.by_source.get(outcome.label, 0) + 1
+        stats = self.stats
+        stats.requests += 1
+        stats.by_source[outcome.label] = stats.by_source.get(outcome.label, 0) + 1
+        if outcome.edit is not None:
+            stats.shown += 1
+        elif outcome.why is not None:
+            stats.silent[outcome.why] = stats.silent.get(outcome.why, 0) + 1
+        else:  # every path that shows nothing names its reason (tests/test_silence.py); this one did not
+            log.warning("request %d showed nothing without a reason (%s)", request_id, outcome.label)
+        uri = document.uri if document is not None else "?"
+        stats.recent.append((uri, outcome, invoked))
         if document is not None:
             self.last = (document.uri, outcome)
         log.info("request %d %s: %s in %.1f ms", request_id, document.uri if document else "?", outcome.label,
@@ -209,23 +224,23 @@ class Completer:
                         invoked: bool, prefetch: bool = False) -> Outcome:  # fmt: skip
         # One function on purpose (~100 lines): the request path read top to bottom in its numbered steps, each a
         # cheap exit before the next costs more (ARCHITECTURE.md's request path follows it).
-        def nothing(source: Source, reason: str | None = None) -> Outcome:
-            return Outcome(None, source, request_id, 0.0, reason=reason)
+        def nothing(source: Source, why: Why | None, reason: str | None = None) -> Outcome:
+            return Outcome(None, source, request_id, 0.0, reason=reason, why=why)
 
         # 1. Document, position, language switch.
         if document is None:
-            return nothing(Source.SKIP, "unknown document")
+            return nothing(Source.SKIP, Why.NOT_OPEN, "unknown document")
         try:
             offset = document.index.offset(line, character)
         except PositionError:
-            return nothing(Source.SKIP, "position past the end")
+            return nothing(Source.SKIP, Why.PAST_END, "position past the end")
         if not self.config.enabled(document.language):
-            return nothing(Source.SKIP, "language disabled")
+            return nothing(Source.SKIP, Why.LANGUAGE_OFF, "language disabled")
 
         # 2. Context from the syntax tree; cheap exits.
         context = self._context(document, offset)
         if isinstance(context, Skip):
-            return nothing(Source.SKIP, context.reason)
+            return nothing(Source.SKIP, context.why, context.reason)
 
         # 3. Typing through the completion on screen: answer with the rest, no model call (nor a prefetch).
         edit = self._typed_through(document, offset)
@@ -241,13 +256,13 @@ class Completer:
         route = self.backend.resolve(document.uri)
         key = self._key(document, context, overrides, route.identity)
         if prefetch and not self._claim_prefetch(document.uri, key):
-            return nothing(Source.CACHE if key in self.cache else Source.RUNNING)  # answered already, or being answered
+            return nothing(Source.CACHE if key in self.cache else Source.RUNNING, None)  # answered, or being answered
         early = None if prefetch else self._early(document.uri, key)
         if early is not None and not early[1].done():
             version = document.version
             await asyncio.shield(early[1])
             if document.version != version:
-                return nothing(Source.STALE)  # the document moved on while it ran
+                return nothing(Source.STALE, Why.CHANGED)  # the document moved on while it ran
         if key in self.cache:
             self.cache.move_to_end(key)
             self.stats.cache_hits += 1
@@ -269,7 +284,7 @@ class Completer:
             if self.config.completion.debounce_ms > 0:
                 await asyncio.sleep(self.config.completion.debounce_ms / 1000)
                 if cancel.is_set():
-                    return nothing(Source.SUPERSEDED)
+                    return nothing(Source.SUPERSEDED, Why.SUPERSEDED)
             self._drop_speculations(running_only=True)  # real requests first
             self.stats.model_calls += 1
             called = time.perf_counter()
@@ -277,22 +292,22 @@ class Completer:
                                               route=route)  # fmt: skip
         match reply:
             case Cancelled():
-                return nothing(Source.CANCELLED)
-            case Failed(reason, loading=True):
-                return nothing(Source.NOT_READY, reason)
-            case Failed(reason):
+                return nothing(Source.CANCELLED, Why.CANCELLED)
+            case Failed(reason, loading=True, why=why):
+                return nothing(Source.NOT_READY, why, reason)
+            case Failed(reason, why=why):
                 log.error("request %d: %s", request_id, reason)
                 self.stats.errors += 1
                 self.stats.last_error = reason
-                return nothing(Source.ERROR, reason)
+                return nothing(Source.ERROR, why, reason)
         self.stats.call_ms.append(((time.perf_counter() - called) * 1000, reply.engine_ms))
 
         # 6. Never answer for a document that has moved on, nor with a model that is no longer the one that answers
         #    it (the configuration changed, a workspace model loaded): such an answer is neither shown nor cached.
         if document.version != version:
-            return nothing(Source.STALE)
+            return nothing(Source.STALE, Why.CHANGED)
         if not self._current(document.uri, route.identity):
-            return nothing(Source.STALE, "the model changed while it answered")
+            return nothing(Source.STALE, Why.CHANGED, "the model changed while it answered")
         self._store(key, reply.cached())
         if prefetch:
             return Outcome(None, Source.PREFETCHED, request_id, 0.0, answer=reply)
@@ -312,9 +327,10 @@ class Completer:
         decision = decide(answer, edit, document.text, invoked, options,
                           lambda head: checked_edit(document, context, head, options.max_lines))  # fmt: skip
         match decision:
-            case Hidden(reason, rejected):
+            case Hidden(reason, why):
                 self._remember(document, offset, None)
-                return Outcome(None, Source.REJECTED if rejected else Source.HIDDEN, request_id, 0.0, detail=reason)
+                source = Source.HIDDEN if why is Why.LOW_CONFIDENCE else Source.REJECTED
+                return Outcome(None, source, request_id, 0.0, detail=reason, why=why)
             case Cut(edit, why):
                 self.stats.heads += 1
                 self._remember(document, offset, edit)

@@ -22,6 +22,7 @@ from tree_sitter import Node
 from .config import CompletionOptions
 from .documents import Document
 from .languages import GRAMMARS, Grammar
+from .silence import Why
 
 CHARS_PER_TOKEN = 3.2
 CLOSERS = frozenset(")]}>\"'`;,")
@@ -46,6 +47,7 @@ class CompletionContext:
 @dataclass(frozen=True)
 class Skip:
     reason: str
+    why: Why = Why.IN_WORD
 
 
 def is_word(char: str) -> bool:

@@ -20,6 +20,7 @@ from ..engine.confidence import HIDDEN, judge
 from .backend import Answer
 from .config import CompletionOptions
 from .edits import Edit
+from .silence import Why
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,11 @@ class Cut:
 
 @dataclass(frozen=True)
 class Hidden:
-    """Nothing is shown: `reason` in words for the user; `rejected` when the answer itself left nothing to show (it
-    wrote nothing, or only text that would break the code), not the threshold."""
+    """Nothing is shown: `reason` in words for the user, `why` from the closed list (the threshold, or the answer
+    itself left nothing to show: it wrote nothing, or only text that would break the code)."""
 
     reason: str
-    rejected: bool = False
+    why: Why = Why.LOW_CONFIDENCE
 
 
 Decision = Shown | Cut | Hidden
@@ -58,7 +59,9 @@ def decide(answer: Answer, edit: Edit | None, text: str, invoked: bool, options:
     of it can be shown). An invoked request shows it whole; a typing request only as far as the model stands behind
     it: whole, else (with `options.show_head`) its confident head as `reshape` makes it an edit, else nothing."""
     if edit is None:
-        return Hidden("the answer left nothing to show (empty, or it would add syntax errors)", rejected=True)
+        if not answer.text.strip():
+            return Hidden("the model's answer is empty here", Why.NOTHING_TO_ADD)
+        return Hidden("the answer would add syntax errors or only repeat the code after the cursor", Why.BREAKS_CODE)
     # the user's threshold, else the one calibrated for the model and this kind of request (reported with the answer)
     threshold = options.min_confidence if options.min_confidence is not None else answer.min_confidence
     if invoked or threshold <= 0 or answer.score_kind is None:

@@ -26,12 +26,14 @@ from .fill import FillOutcome, Lead, fill_regions
 from .holes import find_holes
 from .positions import PositionError
 from .session import CanvasServer
+from .silence import MOVED_ON, Why, sentence
 from .wire import unstructure
 from .workspaces import Learned, LearnJob, uri_path
 
 log = logging.getLogger(__name__)
 FILL_METHOD = "canvas/fill"
 STATS_METHOD = "canvas/stats"
+STATUS_METHOD = "canvas/status"
 PREFETCH_METHOD = "canvas/prefetch"
 FILL_REGIONS_METHOD = "canvas/fillRegions"
 NEXT_EDIT_METHOD = "canvas/nextEdit"
@@ -98,6 +100,13 @@ async def _complete(ls: CanvasServer, uri: str, position: types.Position,
     outcome = await ls.completer.complete(document, position.line, position.character, invoked)
     if outcome.source is Source.ERROR:
         ls.show_error_once(outcome.reason or "the engine failed")
+    if invoked and outcome.edit is None and outcome.why is not None and outcome.why not in MOVED_ON:
+        # the user asked and sees nothing: always say why, where the editor shows messages
+        kind = (
+            types.MessageType.Info if outcome.source in (Source.HIDDEN, Source.REJECTED) else types.MessageType.Warning
+        )
+        message = f"canvas-ls: {sentence(outcome.why, outcome.detail or outcome.reason)}"
+        ls.window_show_message(types.ShowMessageParams(type=kind, message=message))
     if outcome.edit is None or document is None:
         return outcome, None
     return outcome, _span(document.index, outcome.edit.start, outcome.edit.end)
@@ -220,6 +229,32 @@ async def next_edit(ls: CanvasServer, params: Any) -> dict[str, Any]:
     return {"version": outcome.version, "edits": edits, "reason": outcome.reason}
 
 
+@server.feature(STATUS_METHOD)
+def status(ls: CanvasServer, params: Any) -> dict[str, Any]:
+    """`canvas/status`: the engine's state, the last requests' outcomes (newest first) and how many requests showed
+    a suggestion or nothing, per reason of the closed list (`silence.py`; `reasons` gives each its words). Lists of
+    objects, not objects keyed by reason: a reason is words ("low confidence"), not an identifier."""
+    counters = ls.completer.stats
+    last = [{
+        "uri": uri,
+        "shown": outcome.edit is not None,
+        "why": None if outcome.why is None else str(outcome.why),
+        "words": None if outcome.why is None else outcome.why.words,
+        "detail": outcome.detail or outcome.reason,
+        "source": str(outcome.source),
+        "invoked": invoked,
+        "ms": round(outcome.elapsed_ms, 1),
+    } for uri, outcome, invoked in reversed(counters.recent)]  # fmt: skip
+    return {
+        "engine": {"state": ls.backend.state, "model": ls.backend.model_name, "error": ls.backend.error},
+        "requests": counters.requests,
+        "shown": counters.shown,
+        "silent": [{"why": str(why), "count": count} for why, count in counters.silent.items()],
+        "last": last,
+        "reasons": [{"why": str(why), "words": why.words} for why in Why],
+    }
+
+
 @server.feature(STATS_METHOD)
 def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
     """`canvas/stats`: engine state and request counters (model calls, cache and typing-through hits)."""
@@ -247,6 +282,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
             "uri": ls.completer.last[0],
             "source": ls.completer.last[1].label,
             "detail": ls.completer.last[1].detail,
+            "why": None if ls.completer.last[1].why is None else str(ls.completer.last[1].why),
         },  # the last completion request: what it gave, or why nothing was shown
         "errors": counters.errors,
         "lastError": counters.last_error,

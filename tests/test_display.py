@@ -12,6 +12,7 @@ from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Iden
 from canvas_ls.server.completion import Completer, Source
 from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.documents import Document
+from canvas_ls.server.silence import Why
 from canvas_ls.server.workspaces import RoutedBackend
 
 DOC = "def size(x):\n    return \n"
@@ -72,7 +73,7 @@ async def test_an_answer_under_the_threshold_is_cut_to_its_head_while_typing_and
     assert (whole.source, whole.edit.text if whole.edit else None, whole.detail) == ("cache", "len(x) + oops", None)
     complete.config.completion.min_confidence, complete.config.completion.show_head = 1.0, False
     hidden = await complete.complete(document, LINE, CHARACTER)
-    assert (hidden.source, hidden.edit) == ("hidden", None)
+    assert (hidden.source, hidden.edit, hidden.why) == ("hidden", None, Why.LOW_CONFIDENCE)
     assert hidden.detail == (
         "hidden: confidence 0.10 below 1.00 (min score); nothing is shown here while typing: invoke a completion to "
         "see the model's answer"
@@ -95,9 +96,24 @@ async def test_failed_and_cancelled_replies_are_said_so() -> None:
     complete, _, document = completer(Failed("the engine answered 401: no"))
     outcome = await complete.complete(document, LINE, CHARACTER)
     assert (outcome.label, outcome.edit, complete.stats.errors) == ("error:the engine answered 401: no", None, 1)
-    complete, _, document = completer(Failed("the model is still loading", loading=True))
+    assert outcome.why is Why.ENGINE_FAILED and complete.stats.silent == {Why.ENGINE_FAILED: 1}
+    complete, _, document = completer(Failed("the model is still loading", loading=True, why=Why.LOADING))
     outcome = await complete.complete(document, LINE, CHARACTER)
-    assert (outcome.source, outcome.reason) == (Source.NOT_READY, "the model is still loading")
+    assert (outcome.source, outcome.reason, outcome.why) == (Source.NOT_READY, "the model is still loading", "loading")
     assert complete.stats.errors == 0
     complete, _, document = completer(Cancelled())
-    assert (await complete.complete(document, LINE, CHARACTER)).source == "cancelled"
+    outcome = await complete.complete(document, LINE, CHARACTER)
+    assert (outcome.source, outcome.why) == ("cancelled", Why.CANCELLED)
+
+
+async def test_an_answer_that_leaves_nothing_to_show_says_which_way() -> None:
+    """Empty: the model has nothing to add; text that would add syntax errors: it would break the code. Both are
+    said even when the user asked (the model cannot be shown whatever its confidence)."""
+    complete, _, document = completer(Answer(""))
+    empty = await complete.complete(document, LINE, CHARACTER, invoked=True)
+    assert (empty.source, empty.why) == ("rejected", Why.NOTHING_TO_ADD)
+    assert empty.detail == "the model's answer is empty here"
+    complete, _, document = completer(Answer("len(x))) +"))
+    broken = await complete.complete(document, LINE, CHARACTER)
+    assert (broken.source, broken.why) == ("rejected", Why.BREAKS_CODE)
+    assert complete.stats.silent == {Why.BREAKS_CODE: 1} and complete.stats.shown == 0

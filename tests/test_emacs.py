@@ -28,10 +28,16 @@ def test_completion_at_point_inserts_the_servers_item(fixed_model_dir: Path, tmp
     run = subprocess.run([EMACS, "--batch", "-Q", "-l", str(REPO / "tests" / "eglot_complete.el")], cwd=tmp_path,
                          env=environment, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    # (completion-at-point's "No match" rings the bell: in batch mode a ^G on stdout)
+    result = json.loads(run.stdout.replace("\a", "").strip().splitlines()[-1])
     # The fixed model writes " None" where token healing cut the space, then "code" in each later slot (4 in all).
     assert result["offered"] == "Nonecodecodecode" and result["source"] == "model"
     assert result["before"] == "    return "
     assert result["after"] == "    return Nonecodecodecode"
     # M-x canvas-ls-learn-workspace reaches the server's command; a folder that is not there is its clear error
     assert result["learn"].startswith("canvas-ls: no folder to learn: "), result["learn"]
+    # canvas-ls-mode came on with eglot; its M-\ inside a word asked, and the server said why nothing came
+    assert result["mode"] == "on"
+    # (eglot 1.9 prefixes "[eglot] Server reports (type=2): ", later ones their own)
+    assert result["said"].endswith("canvas-ls: no suggestion: the cursor is inside a word (inside an identifier)")
+    assert result["modeline"] == " canvas-ls:inside a word"

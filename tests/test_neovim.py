@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pynvim
 import pytest
@@ -57,14 +59,15 @@ def nvim_011():
 
 
 FIXED_SETUP = """
-local root, python, model, speculate, prefetch = ...
+local root, python, model, speculate, prefetch, min_confidence = ...
 vim.opt.rtp:prepend(root .. '/editors/neovim')
 require('canvas_ls').setup({
   prefetch = prefetch,
   config = {
     cmd = { python, '-m', 'canvas_ls.server.cli', 'serve' },
     init_options = { engine = { model = model, device = 'cpu' },
-                     completion = { speculate = speculate, max_new_tokens_single_line = 4 } },
+                     completion = { speculate = speculate, max_new_tokens_single_line = 4,
+                                    min_confidence = min_confidence } },
   },
 })
 """
@@ -84,10 +87,7 @@ return found
 def open_area(nvim, fixed_model_dir: Path, tmp_path: Path, speculate: bool, prefetch: bool = False) -> None:
     path = tmp_path / "area.py"
     path.write_text(AREA)
-    nvim.exec_lua(FIXED_SETUP, str(REPO), sys.executable, str(fixed_model_dir), speculate, prefetch)
-    nvim.command(f"edit {path}")
-    wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
-             what="the server to attach and load the model")  # fmt: skip
+    attach(nvim, fixed_model_dir, path, FIXED_SETUP, speculate, prefetch)
     nvim.current.window.cursor = (2, 0)
     nvim.input("A ")  # after "return": typing the space asks for a completion
 
@@ -170,11 +170,8 @@ def test_accepting_an_inline_completion_writes_it_into_the_buffer(
     path.write_text(source)
     row = source.split("\n").index("    # TODO: ")  # 0-based
 
-    nvim.exec_lua(SETUP, str(REPO), sys.executable, str(writing_model_dir))
-    nvim.command(f"edit {path}")
+    attach(nvim, writing_model_dir, path, SETUP)
     assert nvim.exec_lua("return vim.bo.filetype") == "python"
-    wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
-             what="the server to attach and load the model")  # fmt: skip
     assert nvim.exec_lua("return vim.lsp.inline_completion.is_enabled({ bufnr = 0 })")
 
     nvim.current.window.cursor = (row + 1, 0)
@@ -211,8 +208,10 @@ SHAPES = (
 NOTES = "first line\nsecond line\nthird line\nx = 1\nhello world\nfourth line\nprint(x)\nreturn a + b\n"
 
 
-def attach(nvim, model: Path, path: Path) -> None:
-    nvim.exec_lua(FILL_SETUP, str(REPO), sys.executable, str(model))
+def attach(nvim, model: Path, path: Path, setup: str = FILL_SETUP, *extra: Any) -> None:
+    """Set the plugin up (`setup`'s Lua with the repository, Python, the model and `extra`), open `path`, and wait
+    for the server to attach and load the model."""
+    nvim.exec_lua(setup, str(REPO), sys.executable, str(model), *extra)
     nvim.command(f"edit {path}")
     wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
              what="the server to attach and load the model")  # fmt: skip
@@ -314,10 +313,7 @@ def test_next_edits_are_shown_jumped_to_and_accepted_one_key_at_a_time(nvim, end
     <F5> jumps to the first, the next accepts it and shows the one left; a change to the buffer drops the marks."""
     path = tmp_path / "mean.py"
     path.write_text(MEAN)
-    nvim.exec_lua(NEXT_EDIT_SETUP, str(REPO), sys.executable, str(ending_model_dir))
-    nvim.command(f"edit {path}")
-    wait_for(lambda: nvim.exec_lua("local s = require('canvas_ls').stats(0); return s and s.engine.state == 'ready'"),
-             what="the server to attach and load the model")  # fmt: skip
+    attach(nvim, ending_model_dir, path, NEXT_EDIT_SETUP)
     nvim.current.window.cursor = (2, 5)
     nvim.input("ciwacc<Esc>")
     wait_for(lambda: nvim.current.buffer[1] == "    acc = 0", what="the rename typed")
@@ -343,3 +339,30 @@ def test_next_edits_are_shown_jumped_to_and_accepted_one_key_at_a_time(nvim, end
     wait_for(lambda: nvim.exec_lua(NEXT_MARKS) == [], what="the marks dropped")
     assert nvim.exec_lua("return require('canvas_ls').next_edits") is None
     assert nvim.exec_lua("return vim.fn.exists(':CanvasLsNextEdit')") == 2
+
+
+def test_the_invoke_key_asks_and_the_statusline_says_why_nothing_was_shown(
+    nvim, fixed_model_dir: Path, tmp_path: Path
+) -> None:
+    """A threshold no answer reaches (min_confidence 1.0): typing shows nothing and the statusline function says
+    why; the plugin's invoke key (<M-\\>) asks as the user (shown whatever the confidence); invoked inside a word,
+    the server's reason comes up as a message; :CanvasLsStatus lists the reasons in words."""
+    path = tmp_path / "area.py"
+    path.write_text(AREA)
+    attach(nvim, fixed_model_dir, path, FIXED_SETUP, False, False, 1.0)
+    nvim.current.window.cursor = (2, 0)
+    nvim.input("A ")
+    statusline = "return require('canvas_ls').statusline()"
+    assert wait_for(lambda: nvim.exec_lua(statusline) == "canvas-ls: low confidence" or None, what="the reason")
+    assert nvim.exec_lua(GHOSTS) == []
+    nvim.input("<M-\\>")
+    assert wait_for(lambda: nvim.exec_lua(GHOSTS), what="the asked-for ghost text") == [[1, 11, "Nonecodecodecode"]]
+    wait_for(lambda: nvim.exec_lua(statusline) == "canvas-ls: shown" or None, what="the statusline after it")
+    nvim.input("<Esc>")
+    nvim.current.window.cursor = (1, 6)  # inside "area"
+    nvim.input("i<M-\\>")
+    said = "canvas-ls: no suggestion: the cursor is inside a word (inside an identifier)"
+    wait_for(lambda: said in nvim.api.exec2("messages", {"output": True})["output"] or None, what="the message")
+    text = nvim.exec_lua("return require('canvas_ls').status_text(0)")
+    assert re.search(r"\n +\d+ nothing shown: the model's confidence is below the display threshold\n", text), text
+    assert "last 1 (asked): the cursor is inside a word; inside an identifier" in text

@@ -90,21 +90,37 @@ export function learnMessage(result: LearnResult): { level: "error" | "info"; te
   };
 }
 
-// `canvas/stats`' account of the last completion request: what it gave, or why nothing was shown.
-export interface LastOutcome {
+// `canvas/status`' account of one request: shown, or why nothing was (a reason of the server's closed list, with
+// its words and the details: both values of a confidence below the threshold, the engine's error...).
+export interface StatusEntry {
   uri: string;
-  source: string;
+  shown: boolean;
+  why: string | null;
+  words: string | null;
   detail: string | null;
+  source: string;
+  invoked: boolean;
+  ms: number;
 }
 
-// The status bar's note for a request that showed nothing (or a cut answer); undefined when there is nothing to say.
-export function outcomeNote(last: LastOutcome | null): string | undefined {
+export interface Status {
+  engine: { state: string; model: string | null; error: string | null };
+  requests: number;
+  shown: number;
+  silent: { why: string; count: number }[];
+  last: StatusEntry[]; // newest first
+  reasons: { why: string; words: string }[];
+}
+
+// What the status bar says of the last request: the reason it showed nothing, short for the bar and in words with
+// its details for the tooltip ("cut" for an answer cut to its confident head); undefined for one shown whole. A
+// reason this extension does not know shows as its text.
+export function statusNote(last: StatusEntry | undefined): { short: string; long: string } | undefined {
   if (!last) return undefined;
-  if (last.detail) return last.detail;
-  if (last.source === "rejected") return "the answer failed the syntax check";
-  if (last.source.startsWith("error:")) return last.source.slice("error:".length);
-  if (last.source.startsWith("skip:")) return last.source.slice("skip:".length);
-  return undefined;
+  if (last.shown) return last.detail ? { short: "cut", long: last.detail } : undefined;
+  const short = last.why ?? "nothing shown";
+  const words = last.words ?? short;
+  return { short, long: last.detail ? `${words} (${last.detail})` : words };
 }
 
 // `canvas/fillRegions`: the commands "Fill holes" (the placeholders of the function or class at the cursor) and

@@ -15,12 +15,12 @@ import {
   fillHolesParams,
   fillMessage,
   initializationOptions,
-  LastOutcome,
+  Status,
   LearnResult,
   learnMessage,
   learnParams,
   LogLevel,
-  outcomeNote,
+  statusNote,
   rewriteParams,
   serverCommand,
   serverLogLine,
@@ -52,21 +52,20 @@ function readSettings(): CanvasSettings {
   };
 }
 
-function showStatus(state: string, note?: string): void {
+function showStatus(state: string, note?: { short: string; long: string }): void {
   const icon = !enabled ? "$(circle-slash)" : state === "ready" ? "$(check)" : state === "failed" ? "$(error)" : "$(sync~spin)";
   const latency = lastLatencyMs === undefined ? "" : ` ${Math.round(lastLatencyMs)} ms`;
-  const shown = note === undefined ? "" : note.startsWith("hidden") ? " (hidden)" : note.startsWith("cut") ? " (cut)" : "";
+  const shown = note === undefined ? "" : ` · ${note.short}`;
   status.text = `${icon} canvas-ls${enabled ? latency + shown : ""}`;
-  const why = note === undefined ? "" : `\nLast completion: ${note}`;
+  const why = note === undefined ? "" : `\nLast completion: ${note.long}`;
   status.tooltip = `canvas-ls: engine ${state}${enabled ? "" : " (inline completion off)"}.${why}\nClick to toggle.`;
 }
 
 // After a request that showed nothing (or a cut answer), the server's reason, in the status bar.
 async function explain(running: LanguageClient): Promise<void> {
   try {
-    type Brief = { engine: { state: string }; last: LastOutcome | null };
-    const stats = await running.sendRequest<Brief>("canvas/stats", { brief: true });
-    showStatus(stats.engine.state, outcomeNote(stats.last));
+    const status = await running.sendRequest<Status>("canvas/status", {});
+    showStatus(status.engine.state, statusNote(status.last[0]));
   } catch {
     // the server went away: the client reports that itself
   }

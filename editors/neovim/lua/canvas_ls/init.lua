@@ -14,6 +14,9 @@ local M = {}
 ---  place where the cursor still is, instead of when Neovim's debounce ends (default true)
 ---@field next_edit_key? string  normal-mode key for next edits: ask for them, then jump to the shown one, then
 ---  accept it (default: none; :CanvasLsNextEdit does the same)
+---@field invoke_key? string  insert-mode key that asks for a suggestion here and now (an Invoked request: shown
+---  whatever the model's confidence; when nothing comes, the server says why) (default '<M-\>', as VS Code's Alt+\;
+---  false: none)
 
 ---@param opts? canvas_ls.Opts
 function M.setup(opts)
@@ -37,6 +40,18 @@ function M.setup(opts)
   if opts.next_edit_key then
     vim.keymap.set('n', opts.next_edit_key, M.next_edit, { desc = 'canvas-ls: next edit: ask, jump, accept' })
   end
+  vim.api.nvim_create_user_command('CanvasLsStatus', function()
+    print(M.status_text())
+  end, { desc = 'canvas-ls: the engine, the last requests and why nothing was shown' })
+  vim.api.nvim_create_autocmd('LspRequest', {
+    group = vim.api.nvim_create_augroup('canvas_ls_status', { clear = true }),
+    callback = function(args)
+      local req = args.data.request
+      if req and req.type == 'complete' and req.method == 'textDocument/inlineCompletion' then
+        M.refresh_status(args.buf)
+      end
+    end,
+  })
   vim.api.nvim_create_user_command('CanvasLsLearnWorkspace', function(command)
     M.learn_workspace(command.args ~= '' and command.args or nil)
   end, { nargs = '?', complete = 'dir', desc = 'canvas-ls: learn this workspace (tune the model on its code)' })
@@ -74,6 +89,11 @@ function M.setup(opts)
       return key
     end
   end, { expr = true, replace_keycodes = true, desc = 'canvas-ls: accept the inline completion' })
+  if opts.invoke_key ~= false then
+    vim.keymap.set('i', opts.invoke_key or '<M-\\>', function()
+      M.invoke()
+    end, { desc = 'canvas-ls: ask for a suggestion here (says why when none comes)' })
+  end
 end
 
 -- The canvas-ls client of `bufnr`; when there is none, nil (and an error message unless `quiet`).
@@ -190,6 +210,29 @@ local function show_now(client, bufnr, version, position)
   completor:reset_timer()
   completor:request(vim.lsp.protocol.InlineCompletionTriggerKind.Automatic)
   M.shown_early = M.shown_early + 1
+  return true
+end
+
+--- Ask for a suggestion at the cursor now, as the user's own request (trigger kind Invoked): the model's answer is
+--- shown whatever its confidence, and when nothing can be shown the server says why (a message). Neovim 0.12's
+--- inline completion has no public call for this; its per-buffer object is reached as in `show_now`.
+function M.invoke(bufnr)
+  bufnr = bufnr or vim.api.nvim_get_current_buf()
+  if not client_for(bufnr) then
+    return false
+  end
+  local ok, capability = pcall(require, 'vim.lsp._capability')
+  local kind = ok and type(capability.all) == 'table' and capability.all.inline_completion
+  local completor = kind and kind.active and kind.active[bufnr]
+  if not (completor and completor.request) then
+    vim.notify('canvas-ls: asking for a suggestion needs Neovim 0.12 inline completion in this buffer',
+      vim.log.levels.WARN)
+    return false
+  end
+  if completor.reset_timer then
+    completor:reset_timer()
+  end
+  completor:request(vim.lsp.protocol.InlineCompletionTriggerKind.Invoked)
   return true
 end
 
@@ -330,6 +373,84 @@ function M.next_edit(bufnr, on_done)
       on_done(M.next_edit_result)
     end
   end, bufnr)
+end
+
+--- The last `canvas/status` this buffer's server answered (refreshed after each inline completion request).
+M.last_status = nil
+
+-- A JSON value as Lua reads it: null (vim.NIL) as nil.
+local function value(x)
+  if x == vim.NIL then
+    return nil
+  end
+  return x
+end
+
+--- Ask the server for its status in the background (the statusline reads the answer when it comes).
+function M.refresh_status(bufnr)
+  local client = client_for(bufnr or 0, true)
+  if not client then
+    return
+  end
+  client:request('canvas/status', {}, function(err, result)
+    if not err and result then
+      M.last_status = result
+      vim.cmd.redrawstatus()
+    end
+  end, bufnr or 0)
+end
+
+--- For the statusline (never waits on the server): "canvas-ls" and the engine's state or the last request's
+--- outcome: the reason it showed nothing, e.g. "canvas-ls: low confidence". An unknown reason shows as its text.
+function M.statusline()
+  local status = M.last_status
+  if not status then
+    return ''
+  end
+  if status.engine.state ~= 'ready' then
+    return 'canvas-ls: ' .. status.engine.state
+  end
+  local last = status.last and status.last[1]
+  if not last then
+    return 'canvas-ls'
+  end
+  return last.shown and 'canvas-ls: shown' or ('canvas-ls: ' .. (value(last.why) or 'nothing shown'))
+end
+
+--- :CanvasLsStatus: the engine, how many requests showed a suggestion, per reason how many did not, and the last
+--- requests with their reasons in words (the server's `canvas/status`, asked now).
+function M.status_text(bufnr)
+  local client = client_for(bufnr or 0, true)
+  if not client then
+    return 'canvas-ls: no canvas-ls server in this buffer'
+  end
+  local response = client:request_sync('canvas/status', {}, 2000, bufnr or 0)
+  local status = response and response.result
+  if not status then
+    return 'canvas-ls: the server did not answer canvas/status'
+  end
+  M.last_status = status
+  local engine = status.engine
+  local lines = {
+    string.format('canvas-ls: engine %s (%s)%s', engine.state, value(engine.model) or '?',
+      value(engine.error) and (': ' .. engine.error) or ''),
+    string.format('%d requests, %d showed a suggestion', status.requests, status.shown),
+  }
+  local words = {}
+  for _, reason in ipairs(status.reasons) do
+    words[reason.why] = reason.words
+  end
+  for _, silent in ipairs(status.silent) do
+    table.insert(lines, string.format('  %4d nothing shown: %s', silent.count, words[silent.why] or silent.why))
+  end
+  for i = 1, math.min(5, #status.last) do
+    local last = status.last[i]
+    local why = value(last.why)
+    local what = last.shown and 'shown' or (why and (words[why] or why) or 'nothing shown')
+    table.insert(lines, string.format('last %d%s: %s%s (%.0f ms)', i, last.invoked and ' (asked)' or '', what,
+      value(last.detail) and ('; ' .. last.detail) or '', last.ms))
+  end
+  return table.concat(lines, '\n')
 end
 
 --- The server's counters and engine state (`canvas/stats`), for :CanvasLsStats and tests.

