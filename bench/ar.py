@@ -2,7 +2,8 @@
 `llama-server` (the backend of llama.vim and llama.vscode) answering fill-in-the-middle through its `/infill`, at
 equal parameter counts, side by side on one machine, requests interleaved.
 
-Both models are built here with random weights from named shapes (latency does not depend on weight values):
+Both models are built here with random weights at a named shape (`--shape`; latency does not depend on weight
+values):
   - llama.cpp: Qwen2.5-Coder-0.5B's shape (494M parameters, tied embeddings) written as GGUF in q8_0 with the
     `gguf` package, its vocabulary canvas-ls's own byte-level BPE (padded to Qwen's 151,936 rows) with three spare
     tokens as its FIM markers: both systems read the same tokens;
@@ -21,6 +22,7 @@ it fails, the benchmark says so and still times canvas-ls's rows.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -34,8 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Qwen2.5-Coder-0.5B's published config.json
-QWEN_05B = dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, ff=4864, rope_theta=1e6, eps=1e-6)
+# The shapes both models are built at (`--shape`): Qwen2.5-Coder-0.5B's published config.json, and a tiny one for
+# the tests (canvas-ls's own vocabulary, a few layers)
+SHAPES = {
+    "qwen2.5-coder-0.5b": dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, ff=4864),
+    "tiny": dict(vocab=8192, hidden=64, layers=2, heads=2, kv_heads=1, ff=128),
+}
 PREFIX_CHARS, SUFFIX_CHARS = 1520, 526
 TYPED = ["total = ", "compute(", "values, ", "weights)"]  # what is typed between warm requests
 ANSWER_TOKENS = 16
@@ -47,6 +53,9 @@ class Timed:
     mode: str  # "cold" | "warm"
     ms: float
     tokens: int  # answer tokens
+    # Where the time went, as the server says: prompt tokens, of them reused from its cache, ms encoding the prompt
+    # (llama: prompt processing), ms producing the answer (llama: decoding; canvas-ls: denoising), steps or tokens
+    detail: dict[str, float]
 
 
 def documents(count: int) -> list[tuple[str, str]]:
@@ -63,14 +72,13 @@ def documents(count: int) -> list[tuple[str, str]]:
 # -- the llama.cpp side ---------------------------------------------------------------------------------------------
 
 
-def write_gguf(path: Path, seed: int = 0) -> int:
-    """Qwen2.5-Coder-0.5B's shape with random weights as a q8_0 GGUF at `path`; its parameter count."""
+def write_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> int:
+    """A Qwen2 model of `shape` with random weights as a q8_0 GGUF at `path`; its parameter count."""
     import gguf
     import numpy as np
 
     from ..engine.loading import DEFAULT_MODEL_DIR
 
-    shape = QWEN_05B
     vocab = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())["model"]
     tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]]
@@ -86,8 +94,8 @@ def write_gguf(path: Path, seed: int = 0) -> int:
     writer.add_feed_forward_length(shape["ff"])
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_rope_freq_base(shape["rope_theta"])
-    writer.add_layer_norm_rms_eps(shape["eps"])
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")  # canvas-ls's BPE splits with GPT-2's pattern
@@ -174,8 +182,8 @@ def llama_server(binary: str, gguf_file: Path, threads: int, timeout_s: float = 
         process.wait()
 
 
-def llama_infill(client: Any, prefix: str, suffix: str) -> tuple[float, int]:
-    """One /infill of ANSWER_TOKENS tokens (EOS ignored, greedy, the prompt's KV kept): ms and tokens."""
+def llama_infill(client: Any, prefix: str, suffix: str) -> tuple[float, int, dict[str, float]]:
+    """One /infill of ANSWER_TOKENS tokens (EOS ignored, greedy, the prompt's KV kept): ms, tokens, its timings."""
     body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": ANSWER_TOKENS, "ignore_eos": True,
             "temperature": 0, "cache_prompt": True, "samplers": ["top_k"], "top_k": 1}  # fmt: skip
     started = time.perf_counter()
@@ -183,21 +191,25 @@ def llama_infill(client: Any, prefix: str, suffix: str) -> tuple[float, int]:
     ms = (time.perf_counter() - started) * 1000
     if response.status_code != 200:
         raise RuntimeError(f"llama-server answered {response.status_code}: {response.text[:300]}")
-    return ms, int(response.json().get("tokens_predicted", 0))
+    timings = response.json().get("timings", {})
+    detail = {"prompt_tokens": timings.get("prompt_n", 0) + timings.get("cache_n", 0),
+              "reused_tokens": timings.get("cache_n", 0), "encode_ms": timings.get("prompt_ms", 0.0),
+              "answer_ms": timings.get("predicted_ms", 0.0), "steps": timings.get("predicted_n", 0)}  # fmt: skip
+    return ms, int(response.json().get("tokens_predicted", 0)), detail
 
 
 # -- the canvas-ls side ---------------------------------------------------------------------------------------------
 
 
-def canvas_model(folder: Path, seed: int = 0) -> int:
-    """The shipped architecture at Qwen2.5-Coder-0.5B's width, depth, vocabulary and feed forward (two experts of 64
-    beside the dense MLP), random weights, saved in `folder` with canvas-ls's tokenizer; its parameter count."""
+def canvas_model(folder: Path, shape: dict[str, int], seed: int = 0) -> int:
+    """The shipped architecture at `shape`'s width, depth, vocabulary and feed forward (two experts of 64 beside the
+    dense MLP), random weights, saved in `folder` with canvas-ls's tokenizer; its parameter count."""
     import torch
 
     from ..engine.architecture import random_model, small_config
     from ..engine.loading import DEFAULT_MODEL_DIR
+    from ..engine.settings import MODEL_SETTINGS_FILE
 
-    shape = QWEN_05B
     config = small_config(shape["vocab"], hidden_size=shape["hidden"], num_layers=shape["layers"],
                           num_heads=shape["heads"], head_dim=shape["hidden"] // shape["heads"],
                           intermediate_size=shape["ff"], num_experts=2, top_k_experts=2, moe_intermediate_size=64,
@@ -207,13 +219,15 @@ def canvas_model(folder: Path, seed: int = 0) -> int:
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
-    # The layout the shipped model uses: the suffix head clamped inside the canvas after the gap
-    (folder / "canvas_ls.json").write_text(json.dumps({"settings": {"layout": "canvas"}}))
+    # The shipped model's settings (`infill`: the suffix head clamped inside the canvas after the gap, its step cap)
+    shipped = json.loads((DEFAULT_MODEL_DIR / MODEL_SETTINGS_FILE).read_text(encoding="utf-8"))
+    (folder / MODEL_SETTINGS_FILE).write_text(json.dumps({"infill": shipped["infill"]}))
     return sum(p.numel() for p in model.parameters())
 
 
-def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None) -> tuple[float, int]:
-    """One /v1/infill of a 16-slot gap (`steps` denoising steps at most; None: the model's cap): ms and tokens."""
+def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None) -> tuple[float, int, dict[str, float]]:
+    """One /v1/infill of a 16-slot gap (`steps` denoising steps at most; None: the model's cap): ms, tokens, and
+    the engine's own account of it."""
     settings = {"gap_tokens": ANSWER_TOKENS, "max_new_tokens": ANSWER_TOKENS, "max_prefix_tokens": 8192,
                 **({"max_steps": steps} if steps else {})}  # fmt: skip
     started = time.perf_counter()
@@ -221,27 +235,32 @@ def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None) -> t
     ms = (time.perf_counter() - started) * 1000
     if response.status_code != 200:
         raise RuntimeError(f"the engine answered {response.status_code}: {response.text[:300]}")
-    return ms, len(response.json()["tokens"])
+    result = response.json()
+    detail = {"prompt_tokens": result["prefix_tokens"], "reused_tokens": result["prefix_reused_tokens"],
+              "encode_ms": result["encode_ms"], "answer_ms": result["denoise_ms"],
+              "steps": result["steps"]}  # fmt: skip
+    return ms, len(result["tokens"]), detail
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
 def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int | None, ...], threads: int,
-        compile_mode: str, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
+        compile_mode: str, shape: str = "qwen2.5-coder-0.5b",
+        progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
     """The side-by-side: per document, a cold request then len(TYPED) warm ones, to each system in turn (the order
     alternating), llama-server skipped with the reason when it is missing or fails."""
     from .core import engine_process, machine
 
     work = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-ar-"))
-    report: dict[str, Any] = {"machine": machine(), "threads": threads, "documents": count, "compile": compile_mode,
-                              "answer_tokens": ANSWER_TOKENS, "llama_error": None}  # fmt: skip
+    report: dict[str, Any] = {"machine": machine(), "shape": shape, "threads": threads, "documents": count,
+                              "compile": compile_mode, "answer_tokens": ANSWER_TOKENS, "llama_error": None}  # fmt: skip
     progress("building the canvas-ls model (random weights)")
-    report["canvas_parameters"] = canvas_model(work / "canvas")
+    report["canvas_parameters"] = canvas_model(work / "canvas", SHAPES[shape])
     llama_client: Any = None
     with engine_process(str(work / "canvas"), "float32", ["--compile", compile_mode], timeout_s=3600) as (engine, _):
         try:
-            with _llama(llama, gguf_file, work, threads, report, progress) as llama_client:
+            with _llama(llama, gguf_file, work, SHAPES[shape], threads, report, progress) as llama_client:
                 timed = _interleaved(engine, llama_client, documents(count), steps, progress)
         except RuntimeError as exc:  # llama-server missing or failing: canvas-ls's rows still run
             report["llama_error"] = str(exc)
@@ -255,14 +274,14 @@ def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int 
 
 
 @contextmanager
-def _llama(binary: str | None, gguf_file: Path | None, work: Path, threads: int, report: dict[str, Any],
-           progress: Callable[[str], None]) -> Iterator[Any]:  # fmt: skip
+def _llama(binary: str | None, gguf_file: Path | None, work: Path, shape: dict[str, int], threads: int,
+           report: dict[str, Any], progress: Callable[[str], None]) -> Iterator[Any]:  # fmt: skip
     if binary is None or not (shutil.which(binary) or os.access(binary, os.X_OK)):
         raise RuntimeError(f"no llama-server at {binary!r} (--llama-server PATH)")
     if gguf_file is None:
         progress("writing the llama.cpp model (q8_0 GGUF, random weights)")
-        gguf_file = work / "qwen2.5-coder-0.5b-shape-q8_0.gguf"
-        report["llama_parameters"] = write_gguf(gguf_file)
+        gguf_file = work / "model-q8_0.gguf"
+        report["llama_parameters"] = write_gguf(gguf_file, shape)
     report["gguf"] = str(gguf_file)
     with llama_server(shutil.which(binary) or binary, gguf_file, threads) as client:
         yield client
@@ -270,7 +289,7 @@ def _llama(binary: str | None, gguf_file: Path | None, work: Path, threads: int,
 
 def _interleaved(engine: Any, llama: Any, docs: list[tuple[str, str]], steps: tuple[int | None, ...],
                  progress: Callable[[str], None]) -> list[Timed]:  # fmt: skip
-    systems: list[tuple[str, Callable[[str, str], tuple[float, int]]]] = [
+    systems: list[tuple[str, Callable[[str, str], tuple[float, int, dict[str, float]]]]] = [
         (f"canvas-ls {f'{s} steps' if s else 'default steps'}", lambda p, x, s=s: canvas_infill(engine, p, x, s))
         for s in steps
     ]
@@ -284,26 +303,28 @@ def _interleaved(engine: Any, llama: Any, docs: list[tuple[str, str]], steps: tu
         for name, infill in order:
             # A document opened in this system: its prompt never seen (the first line names the system)
             text = f"# {name} {index}\n" + prefix
-            ms, tokens = infill(text, suffix)
-            timed.append(Timed(name, "cold", ms, tokens))
+            timed.append(Timed(name, "cold", *infill(text, suffix)))
             for typed in TYPED:
                 text += typed
-                ms, tokens = infill(text, suffix)
-                timed.append(Timed(name, "warm", ms, tokens))
+                timed.append(Timed(name, "warm", *infill(text, suffix)))
         progress(f"document {index + 1}/{len(docs)}")
     return timed
 
 
 def summary(timed: list[Timed]) -> list[dict[str, Any]]:
-    """p50 and p95 per system and mode, and each canvas-ls row's ratio to llama-server's p50 (< 1: faster)."""
+    """p50 and p95 per system and mode, the medians of where the time went, and each canvas-ls row's ratio to
+    llama-server's p50 (< 1: faster)."""
     rows = []
     for system in dict.fromkeys(t.system for t in timed):
         for mode in ("cold", "warm"):
-            values = sorted(t.ms for t in timed if t.system == system and t.mode == mode)
-            if values:
-                p95 = values[int(0.95 * (len(values) - 1))]
-                rows.append({"system": system, "mode": mode, "requests": len(values),
-                             "p50_ms": statistics.median(values), "p95_ms": p95})  # fmt: skip
+            picked = [t for t in timed if t.system == system and t.mode == mode]
+            if not picked:
+                continue
+            values = sorted(t.ms for t in picked)
+            p95 = values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]  # nearest rank
+            parts = {key: statistics.median(t.detail[key] for t in picked) for key in picked[0].detail}
+            rows.append({"system": system, "mode": mode, "requests": len(values),
+                         "p50_ms": statistics.median(values), "p95_ms": p95, **parts})  # fmt: skip
     for row in rows:
         base = next((r for r in rows if r["system"] == "llama-server" and r["mode"] == row["mode"]), None)
         row["p50_vs_llama"] = row["p50_ms"] / base["p50_ms"] if base else None
@@ -311,16 +332,21 @@ def summary(timed: list[Timed]) -> list[dict[str, Any]]:
 
 
 def format_ar(report: dict[str, Any]) -> str:
-    lines = [report["machine"], f"llama-server: {report.get('llama_parameters', '?')} parameters (q8_0, -t "
+    lines = [f"{report['machine']}; shape {report['shape']}",
+             f"llama-server: {report.get('llama_parameters', '?')} parameters (q8_0, -t "
              f"{report['threads']}); canvas-ls: {report['canvas_parameters']} parameters (float32, compile "
              f"{report['compile']}); {report['documents']} documents, {ANSWER_TOKENS}-token answers", ""]  # fmt: skip
     if report["llama_error"]:
         lines.append(f"llama-server not timed: {report['llama_error']}")
-    lines.append(f"{'system':<26}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13}")
+    lines.append(f"{'system':<26}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13} | "
+                 f"{'prompt':>7}{'reused':>7}{'encode ms':>10}{'answer ms':>10}{'steps':>6}")  # fmt: skip
     for row in report["rows"]:
         ratio = f"{row['p50_vs_llama']:.2f}" if row["p50_vs_llama"] is not None else "-"
         lines.append(f"{row['system']:<26}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
-                     f"{row['p95_ms']:>10.1f}{ratio:>13}")  # fmt: skip
+                     f"{row['p95_ms']:>10.1f}{ratio:>13} | {row['prompt_tokens']:>7.0f}{row['reused_tokens']:>7.0f}"
+                     f"{row['encode_ms']:>10.1f}{row['answer_ms']:>10.1f}{row['steps']:>6.0f}")  # fmt: skip
+    lines.append("(medians; 'answer ms': llama-server's decoding, canvas-ls's denoising; 'steps': tokens decoded or "
+                 "denoising steps)")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -213,6 +213,8 @@ def add_parser(commands: Any) -> None:
                     "without it, only canvas-ls's rows are timed)")  # fmt: skip
     ar.add_argument("--gguf", type=Path, help="the model llama-server loads (default: Qwen2.5-Coder-0.5B's shape, "
                     "random weights, q8_0, written on the spot)")  # fmt: skip
+    ar.add_argument("--shape", choices=("qwen2.5-coder-0.5b", "tiny"), default="qwen2.5-coder-0.5b",
+                    help="the shape both random-weight models are built at")  # fmt: skip
     ar.add_argument("--documents", type=int, default=10, help="documents; each asked cold, then 4 times warm")
     ar.add_argument("--steps", default="4,default", help="canvas-ls's denoising-step caps ('default': the model's)")
     ar.add_argument("--threads", type=int, default=2, help="llama-server's -t (canvas-ls picks its own)")
@@ -389,7 +391,7 @@ def _bench_ar(args: argparse.Namespace) -> int:
     steps = tuple(None if s == "default" else int(s) for s in args.steps.split(","))
     with busy_cores(args.busy_cores):
         report = bench_ar.run(args.llama_server, args.gguf, args.documents, steps, args.threads, args.compile,
-                              progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+                              args.shape, progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
     report["busy_cores"] = args.busy_cores
     return _report("ar", report, bench_ar.format_ar, args.out, bench_ar.plot_ar)
 

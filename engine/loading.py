@@ -49,11 +49,36 @@ def resolve_device(device: str | None) -> torch.device:
     except RuntimeError as exc:
         raise ModelLoadError(f"unknown device '{device}' (use cpu, cuda, cuda:N or auto)") from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device '{device}' was asked for, but this machine has no usable CUDA GPU")
+        raise ModelLoadError(f"device '{device}' was asked for, but this machine has no usable CUDA GPU: use "
+                             "--device cpu, or auto (a GPU when there is one)")  # fmt: skip
     return resolved
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _hub_unreachable(name: str, timeout_s: float = 3.0) -> str | None:
+    """Why the model hub cannot serve `name` here (None: it is cached, the hub is reachable, or the hub is asked
+    offline, which transformers reports at once itself): a connection tried for a few seconds, instead of the
+    hub client's retries (~28 s) before it says the same."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a hub id at all: the hub client says so itself
+        return None
+    if constants.HF_HUB_OFFLINE or cached:
+        return None
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname or "", port), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"the hub ({constants.ENDPOINT}) cannot be reached from this machine ({exc})"
+    return None
 
 
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo"), capability: str | None = None) -> bool:
@@ -120,6 +145,12 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         raise ModelLoadError(f"model folder '{name}' does not exist")
     else:
         source = name
+        unreachable = _hub_unreachable(name)
+        if unreachable is not None:
+            raise ModelLoadError(
+                f"model '{name}' is not a local folder, not in the Hugging Face cache, and {unreachable}: download "
+                "it where the hub can be reached and pass its folder (--model /path/to/it)"
+            )
 
     try:
         config = AutoConfig.from_pretrained(source)

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..engine.paths import IDLE_EXIT_S, MAX_BATCH, MAX_BODY_BYTES, PREFIX_CACHE_MB
+from ..engine.paths import IDLE_EXIT_S, MAX_BATCH, MAX_BODY_BYTES, PREFIX_CACHE_MB, installation
 from .arguments import CliError, load_engine, model_arguments, parse_settings, settings_argument
 from .positions import PositionError, offset_at
 
@@ -32,6 +32,9 @@ def parser(bench: bool = True) -> argparse.ArgumentParser:
     """The whole command line; without `bench`, `canvas-ls bench`'s subcommands left out (every other command:
     `canvas-ls serve` loads nothing of the benchmarks)."""
     parser = argparse.ArgumentParser(prog="canvas-ls", description=__doc__.split("\n\n")[0])
+    found = installation()
+    version = f"canvas-ls {found['version']} ({found['installation']})"
+    parser.add_argument("--version", action="version", version=version)
     commands = parser.add_subparsers(dest="command", required=True)
 
     complete = commands.add_parser("complete", help="fill the gap at a position in a file and print it")
@@ -118,7 +121,7 @@ def _complete(args: argparse.Namespace) -> int:
 
     text = _read(args.file)
     try:
-        offset = offset_at(text, args.line, args.character)
+        offset = offset_at(text, args.line, args.character, strict=True)
     except PositionError as exc:
         raise CliError(f"{args.file}: {exc}") from exc
     overrides = {
@@ -156,7 +159,8 @@ def _fill(args: argparse.Namespace) -> int:
     if not spans:
         raise CliError("nothing to fill: give at least one --hole or --rewrite")
     try:
-        regions = [Region(offset_at(text, a, b), offset_at(text, c, d), strength) for (a, b, c, d), strength in spans]
+        regions = [Region(offset_at(text, a, b, strict=True), offset_at(text, c, d, strict=True), strength)
+                   for (a, b, c, d), strength in spans]  # fmt: skip
         prefix, middle, suffix = split_parts(regions_to_parts(text, regions))
     except (PositionError, FillError) as exc:
         raise CliError(f"{args.file}: {exc}") from exc
@@ -183,10 +187,39 @@ def _fill(args: argparse.Namespace) -> int:
 
 
 def _read(path: Path) -> str:
+    """A source file's text: UTF-8, or the encoding a Python file declares on its first lines (PEP 263)."""
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise CliError(f"cannot read {path}: {exc}") from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        declared = _declared_encoding(data)
+        if declared is not None:
+            try:
+                return data.decode(declared)
+            except (UnicodeDecodeError, LookupError) as again:
+                raise CliError(f"cannot read {path} as the {declared} its coding line declares: {again}") from again
+        raise CliError(
+            f"{path} is not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); canvas-ls reads UTF-8, or the "
+            f"encoding a Python file declares (# -*- coding: latin-1 -*-): convert it, e.g. "
+            f"iconv -f latin1 -t utf-8 {path} > {path.with_name(path.stem + '.utf8' + path.suffix)}"
+        ) from exc
+
+
+def _declared_encoding(data: bytes) -> str | None:
+    """The encoding a PEP 263 coding line on the first two lines declares, if any (the standard library's rule)."""
+    import io
+    import tokenize
+
+    lines = data.splitlines(keepends=True)[:2]
+    if not any(b"coding" in line for line in lines):
+        return None
+    try:
+        return tokenize.detect_encoding(io.BytesIO(b"".join(lines)).readline)[0]
+    except SyntaxError:  # an unknown encoding named
+        return None
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

@@ -77,6 +77,15 @@ class LineIndex:
         return line, sum(_width(c, self.encoding) for c in self.text[self.starts[line] : offset])
 
 
-def offset_at(text: str, line: int, character: int, encoding: str = "utf-16") -> int:
-    """The offset in `text` of the LSP position (line, character in `encoding` code units)."""
-    return LineIndex(text, encoding).offset(line, character)
+def offset_at(text: str, line: int, character: int, encoding: str = "utf-16", strict: bool = False) -> int:
+    """The offset in `text` of the LSP position (line, character in `encoding` code units). A character past the
+    end of its line is the line's end (LSP's rule), or with `strict` (the command line) an error naming the line's
+    length."""
+    index = LineIndex(text, encoding)
+    offset = index.offset(line, character)
+    if strict:
+        length = sum(_width(c, encoding) for c in index.line_text(line))
+        if character > length:
+            raise PositionError(f"character {character} is past the end of line {line}, which has {length} "
+                                f"characters ({encoding} code units, 0-based positions 0-{length})")  # fmt: skip
+    return offset

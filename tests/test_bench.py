@@ -227,3 +227,41 @@ def test_bench_without_its_extra_says_which_to_install(monkeypatch: pytest.Monke
     assert done.returncode == 2
     assert done.stderr.strip() == ("canvas-ls: error: the benchmarks need their extra: pip install 'canvas-ls[bench]' "
                                    "(matplotlib, for the plots)")  # fmt: skip
+
+
+def test_bench_ar_writes_a_gguf_llama_cpp_reads_as_the_named_shape(tmp_path: Path) -> None:
+    """The llama.cpp side's model, read back with the gguf package: Qwen2's tensors at the tiny shape, canvas-ls's
+    own tokens with three spares as FIM markers (what llama-server's /infill needs)."""
+    import gguf
+
+    from canvas_ls.bench.ar import SHAPES, write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    parameters = write_gguf(path, SHAPES["tiny"])
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    assert fields["general.architecture"] == "qwen2" and fields["qwen2.block_count"] == 2
+    assert fields["qwen2.embedding_length"] == 64 and fields["qwen2.attention.head_count_kv"] == 1
+    assert [fields[f"tokenizer.ggml.{k}_token_id"] for k in ("fim_pre", "fim_suf", "fim_mid")] == [3, 4, 5]
+    assert (
+        fields["tokenizer.ggml.tokens"][:3] == ["<pad>", "<eos>", "<bos>"]
+        and len(fields["tokenizer.ggml.tokens"]) == 8192
+    )
+    names = {tensor.name for tensor in reader.tensors}
+    assert len(names) == 2 + 12 * 2 and "blk.1.ffn_down.weight" in names and "output.weight" not in names  # tied
+    assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {gguf.GGMLQuantizationType.Q8_0}
+    assert parameters == sum(int(t.n_elements) for t in reader.tensors)
+
+
+def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Path) -> None:
+    out = tmp_path / "ar.json"
+    done = canvas_ls("bench", "ar", "--shape", "tiny", "--llama-server", str(tmp_path / "no-llama-server"),
+                     "--documents", "1", "--steps", "2", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["llama_error"] == f"no llama-server at '{tmp_path / 'no-llama-server'}' (--llama-server PATH)"
+    assert [(row["system"], row["mode"], row["requests"]) for row in report["rows"]] == [
+        ("canvas-ls 2 steps", "cold", 1), ("canvas-ls 2 steps", "warm", 4)
+    ]  # fmt: skip
+    assert all(r["detail"]["steps"] <= 2 and r["tokens"] <= 16 for r in report["requests"])
+    assert "llama-server not timed: no llama-server at" in done.stdout and out.with_suffix(".png").is_file()

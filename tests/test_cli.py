@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from canvas_ls.server.cli import main
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, REPO
 
 STATS = FIXTURES / "python" / "stats.py"
 RESULT_FIELDS = {
@@ -152,6 +152,61 @@ def test_hub_id_while_offline_is_one_clear_line() -> None:
 def test_position_past_the_end_is_one_clear_line(tiny_model_dir: Path) -> None:
     done = cli("complete", str(STATS), "--line", "500", "--character", "0", "--model", str(tiny_model_dir))
     assert "line 500 is past the end" in one_line_error(done)
+
+
+def test_a_hub_id_the_hub_cannot_serve_fails_at_once_with_what_to_do() -> None:
+    """Not a folder, not cached, and the hub's address refuses connections: said after one try, not the hub
+    client's retries."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+        done = cli("complete", str(STATS), "--line", "0", "--character", "0", "--model", "someone/no-such-model")
+    line = one_line_error(done)
+    assert line.startswith(
+        "canvas-ls: error: model 'someone/no-such-model' is not a local folder, not in the Hugging Face cache, and the "
+        "hub (http://127.0.0.1:9) cannot be reached from this machine ("
+    )
+    assert line.endswith("download it where the hub can be reached and pass its folder (--model /path/to/it)")
+
+
+def test_a_character_past_the_end_of_its_line_names_the_lines_length(tiny_model_dir: Path) -> None:
+    done = cli("complete", str(STATS), "--line", "0", "--character", "400", "--model", str(tiny_model_dir))
+    length = len(STATS.read_text().splitlines()[0])
+    assert one_line_error(done) == (
+        f"canvas-ls: error: {STATS}: character 400 is past the end of line 0, which has {length} characters "
+        f"(utf-16 code units, 0-based positions 0-{length})"
+    )
+
+
+def test_a_file_that_is_not_utf8_is_read_as_its_coding_line_says_or_refused_with_how_to_convert(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    declared = tmp_path / "declared.py"
+    declared.write_bytes(b'# -*- coding: latin-1 -*-\nname = "caf\xe9"\nx = \n')
+    done = cli("complete", str(declared), "--line", "2", "--character", "4", "--model", str(tiny_model_dir), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["prefix_tokens"] > 0
+    plain = tmp_path / "plain.py"
+    plain.write_bytes(b'name = "caf\xe9"\nx = \n')
+    done = cli("complete", str(plain), "--line", "1", "--character", "4", "--model", str(tiny_model_dir))
+    assert one_line_error(done) == (
+        f"canvas-ls: error: {plain} is not UTF-8 (byte 0xe9 at offset 11); canvas-ls reads UTF-8, or the encoding a "
+        f"Python file declares (# -*- coding: latin-1 -*-): convert it, e.g. iconv -f latin1 -t utf-8 {plain} > "
+        f"{tmp_path / 'plain.utf8.py'}"
+    )
+
+
+def test_version_and_a_gpu_that_is_not_there() -> None:
+    done = cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"canvas-ls 0.1.0 ({REPO})"
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    done = cli("complete", str(STATS), "--line", "0", "--character", "0", "--device", "cuda")
+    assert one_line_error(done) == (
+        "canvas-ls: error: device 'cuda' was asked for, but this machine has no usable CUDA GPU: use --device cpu, "
+        "or auto (a GPU when there is one)"
+    )
 
 
 def test_dtype_follows_the_cpu(tmp_path: Path) -> None:
