@@ -53,11 +53,16 @@ class SelfConditioning:
 
     @torch.inference_mode()
     def keep(self, rows: list[int]) -> None:
-        """Only these rows stay, in this order, moved up to 0..len(rows)-1 (the jobs left in the batch)."""
+        """Only these rows stay, in this order, moved up to 0..len(rows)-1 (the jobs left in the batch). A row past
+        the buffer (a job that joined after it was laid out) has nothing to move: its place is cleared."""
         for target, source in enumerate(rows):
-            if source != target and self.buffer is not None:
+            if source == target:
+                continue
+            if self.buffer is not None and source < self.buffer.shape[0]:
                 self.buffer[target].copy_(self.buffer[source])
                 self._flag(target, self.flags[source])
+            else:
+                self.clear(target)
         for row in range(len(rows), len(self.flags)):
             self.clear(row)
 

@@ -161,6 +161,9 @@ def test_self_conditioning_rows_are_written_in_place_and_move_up_when_a_row_leav
     logits, mask = conditioning.inputs(2, 3)  # a wider canvas joined: the rows are carried over, the new slots zero
     assert logits[1, :2].tolist() == [[1.5] * 5] * 2 and logits[1, 2].tolist() == [0.0] * 5
     assert conditioning.reallocations == 2
+    conditioning.write(0, torch.ones(3, 5), temperature=1.0)
+    conditioning.keep([3])  # row 0 left; the one after it joined past the buffer's 3 rows: nothing to move
+    assert conditioning.flags[:3] == [False, False, False] and not conditioning.any(3)
 
 
 def test_a_batchs_steps_reuse_one_self_conditioning_buffer(tiny_engine_fp32: Engine) -> None:

@@ -73,7 +73,7 @@ def test_complete_json_prints_every_field(tiny_model_dir: Path) -> None:
         "complete",
         str(STATS),
         "--line",
-        "20",
+        "19",
         "--character",
         "11",
         "--model",
@@ -101,7 +101,7 @@ def test_complete_plain_prints_the_text(tiny_model_dir: Path) -> None:
         "--line",
         "9",
         "--character",
-        "4",
+        "0",
         "--model",
         str(tiny_model_dir),
         "--max-new-tokens",
@@ -324,7 +324,7 @@ def test_fill_prints_each_region_and_the_filled_file(tiny_model_dir: Path) -> No
 @pytest.mark.parametrize(
     ("regions", "message"),
     [
-        (("--hole", "2:0-2:30", "--hole", "2:10-2:40"), "regions 1 and 2 overlap"),
+        (("--hole", "2:0-2:30", "--hole", "2:10-2:31"), "regions 1 and 2 overlap"),
         (("--hole", "5:0-2:0"), "region 1 is reversed"),
         (("--hole", "900:0-901:0"), "past the end"),
         (("--hole", "2:0"), "is not a range L:C-L:C"),

@@ -100,4 +100,4 @@ def test_the_runtime_install_pulls_no_matplotlib() -> None:
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.lower().startswith("matplotlib")]
-    assert project["optional-dependencies"]["bench"] == ["matplotlib>=3.8"]
+    assert project["optional-dependencies"]["bench"] == ["matplotlib>=3.8", "gguf>=0.19,<0.20"]

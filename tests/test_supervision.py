@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from canvas_ls.server.backend import Answer, CancelFlag, Failed, LocalBackend
+from canvas_ls.server.silence import Why
 from tests.test_wire import captured
 
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n"
@@ -41,7 +42,7 @@ async def test_a_broken_local_engine_is_reloaded_and_the_next_request_answered(t
         reply = await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
         if not isinstance(reply, Failed):
             break
-        assert reply == Failed("the model is still loading", loading=True)
+        assert reply == Failed("the model is still loading", loading=True, why=Why.LOADING)
         await asyncio.sleep(0.05)
     assert backend._engine is not broken and isinstance(reply, Answer) and reply.steps >= 1
     backend.shutdown()

@@ -222,6 +222,7 @@ VALID: dict[str, Any] = {
     "canvas/fill": {"textDocument": {"uri": URI}, "position": {"line": 1, "character": 4}},
     "canvas/prefetch": {"textDocument": {"uri": URI, "version": 2}, "position": {"line": 1, "character": 4}},
     "canvas/stats": {"brief": True},
+    "canvas/status": {},
     "canvas/nextEdit": {"textDocument": {"uri": URI, "version": 2}, "position": {"line": 1, "character": 4}},
     "canvas/fillRegions": {"textDocument": {"uri": URI}, "regions": [{"range": {"start": {"line": 0, "character": 0},
                                                                                "end": {"line": 1, "character": 2}}}]},
