@@ -23,6 +23,8 @@ LAYOUTS: tuple[str, ...] = ("canvas", "prompt")
 
 # The file, inside a model folder, that holds the settings measured for that model.
 MODEL_SETTINGS_FILE = "canvas_ls.json"
+# Its sections: the infill settings, the display policy (`bench calibrate`), what training recorded
+MODEL_SETTINGS_SECTIONS = frozenset({"infill", "display", "trained", "trained_before"})
 # How a model's layers' weights load (`engine.quantize`; `--quantize`): here, without torch, for the command line.
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
 
@@ -191,5 +193,9 @@ def model_settings(model_dir: Path | None, generation_config: Any) -> dict[str, 
             data = json.loads((model_dir / MODEL_SETTINGS_FILE).read_text())
         except json.JSONDecodeError as exc:
             raise SettingsError(f"{model_dir / MODEL_SETTINGS_FILE} is not valid JSON: {exc}") from exc
+        unknown = sorted(set(data) - MODEL_SETTINGS_SECTIONS) if isinstance(data, dict) else ["(not an object)"]
+        if unknown:  # a misspelt section would be ignored, and the model run with settings it did not ask for
+            raise SettingsError(f"{model_dir / MODEL_SETTINGS_FILE}: unknown section {', '.join(unknown)} (known: "
+                                f"{', '.join(sorted(MODEL_SETTINGS_SECTIONS))})")  # fmt: skip
         found.update(data.get("infill", {}))
     return found

@@ -6,7 +6,8 @@
 //    which the output channel must show at level debug) and the known text, take a screenshot, accept with Tab, save,
 //    and check the file on disk.
 //    Then next edits: a rename typed in the definition, Alt+] shows the other use, Tab jumps, Tab accepts.
-// 2. The status bar item (latency after a completion), and a click on it toggles inline completion off and on.
+// 2. The status bar item: why a request showed nothing (typing inside a word), the latency after a completion, and a
+//    click on it toggles inline completion off and on.
 // 3. A model that fails to load: an error notification that says so, the status bar's error icon, no crash.
 // 4. The shipped default model: only that a request makes the round trip (its answers are not known in advance).
 //
@@ -224,6 +225,19 @@ try {
     return lines[0].startsWith("def surface(") && lines[4] === "print(surface(2, 3))" ? lines : null;
   }, 10000);
   step("next edit: shown, jumped to with Tab, accepted with Tab", { shown, first: renamed[0], last: renamed[4] });
+
+  // Why nothing was shown: typing inside a word, where canvas-ls asks nothing; the status bar says so.
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyG"); await page.keyboard.up("Control");
+  await page.keyboard.type("1:7"); // inside `surface`
+  await page.keyboard.press("Enter");
+  await sleep(500);
+  await page.keyboard.type("x");
+  const silent = await until("the reason in the status bar", async () => {
+    const item = await statusItem();
+    return item && item.text.includes("· inside a word") ? item : null;
+  }, 20000);
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyZ"); await page.keyboard.up("Control");
+  step("status bar: why nothing was shown", { status: silent.text });
 
   // The status bar: latency after the completion; a click toggles inline completion off and back on.
   const withLatency = await until("latency in the status bar", async () => {
