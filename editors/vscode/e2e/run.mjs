@@ -237,7 +237,10 @@ try {
     return item && item.text.includes("· inside a word") ? item : null;
   }, 20000);
   await page.keyboard.down("Control"); await page.keyboard.press("KeyZ"); await page.keyboard.up("Control");
-  step("status bar: why nothing was shown", { status: silent.text });
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyS"); await page.keyboard.up("Control");
+  const restored = await until("the file as it was", () =>
+    readFileSync(file, "utf8").startsWith("def surface(") ? true : null, 10000);
+  step("status bar: why nothing was shown", { status: silent.text, restored });
 
   // The status bar: latency after the completion; a click toggles inline completion off and back on.
   const withLatency = await until("latency in the status bar", async () => {
