@@ -255,7 +255,7 @@ def test_bench_ar_writes_a_gguf_llama_cpp_reads_as_the_named_shape(tmp_path: Pat
 
 def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Path) -> None:
     out = tmp_path / "ar.json"
-    done = canvas_ls("bench", "ar", "--shape", "tiny", "--llama-server", str(tmp_path / "no-llama-server"),
+    done = cli("bench", "ar", "--shape", "tiny", "--llama-server", str(tmp_path / "no-llama-server"),
                      "--documents", "1", "--steps", "2", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
