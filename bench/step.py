@@ -35,6 +35,14 @@ from ..engine.sampling import step_stats_rows
 from .core import synchronize, timed
 
 
+def memory_bandwidth(device: torch.device) -> dict[str, Any]:
+    """GB/s of a large copy (read + write, 256 MiB each way): the rate a step's weight reads are measured against."""
+    source = torch.ones(64 << 20, device=device)  # 256 MiB of float32, far past any cache
+    target = torch.empty_like(source)
+    ms = timed(lambda: target.copy_(source), device, runs=5)
+    return {"bytes": 2 * source.nbytes, "ms": round(ms, 3), "gb_per_s": round(2 * source.nbytes / (ms / 1000) / 1e9, 2)}
+
+
 def matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """TFLOP/s of a square matmul in `dtype`: the rate a step's arithmetic is measured against."""
     size = 8192 if device.type == "cuda" else 1024
@@ -242,6 +250,10 @@ def run_step_bench(
         "parameters": sum(p.numel() for p in model.parameters()),
         "prefix_tokens": prefix_tokens,
         "peak": matmul_peak(device, dtype),
+        "bandwidth": memory_bandwidth(device),
+        # What a step must read at least once: every weight of the text model (the decoder's layers, and the
+        # embedding, which self-conditioning multiplies whole and the tied LM head reads again); not the vision tower
+        "step_weight_bytes": sum(p.nbytes for n, p in model.named_parameters() if "vision" not in n),
         "cases": [],
     }
     prefix = torch.randint(3, vocab, (1, prefix_tokens), generator=torch.Generator().manual_seed(1)).to(device)
@@ -300,6 +312,24 @@ def run_step_bench(
     return report
 
 
+def _floor_lines(report: dict[str, Any]) -> list[str]:
+    """The memory-bandwidth floor of a step (its weights once, at the measured copy rate) and each eager step's
+    multiple of it."""
+    bandwidth, weight_bytes = report.get("bandwidth"), report.get("step_weight_bytes")
+    if not bandwidth or not weight_bytes:
+        return []
+    floor_ms = weight_bytes / (bandwidth["gb_per_s"] * 1e9) * 1000
+    report["floor_ms"] = round(floor_ms, 3)
+    lines = [f"memory-bandwidth floor: {weight_bytes / 2**30:.2f} GiB of weights at {bandwidth['gb_per_s']} GB/s "
+             f"(a 256 MiB copy) = {floor_ms:.1f} ms a step"]  # fmt: skip
+    for case in report["cases"]:
+        step_ms = case.get("eager", {}).get("forward_ms")
+        if step_ms:
+            lines.append(f"  canvas {case['canvas']} x{case['rows']}: eager forward {step_ms / floor_ms:.2f}x "
+                         "the floor")  # fmt: skip
+    return lines
+
+
 def format_step(report: dict[str, Any]) -> str:
     peak = report["peak"]
     lines = [
@@ -307,6 +337,7 @@ def format_step(report: dict[str, Any]) -> str:
         f"{report['parameters'] / 1e6:.1f}M parameters, weights {report['weights_gib']:.2f} GiB); "
         f"matmul peak {peak['tflops']} TFLOP/s ({peak['size']}^3 {peak['dtype']})",
         f"encode {report['prefix_tokens']} tokens: {report['encode_ms']} ms ({report['encode_gflop'] or '?'} GFLOP)",
+        *_floor_lines(report),
         f"{'canvas':>6} {'rows':>4} {'GFLOP':>8} | {'eager fwd':>9} {'step':>8} {'GFLOP/s':>9} {'peak':>6} | "
         f"{'compiled fwd':>12} {'step':>8} {'peak':>6} {'x eager':>7}",
     ]

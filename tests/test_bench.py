@@ -265,3 +265,20 @@ def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Pat
     ]  # fmt: skip
     assert all(r["detail"]["steps"] <= 2 and r["tokens"] <= 16 for r in report["requests"])
     assert "llama-server not timed: no llama-server at" in done.stdout and out.with_suffix(".png").is_file()
+
+
+def test_bench_step_reports_the_engines_own_step_and_the_bandwidth_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    done = cli("bench", "step", "--model", str(tiny_model_dir), "--no-compile", "--runs", "1", "--canvases", "8",
+               "--rows", "1,2", "--prefix", "32", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    steps = report["engine_steps"]
+    assert [(s["rows"], s["canvas"], s["vocab"]) for s in steps] == [(1, 32, 384), (2, 32, 384)]  # the tiny vocabulary
+    assert all(set(s["bytes_per_step"]) == {"total", "forward", "logits", "step_own"} for s in steps)
+    assert [s["bytes_per_step"]["logits"] for s in steps] == [32 * 384 * 4, 2 * 32 * 384 * 4]  # fp32 logits
+    assert all(s["bytes_per_step"]["total"] == s["bytes_per_step"]["forward"] + s["bytes_per_step"]["step_own"]
+               for s in steps)  # fmt: skip
+    weights = report["step_weight_bytes"]
+    assert 0 < weights < report["weights_gib"] * 2**30 + 1 and report["bandwidth"]["gb_per_s"] > 0
+    assert "memory-bandwidth floor: " in done.stdout and "the engine's step (DenoisingBatch.step" in done.stdout
