@@ -87,16 +87,27 @@ class StepCase:
 
 
 class _Forward:
-    """The batch's decoder forward, marked for the profiler (its allocations told apart from the step's own)."""
+    """The batch's decoder forward, marked for the profiler (its allocations told apart from the step's own); on a
+    GPU it counts the bytes it allocates itself (`allocated`)."""
 
     static_inputs = False
 
     def __init__(self, model: Any):
         self.model = model
+        self.allocated = 0
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        before = _allocated(device)
         with torch.profiler.record_function(FORWARD):
-            return self.model(**inputs).logits
+            logits = self.model(**inputs).logits
+        self.allocated += _allocated(device) - before
+        return logits
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes the CUDA allocator has handed out so far (0 on the CPU: the profiler counts there)."""
+    return torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"] if device.type == "cuda" else 0
 
 
 FORWARD = "canvas-ls: decoder forward"
@@ -124,7 +135,7 @@ def engine_step(model: Any, prefix_tokens: int, rows: int, gap: int = 16, suffix
     for _ in range(2):  # past each job's first step: every row conditioned from now on
         batch.step()
     milliseconds = timed(batch.step, device, runs, warmup=0)
-    forward, total = _allocations(batch.step, device, steps)
+    forward, total = _allocations(batch, device, steps)
     logits = rows * (gap + suffix) * vocab * 4  # float32 (softcapped)
     assert len(batch) == rows, "a job converged: the figures would mix batch sizes"
     return {"rows": rows, "canvas": gap + suffix, "vocab": vocab, "step_ms": round(milliseconds, 3),
@@ -132,34 +143,19 @@ def engine_step(model: Any, prefix_tokens: int, rows: int, gap: int = 16, suffix
                                "step_own": total - forward}}  # fmt: skip
 
 
-def _allocations(step: Callable[[], Any], device: torch.device, steps: int) -> tuple[int, int]:
-    """Bytes allocated per `step()` (mean of `steps`): inside the decoder forward, and in all."""
+def _allocations(batch: Any, device: torch.device, steps: int) -> tuple[int, int]:
+    """Bytes allocated per `batch.step()` (mean of `steps`): inside the decoder forward, and in all."""
     if device.type == "cuda":
-        counter = "allocated_bytes.all.allocated"
-        inside = 0
-        forward = _Forward.__call__
-
-        def counted(self: _Forward, **inputs: Any) -> torch.Tensor:
-            nonlocal inside
-            before = torch.cuda.memory_stats(device)[counter]
-            logits = forward(self, **inputs)
-            inside += torch.cuda.memory_stats(device)[counter] - before
-            return logits
-
-        _Forward.__call__ = counted  # type: ignore[method-assign]
-        try:
-            before = torch.cuda.memory_stats(device)[counter]
-            for _ in range(steps):
-                step()
-            total = torch.cuda.memory_stats(device)[counter] - before
-        finally:
-            _Forward.__call__ = forward  # type: ignore[method-assign]
-        return inside // steps, total // steps
+        forward = batch.decoder
+        forward.allocated, before = 0, _allocated(device)
+        for _ in range(steps):
+            batch.step()
+        return forward.allocated // steps, (_allocated(device) - before) // steps
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(steps):
-            step()
+            batch.step()
     inside = total = 0
     for event in prof.events():
         allocated = event.self_cpu_memory_usage
@@ -301,6 +297,7 @@ def run_step_bench(
                 row[label]["max_abs_diff_vs_eager"] = float((logits.float() - eager_logits[key].float()).abs().max())
             progress(f"{name}: canvas {key[0]} x{key[1]} {label}: forward {forward_ms:.2f} ms, step {step_ms:.2f} ms")
             checkpoint(report)
+    report["floor_ms"] = round(report["step_weight_bytes"] / (report["bandwidth"]["gb_per_s"] * 1e9) * 1000, 3)
     report["engine_steps"] = []
     for count in rows:
         report["engine_steps"].append(engine_step(model, prefix_tokens, count, runs=runs))
@@ -315,11 +312,7 @@ def run_step_bench(
 def _floor_lines(report: dict[str, Any]) -> list[str]:
     """The memory-bandwidth floor of a step (its weights once, at the measured copy rate) and each eager step's
     multiple of it."""
-    bandwidth, weight_bytes = report.get("bandwidth"), report.get("step_weight_bytes")
-    if not bandwidth or not weight_bytes:
-        return []
-    floor_ms = weight_bytes / (bandwidth["gb_per_s"] * 1e9) * 1000
-    report["floor_ms"] = round(floor_ms, 3)
+    bandwidth, weight_bytes, floor_ms = report["bandwidth"], report["step_weight_bytes"], report["floor_ms"]
     lines = [f"memory-bandwidth floor: {weight_bytes / 2**30:.2f} GiB of weights at {bandwidth['gb_per_s']} GB/s "
              f"(a 256 MiB copy) = {floor_ms:.1f} ms a step"]  # fmt: skip
     for case in report["cases"]:

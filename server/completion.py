@@ -183,7 +183,11 @@ class Completer:
         self.stats = Stats()
         self.speculations: dict[str, _Speculation] = {}  # uri -> the next suggestion computed ahead
         self.prefetches: dict[str, tuple[str, asyncio.Task[Outcome]]] = {}  # uri -> the last prefetch's key, task
-        self.last: tuple[str, Outcome] | None = None  # the last request's uri and outcome (for the status bar)
+
+    @property
+    def last(self) -> tuple[str, Outcome] | None:
+        """The last request's uri and outcome (`canvas/stats`)."""
+        return self.stats.recent[-1][:2] if self.stats.recent else None
 
     async def complete(self, document: Document | None, line: int, character: int, invoked: bool = False) -> Outcome:
         """`invoked`: the user asked for a completion (a key, a command) rather than the editor on typing; the
@@ -201,10 +205,8 @@ class Completer:
             stats.silent[outcome.why] = stats.silent.get(outcome.why, 0) + 1
         else:  # every path that shows nothing names its reason (tests/test_silence.py); this one did not
             log.warning("request %d showed nothing without a reason (%s)", request_id, outcome.label)
-        uri = document.uri if document is not None else "?"
-        stats.recent.append((uri, outcome, invoked))
         if document is not None:
-            self.last = (document.uri, outcome)
+            stats.recent.append((document.uri, outcome, invoked))
         log.info("request %d %s: %s in %.1f ms", request_id, document.uri if document else "?", outcome.label,
                  outcome.elapsed_ms)  # fmt: skip
         if outcome.edit is not None and log.isEnabledFor(logging.DEBUG):  # what was offered (editor e2e tests)

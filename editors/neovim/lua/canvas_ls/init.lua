@@ -188,6 +188,14 @@ end
 -- where the server computed it (same buffer, version and place, insert mode) and the debounce is still running.
 -- Neovim 0.12 has no public call for this: its per-buffer inline-completion object is reached through
 -- vim.lsp._capability, and where that is not as expected (another Neovim) nothing happens: the debounce asks.
+-- Neovim 0.12's per-buffer inline-completion object (reached through vim.lsp._capability: no public call asks it
+-- for a suggestion), or nil where that is not as expected.
+local function completor_of(bufnr)
+  local ok, capability = pcall(require, 'vim.lsp._capability')
+  local kind = ok and type(capability.all) == 'table' and capability.all.inline_completion
+  return kind and kind.active and kind.active[bufnr]
+end
+
 local function show_now(client, bufnr, version, position)
   if
     vim.api.nvim_get_current_buf() ~= bufnr
@@ -200,9 +208,7 @@ local function show_now(client, bufnr, version, position)
   if here.line ~= position.line or here.character ~= position.character then
     return false
   end
-  local ok, capability = pcall(require, 'vim.lsp._capability')
-  local kind = ok and type(capability.all) == 'table' and capability.all.inline_completion
-  local completor = kind and kind.active and kind.active[bufnr]
+  local completor = completor_of(bufnr)
   local timer = completor and completor.timer
   if not (timer and not timer:is_closing() and completor.reset_timer and completor.request) then
     return false -- Neovim has asked already (or nothing is pending)
@@ -221,9 +227,7 @@ function M.invoke(bufnr)
   if not client_for(bufnr) then
     return false
   end
-  local ok, capability = pcall(require, 'vim.lsp._capability')
-  local kind = ok and type(capability.all) == 'table' and capability.all.inline_completion
-  local completor = kind and kind.active and kind.active[bufnr]
+  local completor = completor_of(bufnr)
   if not (completor and completor.request) then
     vim.notify('canvas-ls: asking for a suggestion needs Neovim 0.12 inline completion in this buffer',
       vim.log.levels.WARN)
