@@ -30,7 +30,12 @@ class Batcher:
         self.waiting: queue.Queue[tuple[InfillRequest, Future]] = queue.Queue()
         self.ready: deque[tuple[InfillRequest, Future]] = deque()  # read from `waiting`, not yet in the batch
         self.held: deque[tuple[InfillRequest, Future]] = deque()  # background requests waiting for an idle batch
-        threading.Thread(target=self._loop, name="canvas-batcher", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name="canvas-batcher", daemon=True)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        """The scheduler thread still runs (a team deployment's health check restarts a replica where it does not)."""
+        return self.thread.is_alive()
 
     def submit(self, request: InfillRequest) -> Future:
         future: Future = Future()

@@ -18,6 +18,10 @@ IDLE_EXIT_S = 1800.0
 # The HTTP status of a request the engine dropped (its client went away, a newer request superseded it, a real
 # request preempted a background one): not an error, "cancelled".
 CANCELLED_STATUS = 499
+# The engine's HTTP API (its endpoints, their fields and the result's shape): /health names it, and a language server
+# sends requests only to an engine of the API version it speaks (a team deployment of another version gets none).
+API_VERSION = 1
+API_HEADER = "x-canvas-api"  # every answer of the engine carries its API version in this header
 # The resident engine's defaults: requests sharing one decoder forward, the largest request body (a 1k-token prefix
 # is ~4 KB: this only stops abuse and accidents), and the prefix KV cache's bound in MB.
 MAX_BATCH = 8

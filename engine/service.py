@@ -62,12 +62,22 @@ from .batcher import Batcher
 from .canvas import InfillCancelled, StepView
 from .engine import Engine, InfillRequest
 from .errors import ModelLoadError
-from .paths import CANCELLED_STATUS, MAX_BATCH, MAX_BODY_BYTES, default_socket, document_repository
+from .paths import (
+    API_HEADER,
+    API_VERSION,
+    CANCELLED_STATUS,
+    MAX_BATCH,
+    MAX_BODY_BYTES,
+    default_socket,
+    document_repository,
+)
 from .regions import FillError, Hole, parts_from_json, split_parts
 from .settings import SettingsError
 from .supersession import Supersession
 
-__all__ = ["EngineService", "ServeError", "check_address", "check_socket", "default_socket", "serve"]
+__all__ = [
+    "EngineService", "ServeError", "check_address", "check_host", "check_socket", "default_socket", "loopback", "serve",
+]  # fmt: skip
 
 
 class BadRequest(Exception):
@@ -137,13 +147,15 @@ class EngineService:
             exception_handlers={BadRequest: _bad_request, HTTPException: _http_error, Exception: _internal_error},
         )
         self.app.add_middleware(_BearerToken, token=token)
+        self.app.add_middleware(_ApiVersion)
 
     # -- endpoints ---------------------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> JSONResponse:
         device = str(self.engine.loaded.device)
-        return JSONResponse({"status": "ok", "model": self.engine.name, "device": device, "dtype": self.engine.dtype,
-                             "quantize": self.engine.loaded.quantized, "queue": self.queue, "pid": os.getpid(),
+        return JSONResponse({"status": "ok", "api": API_VERSION, "model": self.engine.name, "device": device,
+                             "dtype": self.engine.dtype, "quantize": self.engine.loaded.quantized, "queue": self.queue,
+                             "pid": os.getpid(),
                              "compile": self.engine.decoder.report(),
                              "adapters": list(self.engine.adapters.names),
                              "identity": self.engine.identity,
@@ -302,6 +314,9 @@ class EngineService:
             try:
                 try:
                     outcome = await job
+                except asyncio.CancelledError:  # the caller's task was cancelled (a Ray Serve cancellation)
+                    cancel.set()  # the job stops at its next step instead of denoising for nobody
+                    raise
                 except (FillError, ModelLoadError) as exc:  # a fill it cannot lay out, an adapter it cannot load
                     self.m_requests.labels(endpoint, "bad_request").inc()
                     raise BadRequest(400, str(exc)) from exc
@@ -387,6 +402,25 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
 
 
+class _ApiVersion:
+    """ASGI middleware: every answer names the engine's API version (`API_HEADER`), so a client never reads a result
+    of another version as its own (a deployment upgraded between its /health and its answer)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        async def versioned(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), API_HEADER_ITEM]}
+            await send(message)
+
+        await self.app(scope, receive, versioned if scope["type"] == "http" else send)
+
+
+API_HEADER_ITEM = (API_HEADER.encode(), str(API_VERSION).encode())
+
+
 class _BearerToken:
     """ASGI middleware: with a token set, every request must carry `Authorization: Bearer <token>` (compared in
     constant time: the answer's timing says nothing of how much of a guess was right)."""
@@ -447,18 +481,27 @@ class ServeError(ValueError):
 
 
 def check_address(host: str, token: str | None, allow_remote: bool) -> None:
-    """TCP needs a bearer token, and an IP address: a loopback one unless `allow_remote` (a host name is refused,
-    since what it resolves to can change under the engine)."""
+    """TCP needs a bearer token, and an IP address: a loopback one unless `allow_remote` (`check_host`)."""
     if not token:
         raise ServeError("TCP needs a bearer token (--token, --token-file or $CANVAS_LS_TOKEN)")
+    check_host(host, allow_remote)
+
+
+def check_host(host: str, allow_remote: bool) -> None:
+    """An IP address to listen on: a loopback one unless `allow_remote` (a host name is refused, since what it
+    resolves to can change under the listener)."""
+    if not loopback(host) and not allow_remote:
+        raise ServeError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` (an IP address, or "localhost") is a loopback address; a host name is refused."""
     if host == "localhost":
-        return
+        return True
     try:
-        address = ipaddress.ip_address(host.strip("[]"))
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         raise ServeError(f"'{host}' is not an IP address; give one, such as 127.0.0.1 or ::1") from None
-    if not address.is_loopback and not allow_remote:
-        raise ServeError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
 
 
 def check_socket(path: Path) -> None:

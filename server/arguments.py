@@ -55,3 +55,11 @@ def parse_settings(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             settings[key] = value
     return settings
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """HOST:PORT (--tcp, --http) as its two parts."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise CliError(f"wanted HOST:PORT, got '{text}'")
+    return host, int(port)

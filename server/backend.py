@@ -28,11 +28,17 @@ from typing import Any, Protocol
 
 import httpx
 
-from ..engine.paths import CANCELLED_STATUS, IDLE_EXIT_S
+from ..engine.paths import API_HEADER, API_VERSION, CANCELLED_STATUS, IDLE_EXIT_S
 from ..engine.results import GapResult, InfillResult
 from .silence import Why
 
 log = logging.getLogger(__name__)
+# A remote engine: connecting gives up after this long (a deployment that does not answer is said at once, not
+# waited on), a request after this long (a denoise on a loaded deployment), and /health is asked again this often
+# after a failure.
+CONNECT_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 120.0
+RECHECK_S = 5.0
 
 
 class CancelFlag(threading.Event):
@@ -325,27 +331,19 @@ class LocalBackend:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class ResidentBackend:
-    """The model in `canvas-ls engine`, one process per user, shared by every editor: reached over its unix
-    socket, started (under a lock file) when none answers, restarted when it dies. Same methods as LocalBackend.
-    """
+class EngineClient:
+    """canvas-ls's own engine API over HTTP, whoever runs it: the whole canvas (the suffix clamped in place, holes
+    and rewrites through /v1/fill, per-token confidences, cancellation between denoising steps). `load` connects
+    (`_connect`, the subclass's) off the event loop; every answer must carry this canvas-ls's API version
+    (`x-canvas-api`), so a server never reads a result shaped by another version."""
 
     adapters = True
+    kind = ""
 
-    def __init__(self, socket: str | None = None, idle_exit_s: float = IDLE_EXIT_S, model: str | None = None,
-                 device: str = "auto", adapter: str | None = None, compile: str = "auto",
-                 quantize: str = "auto"):  # fmt: skip
-        from ..engine.paths import default_socket
-
+    def __init__(self, client: httpx.AsyncClient, adapter: str | None = None) -> None:
         self.adapter = adapter
-        self.compile = compile  # the engine's --compile when this backend starts it
-        self.quantize = quantize  # and its --quantize
-        self.socket = Path(socket) if socket else default_socket(model, device, adapter, quantize)
-        self.lock_file = self.socket.with_suffix(".lock")  # one starter at a time per engine
-        self.log_file = self.socket.with_suffix(".log")
-        self.idle_exit_s = idle_exit_s
         self.state = "idle"
-        self.mismatch = False  # the engine at the socket is not this server's (`engine_mismatch`)
+        self.mismatch = False  # the engine that answers is not the one this server asked for
         self.error: str | None = None
         self.model_name: str | None = None
         self.load_seconds: float | None = None
@@ -354,10 +352,8 @@ class ResidentBackend:
         self.identity: Identity | None = None
         self._model: str | None = None
         self._device = "auto"
-        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canvas-engine-start")
-        self._client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=str(self.socket)), base_url="http://canvas-ls", timeout=None
-        )
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"canvas-{self.kind}-connect")
+        self._client = client
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -368,22 +364,114 @@ class ResidentBackend:
         def work() -> None:
             started = time.perf_counter()
             try:
-                health = self._ensure_engine()
-                why = engine_mismatch(health, self._model, self.adapter)
-                if why is not None:
-                    self.mismatch = True
-                    raise RuntimeError(f"the engine at {self.socket} is not this server's: {why}; stop that engine "
-                                       "(it exits when idle) or set engine.socket to another path")  # fmt: skip
-                self.identity = Identity.of_engine("resident", health["identity"])
+                health = self._connect()
+                self.identity = Identity.of_engine(self.kind, health["identity"])
                 self.model_name, self.state = health["model"], "ready"
             except Exception as exc:  # reported to the user, never raised into the server
                 self.error, self.state = str(exc).splitlines()[0] or type(exc).__name__, "failed"
-                log.error("resident engine: %s", self.error)
+                log.error("%s engine: %s", self.kind, self.error)
             self.load_seconds = time.perf_counter() - started
             if on_done is not None:
                 on_done(self)
 
         self._starter.submit(work)
+
+    def _connect(self) -> dict[str, Any]:
+        """The engine's /health once it answers and is the one asked for; raises with the reason otherwise."""
+        raise NotImplementedError
+
+    def _not_ready(self) -> Failed | None:
+        return _not_ready(self.state, self.error, self.mismatch)
+
+    def _unreachable(self, exc: httpx.HTTPError, what: str) -> Failed:
+        raise NotImplementedError
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
+                     document: str | None = None, background: bool = False,
+                     adapter: str | None = None) -> Reply:  # fmt: skip
+        """`background`: the engine runs it only when no real request waits, and drops it when one comes."""
+        body = {"prefix": prefix, "suffix": suffix, **({"priority": "background"} if background else {})}
+        return await self._post("/v1/infill", body, overrides, document, adapter, cancel, "completion")
+
+    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
+                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+        """Several holes in one canvas through `/v1/fill`; Failed with the engine's reason when it refuses the fill
+        or fails."""
+        return await self._post("/v1/fill", {"segments": segments}, overrides, document, adapter, cancel, "fill")
+
+    async def _post(self, path: str, body: dict[str, Any], overrides: dict[str, Any], document: str | None,
+                    adapter: str | None, cancel: CancelFlag, what: str) -> Reply:  # fmt: skip
+        """Cancelled when `cancel` won (or the engine says the request was cancelled); Failed with the engine's
+        reason when it refused the request, and when it went away (`_unreachable`)."""
+        not_ready = self._not_ready()
+        if not_ready is not None:
+            return not_ready
+        # "score": false: the server scores what it shows itself (`display.decide`), the engine need not
+        body = {**body, "document": document, "settings": {k: v for k, v in overrides.items() if v is not None},
+                "score": False}  # fmt: skip
+        if adapter is not None:
+            body["adapter"] = adapter
+        try:
+            response = await post_cancellable(self._client, path, body, cancel)
+        except httpx.HTTPError as exc:
+            return self._unreachable(exc, what)
+        if response is None or response.status_code == CANCELLED_STATUS:
+            return Cancelled()
+        theirs = response.headers.get(API_HEADER)
+        if theirs != str(API_VERSION):  # an engine replaced under us by another version: never read its answer
+            self.load(self._model, self._device)  # its /health says what it is, the status shows it
+            return Failed(f"the engine answered in API version {theirs or 'unknown'}, this canvas-ls speaks "
+                          f"{API_VERSION}; its answer was not read", True, Why.ENGINE_MISMATCH)  # fmt: skip
+        if response.status_code != 200:
+            return Failed(_error_text(response))
+        try:
+            return Answer.of(InfillResult.from_dict(response.json()))
+        except (ValueError, TypeError) as exc:  # the same API version: a bug of ours
+            return Failed(f"the engine answered something that is not a result ({exc})")
+
+    def shutdown(self) -> None:
+        self._starter.shutdown(wait=False, cancel_futures=True)
+
+
+class ResidentBackend(EngineClient):
+    """The model in `canvas-ls engine`, one process per user, shared by every editor: reached over its unix
+    socket, started (under a lock file) when none answers, restarted when it dies. Same methods as LocalBackend.
+    """
+
+    kind = "resident"
+
+    def __init__(self, socket: str | None = None, idle_exit_s: float = IDLE_EXIT_S, model: str | None = None,
+                 device: str = "auto", adapter: str | None = None, compile: str = "auto",
+                 quantize: str = "auto"):  # fmt: skip
+        from ..engine.paths import default_socket
+
+        self.compile = compile  # the engine's --compile when this backend starts it
+        self.quantize = quantize  # and its --quantize
+        self.socket = Path(socket) if socket else default_socket(model, device, adapter, quantize)
+        self.lock_file = self.socket.with_suffix(".lock")  # one starter at a time per engine
+        self.log_file = self.socket.with_suffix(".log")
+        self.idle_exit_s = idle_exit_s
+        client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(self.socket)),
+                                   base_url="http://canvas-ls", timeout=None)  # fmt: skip
+        super().__init__(client, adapter)
+
+    def _connect(self) -> dict[str, Any]:
+        health = self._ensure_engine()
+        why = engine_mismatch(health, self._model, self.adapter)
+        if why is not None:
+            self.mismatch = True
+            raise RuntimeError(f"the engine at {self.socket} is not this server's: {why}; stop that engine "
+                               "(it exits when idle) or set engine.socket to another path")  # fmt: skip
+        return health
+
+    def _unreachable(self, exc: httpx.HTTPError, what: str) -> Failed:
+        """The engine died (or was killed): start a new one, say what happened."""
+        log.warning("resident engine unreachable (%s); restarting it", exc)
+        self.restarts += 1
+        self.load(self._model, self._device)
+        return Failed(f"the engine went away during the {what} ({exc}); it is restarting")
 
     def _health(self) -> dict[str, Any] | None:
         return engine_health(self.socket)
@@ -437,51 +525,64 @@ class ResidentBackend:
             return "no output"
         return lines[-1] if lines else "no output"
 
-    # -- requests ----------------------------------------------------------------------------------------------
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> Reply:  # fmt: skip
-        """`background`: the engine runs it only when no real request waits, and drops it when one comes."""
-        body = {"prefix": prefix, "suffix": suffix, **({"priority": "background"} if background else {})}
-        return await self._post("/v1/infill", body, overrides, document, adapter, cancel, "completion")
+class RemoteBackend(EngineClient):
+    """A team deployment (`canvas-ls team serve`) or a `canvas-ls engine --tcp` elsewhere: the whole canvas API at
+    `url` with a bearer token. Nothing is started here. A deployment that does not answer, or refuses the token,
+    fails requests at once with the reason (timeouts bounded: `CONNECT_TIMEOUT_S`) and is asked again every
+    `RECHECK_S`, so completions resume when it is back; one of another API version gets no request."""
 
-    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
-        """Several holes in one canvas through `/v1/fill`; Failed with the engine's reason when it refuses the fill
-        or fails."""
-        return await self._post("/v1/fill", {"segments": segments}, overrides, document, adapter, cancel, "fill")
+    kind = "remote"
 
-    async def _post(self, path: str, body: dict[str, Any], overrides: dict[str, Any], document: str | None,
-                    adapter: str | None, cancel: CancelFlag, what: str) -> Reply:  # fmt: skip
-        """Cancelled when `cancel` won (or the engine says the request was cancelled). An engine that went away is
-        restarted and the request Failed, as is one that the engine refused."""
-        not_ready = _not_ready(self.state, self.error, self.mismatch)
-        if not_ready is not None:
-            return not_ready
-        # "score": false: the server scores what it shows itself (`display.decide`), the engine need not
-        body = {**body, "document": document, "settings": {k: v for k, v in overrides.items() if v is not None},
-                "score": False}  # fmt: skip
-        if adapter is not None:
-            body["adapter"] = adapter
+    def __init__(self, url: str, token: str | None, adapter: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.checked = -float("inf")  # when /health was last asked
+        self.why = Why.UNREACHABLE  # why the last connection failed
+        client = httpx.AsyncClient(base_url=self.url, headers=self.headers,
+                                   timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))  # fmt: skip
+        super().__init__(client, adapter)
+
+    def _connect(self) -> dict[str, Any]:
+        self.checked, self.why = time.monotonic(), Why.UNREACHABLE
         try:
-            response = await post_cancellable(self._client, path, body, cancel)
-        except httpx.HTTPError as exc:  # the engine died (or was killed): start a new one, say what happened
-            log.warning("resident engine unreachable (%s); restarting it", exc)
-            self.restarts += 1
-            self.load(self._model, self._device)
-            return Failed(f"the engine went away during the {what} ({exc}); it is restarting")
-        if response is None or response.status_code == CANCELLED_STATUS:
-            return Cancelled()
+            with httpx.Client(base_url=self.url, headers=self.headers, timeout=CONNECT_TIMEOUT_S) as client:
+                response = client.get("/health")
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"the team engine at {self.url} is unreachable ({exc or type(exc).__name__}); "
+                               f"asked again every {RECHECK_S:g} s") from None  # fmt: skip
+        if response.status_code == 401:
+            self.why = Why.LOAD_FAILED
+            raise RuntimeError(f"the team engine at {self.url} refused the token: set engine.api_key or "
+                               "$CANVAS_LS_TOKEN to one from `canvas-ls team token add`")  # fmt: skip
+        try:
+            health = response.json()
+        except ValueError:
+            health = None
+        health = health if isinstance(health, dict) else {}
         if response.status_code != 200:
-            return Failed(_error_text(response))
-        try:
-            return Answer.of(InfillResult.from_dict(response.json()))
-        except (ValueError, TypeError) as exc:  # a resident engine is this installation's: a bug of ours
-            return Failed(f"the engine answered something that is not a result ({exc})")
+            reason = health.get("error") or f"it answered {response.status_code}"
+            raise RuntimeError(f"the team engine at {self.url} is not ready: {reason}")
+        if health.get("api") != API_VERSION:
+            self.mismatch, self.why = True, Why.ENGINE_MISMATCH
+            raise RuntimeError(f"the team engine at {self.url} speaks API version {health.get('api', 'unknown')} "
+                               f"(canvas-ls {health.get('identity', {}).get('version', 'unknown')}), this "
+                               f"canvas-ls {API_VERSION}: upgrade the one that is older")  # fmt: skip
+        return health
 
-    def shutdown(self) -> None:
-        self._starter.shutdown(wait=False, cancel_futures=True)
+    def _not_ready(self) -> Failed | None:
+        if self.state != "failed":
+            return _not_ready(self.state, self.error, self.mismatch)
+        failed = Failed(self.error or "the team engine failed", True, self.why)
+        if time.monotonic() - self.checked > RECHECK_S:
+            self.load(self._model, self._device)  # asked again in the background; this request fails at once
+        return failed
+
+    def _unreachable(self, exc: httpx.HTTPError, what: str) -> Failed:
+        log.warning("team engine at %s unreachable during a %s: %s", self.url, what, exc)
+        self.error = f"the team engine at {self.url} is unreachable ({exc or type(exc).__name__})"
+        self.state, self.checked, self.why = "failed", time.monotonic(), Why.UNREACHABLE
+        return Failed(self.error, True, Why.UNREACHABLE)
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.paths import IDLE_EXIT_S, MAX_BATCH, MAX_BODY_BYTES, PREFIX_CACHE_MB, installation
-from .arguments import CliError, load_engine, model_arguments, parse_settings, settings_argument
+from .arguments import CliError, host_port, load_engine, model_arguments, parse_settings, settings_argument
 from .positions import PositionError, offset_at
 
 
@@ -65,7 +65,13 @@ def parser(bench: bool = True) -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the language server (stdio unless --tcp)")
     serve.add_argument("--stdio", action="store_true", help="talk LSP over stdin/stdout (the default)")
-    serve.add_argument("--tcp", metavar="HOST:PORT", help="listen on a TCP address instead")
+    serve.add_argument(
+        "--tcp",
+        metavar="HOST:PORT",
+        help="listen on a TCP address instead (loopback; LSP over TCP has "
+        "no authentication: anyone who can connect drives the server)",
+    )
+    serve.add_argument("--allow-remote", action="store_true", help="let --tcp listen on a non-loopback address")
     serve.add_argument("--log-file", type=Path, help="write logs here instead of stderr")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -94,6 +100,9 @@ def parser(bench: bool = True) -> argparse.ArgumentParser:
     from .train_cli import add_parser as add_train_parser
 
     add_train_parser(commands)
+    from .team_cli import add_parser as add_team_parser
+
+    add_team_parser(commands)
     if bench:  # the benchmarks' parser imports their code's package: only for `canvas-ls bench ...`
         from ..bench.cli import add_parser as add_bench_parser
 
@@ -249,13 +258,18 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_level != "DEBUG":
         for chatty in ("pygls", "httpx"):  # each logs every message it sends at INFO
             logging.getLogger(chatty).setLevel(logging.WARNING)
+    if args.tcp:
+        from ..engine.service import ServeError, check_host
+
+        host, port = host_port(args.tcp)
+        try:  # any client that connects may point the server at any folder or engine: loopback unless told
+            check_host(host, args.allow_remote)
+        except ServeError as exc:
+            raise CliError(f"{exc} (LSP over TCP has no authentication)") from exc
     from .lsp import server
 
     if args.tcp:
-        host, _, port = args.tcp.rpartition(":")
-        if not host or not port.isdigit():
-            raise CliError(f"--tcp wants HOST:PORT, got '{args.tcp}'")
-        server.start_tcp(host, int(port))
+        server.start_tcp(host, port)
     else:
         server.start_io()
     return 0
@@ -265,12 +279,7 @@ def _engine(args: argparse.Namespace) -> int:
     from ..engine.compile_child import start_early
 
     token = _token(args)
-    host = port = None
-    if args.tcp:
-        host, _, port_text = args.tcp.rpartition(":")
-        if not host or not port_text.isdigit():
-            raise CliError(f"--tcp wants HOST:PORT, got '{args.tcp}'")
-        port = int(port_text)
+    host, port = host_port(args.tcp) if args.tcp else (None, None)
     # On a new machine the CPU's compiled step comes from a child process: started before the engine's own imports
     # (torch, transformers: seconds), which its own then overlap; the warm-up reads it, or stops it if not needed
     early = start_early(args.model, args.device, args.dtype, args.compile, args.quantize)
@@ -377,6 +386,12 @@ def _train(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _team(args: argparse.Namespace) -> int:
+    from .team_cli import run
+
+    return run(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from ..bench.cli import run
 
@@ -395,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": _engine,
         "train": _train,
         "bench": _bench,
+        "team": _team,
         "make-tiny-model": _make_tiny_model,
         "models": _models,
     }

@@ -49,13 +49,17 @@ class EngineOptions:
     compile: Literal["auto", "on", "off"] = "auto"
     # "resident": the model runs in `canvas-ls engine`, one process per model shared by every editor of this user
     # (started when none runs, restarted if it dies, gone after `idle_exit_s` without requests). "local": inside
-    # this server (one copy of the model per editor). "openai": any OpenAI-compatible completions server at `url`.
-    backend: Literal["local", "resident", "openai"] = "resident"
+    # this server (one copy of the model per editor). "remote": canvas-ls's own engine at `url` (a team deployment,
+    # `canvas-ls team serve`, or `canvas-ls engine --tcp`), the whole canvas API, its token in `api_key` or
+    # $CANVAS_LS_TOKEN. "openai": any OpenAI-compatible completions server at `url` (vLLM, SGLang: the suffix goes
+    # through a FIM prompt, no holes).
+    backend: Literal["local", "resident", "remote", "openai"] = "resident"
     # The resident engine's unix socket (None: the user's runtime folder, one socket per model and device) and its
     # idle timeout.
     socket: str | None = None
     idle_exit_s: float = IDLE_EXIT_S
-    # "openai" backend: the server's base URL, key (None: $CANVAS_LS_API_KEY), and model name.
+    # "remote" and "openai" backends: the server's base URL, key (None: $CANVAS_LS_TOKEN for "remote",
+    # $CANVAS_LS_API_KEY for "openai"), and ("openai") the model name.
     url: str | None = None
     api_key: str | None = None
     remote_model: str | None = None

@@ -522,8 +522,8 @@ async def learn_workspace_command(ls: CanvasServer, *arguments: Any) -> dict[str
     folder = folder or ls.workspace.root_uri or ""
     path = uri_path(folder) if folder.startswith("file:") else Path(folder).expanduser() if folder else None
     error = None
-    if ls.config.engine.backend == "openai":
-        error = "learning a workspace needs canvas-ls's own engine (engine.backend local or resident)"
+    if ls.config.engine.backend in ("openai", "remote"):
+        error = "learning a workspace needs canvas-ls's own engine on this machine (engine.backend local or resident)"
     elif path is None or not path.is_dir():
         error = f"no folder to learn: {folder!r} is not a local folder (open a workspace folder, or pass one)"
     if error is not None or path is None:

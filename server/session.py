@@ -18,7 +18,7 @@ from pygls.exceptions import JsonRpcException, JsonRpcInternalError
 from pygls.io_ import StdoutWriter
 from pygls.lsp.server import LanguageServer
 
-from .backend import Backend, LocalBackend, OpenAIBackend, ResidentBackend
+from .backend import Backend, LocalBackend, OpenAIBackend, RemoteBackend, ResidentBackend
 from .completion import Completer
 from .config import ServerConfig, parse_config
 from .documents import DocumentStore
@@ -41,6 +41,10 @@ def make_backend(config: ServerConfig, learner: Learner | None = None, notify: C
         remote = OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
                                options.fim_template)  # fmt: skip
         return RoutedBackend(remote, lambda model, adapter: remote, options.model, False, notify, learner, paths)
+    if options.backend == "remote":  # the deployment's model answers; workspace models are tuned where it runs
+        token = options.api_key or os.environ.get("CANVAS_LS_TOKEN")
+        team = RemoteBackend(options.url or "http://127.0.0.1:8000", token, options.adapter)
+        return RoutedBackend(team, lambda model, adapter: team, options.model, False, notify, learner, paths)
 
     def make(model: str | None, adapter: str | None, socket: str | None = None) -> Backend:
         if options.backend == "resident":

@@ -19,6 +19,7 @@ class Why(StrEnum):
     LOADING = "loading"  # the model is still loading
     LOAD_FAILED = "model failed"  # the model or its engine failed to start (the error says why)
     ENGINE_MISMATCH = "engine mismatch"  # the resident engine is another installation's, version's or model's
+    UNREACHABLE = "engine unreachable"  # a remote (team) engine does not answer; it is asked again every few seconds
     ENGINE_FAILED = "engine failed"  # the engine refused the request, went away or failed (its message)
     LOW_CONFIDENCE = "low confidence"  # below the display threshold while typing (both values in the reason)
     NOTHING_TO_ADD = "nothing to add"  # the model's answer was empty here
@@ -50,6 +51,7 @@ WORDS = {
     Why.LOADING: "the model is still loading",
     Why.LOAD_FAILED: "the model failed to load",
     Why.ENGINE_MISMATCH: "the running engine belongs to another canvas-ls installation, version or model",
+    Why.UNREACHABLE: "the team engine does not answer (asked again every few seconds)",
     Why.ENGINE_FAILED: "the engine failed",
     Why.LOW_CONFIDENCE: "the model's confidence is below the display threshold",
     Why.NOTHING_TO_ADD: "the model has nothing to add here",

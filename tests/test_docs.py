@@ -52,8 +52,8 @@ def mentions() -> list[tuple[str, str, list[str]]]:
                 if len(words) < 2 or not re.fullmatch(r"[a-z][a-z-]*", words[1]):
                     continue
                 command = words[1]
-                if command == "bench" and len(words) > 2 and re.fullmatch(r"[a-z]+", words[2]):
-                    command = f"bench {words[2]}"
+                if command in ("bench", "team") and len(words) > 2 and re.fullmatch(r"[a-z]+", words[2]):
+                    command = f"{command} {words[2]}"
                 flags = re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line[at:])
                 found.append((path.name, command, flags))
     return found

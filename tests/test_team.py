@@ -1,0 +1,368 @@
+"""A team on one deployment: `canvas-ls team serve` (Ray Serve, a local cluster of 2 replicas of the fixed-answer
+model), its users' tokens and rate limit, affinity routing, a replica killed, and the language server's `remote`
+backend through a real `canvas-ls serve`; the remote backend's refusals (another API version, an answer without the
+version, a deployment that does not answer) against fake engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_lsp
+from lsprotocol import types
+from pytest_lsp import ClientServerConfig, LanguageClient
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from canvas_ls.engine.paths import API_HEADER, API_VERSION
+from canvas_ls.engine.team import rendezvous
+from canvas_ls.engine.users import RateLimit, TokenFile
+from canvas_ls.server import backend as backends
+from canvas_ls.server.backend import CancelFlag, Failed, RemoteBackend
+from canvas_ls.server.cli import main
+from canvas_ls.server.silence import Why
+from tests.test_identity import AFTER_RETURN, DOC, wait_model
+from tests.test_lsp import SERVE, fill, open_doc
+
+CLI = [sys.executable, "-m", "canvas_ls.server.cli"]
+RATE, BURST = 0.2, 10  # the deployment's rate limit: each test asks as a user of its own
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def add_user(tokens: Path, name: str) -> str:
+    done = subprocess.run([*CLI, "team", "token", "add", name, "--tokens", str(tokens)], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return done.stdout.strip()
+
+
+# -- without a cluster -------------------------------------------------------------------------------------------
+
+
+def test_the_token_file_holds_digests_and_a_revoked_token_is_refused(tmp_path: Path) -> None:
+    tokens = tmp_path / "users"
+    alice, bob = add_user(tokens, "alice"), add_user(tokens, "bob")
+    text = tokens.read_text()
+    assert (alice in text, bob in text, oct(tokens.stat().st_mode & 0o777)) == (False, False, "0o600")
+    users = TokenFile(tokens)
+    assert [users.user(f"Bearer {alice}"), users.user(f"Bearer {bob}"), users.user("Bearer nope"),
+            users.user(None), users.user(alice)] == ["alice", "bob", None, None, None]  # fmt: skip
+    again = subprocess.run([*CLI, "team", "token", "add", "alice", "--tokens", str(tokens)], capture_output=True,
+                           text=True)  # fmt: skip
+    assert (again.returncode, again.stderr.strip()) == (
+        2, f"canvas-ls: error: alice is already in {tokens}; revoke it first to give a new token"
+    )  # fmt: skip
+    subprocess.run([*CLI, "team", "token", "revoke", "alice", "--tokens", str(tokens)], check=True)
+    users.refresh(force=True)
+    assert (users.user(f"Bearer {alice}"), users.user(f"Bearer {bob}")) == (None, "bob")
+    listed = subprocess.run([*CLI, "team", "token", "list", "--tokens", str(tokens)], capture_output=True, text=True)
+    assert listed.stdout == "bob\n"
+
+
+def test_the_rate_limit_refills_and_says_when_to_come_back() -> None:
+    limit = RateLimit(rate=2.0, burst=3)
+    assert [limit.take("a", now=0.0) for _ in range(4)] == [0.0, 0.0, 0.0, 0.5]
+    assert (limit.take("b", now=0.0), limit.take("a", now=0.25), limit.take("a", now=0.5)) == (0.0, 0.25, 0.0)
+
+
+def test_rendezvous_moves_only_the_keys_of_a_replica_that_left() -> None:
+    keys = [f"user\0file:///src/{i}.py" for i in range(3000)]
+
+    def homes(replicas: list[str]) -> dict[str, str]:
+        return {key: max(replicas, key=lambda r: rendezvous(key, r)) for key in keys}
+
+    before, after = homes(["a", "b", "c"]), homes(["a", "c"])
+    moved = {key for key in keys if before[key] != after[key]}
+    assert moved == {key for key in keys if before[key] == "b"}
+    shares = sorted(list(before.values()).count(r) for r in "abc")
+    assert shares[0] > 900 and shares[-1] < 1100  # about a third each
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["team", "serve", "--http", "0.0.0.0:8000"],
+         "0.0.0.0 is not a loopback address; pass --allow-remote to listen on it"),
+        (["team", "serve", "--http", "0.0.0.0:8000", "--allow-remote"],
+         "a deployment other machines can reach needs --tokens (`canvas-ls team token add`)"),
+        (["team", "serve", "--replicas", "0"], "a deployment needs at least 1 replica, got 0"),
+        (["serve", "--tcp", "0.0.0.0:2087"], "0.0.0.0 is not a loopback address; pass --allow-remote to listen on it "
+                                             "(LSP over TCP has no authentication)"),
+    ],
+)  # fmt: skip
+def test_nothing_listens_beyond_loopback_unless_told_and_guarded(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything starts: a team deployment on a non-loopback address needs --allow-remote and a token
+    file; the language server over TCP (no authentication at all) needs --allow-remote."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"canvas-ls: error: {error}"
+
+
+# -- the remote backend against fake engines -----------------------------------------------------------------------
+
+
+class FakeEngine:
+    """An HTTP server in a thread that answers /health with `health` and /v1/infill with `answer`, counting
+    requests; `versioned`: whether its answers carry the API header."""
+
+    def __init__(self, health: dict[str, Any], versioned: bool = True, port: int | None = None) -> None:
+        import uvicorn
+
+        self.health, self.versioned, self.infills = health, versioned, 0
+        self.port = port or free_port()
+        app = Starlette(routes=[Route("/health", self._health), Route("/v1/infill", self._infill, methods=["POST"])])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    async def _health(self, request: Any) -> JSONResponse:
+        return JSONResponse(self.health, headers={API_HEADER: str(self.health.get("api"))})
+
+    async def _infill(self, request: Any) -> JSONResponse:
+        self.infills += 1
+        headers = {API_HEADER: str(self.health["api"])} if self.versioned else {}
+        return JSONResponse({"text": "x"}, headers=headers)
+
+    def __enter__(self) -> FakeEngine:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+
+def identity(version: str = "0.0.9") -> dict[str, str]:
+    return {"installation": "/elsewhere", "version": version, "model": "team-model", "fingerprint": "f",
+            "device": "cpu", "dtype": "float32", "quantize": "none", "adapter": ""}  # fmt: skip
+
+
+async def connect(backend: RemoteBackend) -> None:
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    backend.load(None, "auto", lambda _: loop.call_soon_threadsafe(done.set))
+    await done.wait()
+
+
+async def test_a_deployment_of_another_api_version_gets_no_request() -> None:
+    with FakeEngine(
+        {"status": "ok", "api": API_VERSION + 1, "model": "team-model", "identity": identity("9.0")}
+    ) as fake:
+        backend = RemoteBackend(f"http://127.0.0.1:{fake.port}", "t")
+        await connect(backend)
+        reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+    assert (backend.state, backend.mismatch, fake.infills) == ("failed", True, 0)
+    expected = (f"the team engine at http://127.0.0.1:{fake.port} speaks API version {API_VERSION + 1} (canvas-ls "
+                f"9.0), this canvas-ls {API_VERSION}: upgrade the one that is older")  # fmt: skip
+    assert (reply, backend.error) == (Failed(expected, True, Why.ENGINE_MISMATCH), expected)
+
+
+async def test_an_answer_without_this_api_version_is_not_read() -> None:
+    """/health said the right version, but the deployment was replaced before it answered (a rolling upgrade to a
+    version that does not say its own): the answer is not read as a result."""
+    with FakeEngine({"status": "ok", "api": API_VERSION, "model": "team-model", "identity": identity()},
+                    versioned=False) as fake:  # fmt: skip
+        backend = RemoteBackend(f"http://127.0.0.1:{fake.port}", "t")
+        await connect(backend)
+        assert backend.state == "ready"
+        reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+    assert (reply, fake.infills) == (
+        Failed(
+            f"the engine answered in API version unknown, this canvas-ls speaks {API_VERSION}; its answer was not read",
+            True,
+            Why.ENGINE_MISMATCH,
+        ),
+        1,
+    )
+
+
+async def test_a_deployment_that_does_not_answer_fails_at_once_and_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(backends, "RECHECK_S", 0.0)
+    port = free_port()
+    backend = RemoteBackend(f"http://127.0.0.1:{port}", "t")
+    started = time.monotonic()
+    await connect(backend)
+    reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+    assert time.monotonic() - started < backends.CONNECT_TIMEOUT_S
+    assert reply == Failed(f"the team engine at http://127.0.0.1:{port} is unreachable ([Errno 111] Connection "
+                           f"refused); asked again every 0 s", True, Why.UNREACHABLE)  # fmt: skip
+    with FakeEngine({"status": "ok", "api": API_VERSION, "model": "team-model", "identity": identity()},
+                    port=port) as fake:  # fmt: skip
+        deadline = time.monotonic() + 30
+        while fake.infills == 0:  # each request asks /health again while it fails; it answers now
+            assert time.monotonic() < deadline, backend.error
+            await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+            await asyncio.sleep(0.05)
+    assert (backend.state, backend.model_name) == ("ready", "team-model")
+    assert str(backend.identity) == "remote|team-model|f|cpu|float32|none|"
+
+
+# -- a real deployment -------------------------------------------------------------------------------------------
+
+
+class Deployment:
+    def __init__(self, url: str, tokens: Path, process: subprocess.Popen[str], model: Path) -> None:
+        self.url, self.tokens, self.process, self.model = url, tokens, process, model
+
+    def client(self, user: str) -> httpx.Client:
+        token = add_user(self.tokens, user)
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def deployment(fixed_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """`canvas-ls team serve`: a local Ray cluster with 2 replicas of the fixed-answer model, users from a token
+    file, `RATE` requests a second per user in bursts of `BURST`."""
+    folder = tmp_path_factory.mktemp("team")
+    tokens, port = folder / "users", free_port()
+    add_user(tokens, "admin")
+    command = [
+        *CLI,
+        "team",
+        "serve",
+        "--model",
+        str(fixed_model_dir),
+        "--replicas",
+        "2",
+        "--device",
+        "cpu",
+        "--tokens",
+        str(tokens),
+        "--http",
+        f"127.0.0.1:{port}",
+        "--rate",
+        str(RATE),
+        "--burst",
+        str(BURST),
+    ]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    assert process.stderr is not None
+    for line in process.stderr:  # ends when it is up (its line), or when it exits
+        lines.append(line)
+        if line.startswith("canvas-ls team:"):
+            break
+    assert lines and lines[-1].startswith("canvas-ls team: 2 replica(s) of"), "".join(lines[-20:])
+    threading.Thread(target=process.stderr.read, daemon=True).start()  # keep draining its log
+    try:
+        yield Deployment(f"http://127.0.0.1:{port}", tokens, process, fixed_model_dir)
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # serve.shutdown(), then the local cluster with the driver
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def infill(client: httpx.Client, document: str, **extra: Any) -> httpx.Response:
+    body = {"prefix": DOC[: DOC.index("return ") + 7], "suffix": "\n", "document": document,
+            "settings": {"max_new_tokens": 4}, **extra}  # fmt: skip
+    return client.post("/v1/infill", json=body)
+
+
+def test_a_request_without_a_valid_token_learns_nothing_of_the_deployment(deployment: Deployment) -> None:
+    for headers in ({}, {"Authorization": "Bearer cls_wrong"}):
+        for method, path in (("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/infill")):
+            response = httpx.request(method, deployment.url + path, headers=headers, json={}, timeout=30)
+            assert (response.status_code, response.json()) == (401, {"error": "missing, wrong or revoked bearer token"})
+
+
+def test_the_deployment_says_its_api_model_and_replicas(deployment: Deployment) -> None:
+    with deployment.client("health-user") as client:
+        health = client.get("/health").json()
+    assert (health["api"], health["model"], health["identity"]["model"], health["router"]) == (
+        API_VERSION, str(deployment.model), str(deployment.model), "affinity"
+    )  # fmt: skip
+    assert (health["deployment"]["status"], health["deployment"]["replicas"]) == ("HEALTHY", {"RUNNING": 2})
+
+
+def test_a_documents_requests_go_to_one_replica_and_are_counted_by_user(deployment: Deployment) -> None:
+    with deployment.client("routing-user") as client:
+        answers = [infill(client, f"file:///team/{i % 4}.py") for i in range(8)]
+        metrics = client.get("/metrics").text
+    assert [(a.status_code, a.json()["text"], a.headers[API_HEADER]) for a in answers] == [
+        (200, "Nonecodecodecode", str(API_VERSION))
+    ] * 8  # fmt: skip
+    replicas = [a.headers["x-canvas-replica"] for a in answers]
+    assert replicas[:4] == replicas[4:]  # each document's second request went where its first did
+    assert 'canvas_team_requests_total{endpoint="infill",status="200",user="routing-user"} 8.0' in metrics
+    assert 'canvas_team_tokens_total{user="routing-user"}' in metrics
+    assert "def size" not in metrics and "return" not in metrics  # counts, never code
+
+
+def test_a_user_over_the_rate_limit_is_told_when_to_come_back(deployment: Deployment) -> None:
+    with deployment.client("eager-user") as client:
+        statuses = [infill(client, "file:///team/eager.py") for _ in range(BURST + 3)]
+    assert [s.status_code for s in statuses] == [200] * BURST + [429] * 3
+    assert {(s.headers["retry-after"], s.json()["error"]) for s in statuses[BURST:]} == {
+        (str(int(1 / RATE)), f"over the rate limit of {RATE:g} requests a second")
+    }  # fmt: skip
+
+
+def test_a_killed_replica_costs_no_request_and_serve_restarts_it(deployment: Deployment) -> None:
+    """One engine replica's process is killed (-9): every request after it is answered (sent again to the other
+    replica where the dead one was chosen), and Serve starts a new replica."""
+    with deployment.client("fault-user") as client:
+        assert infill(client, "file:///team/fault.py").status_code == 200
+        pids = subprocess.run(["pgrep", "-f", "ray::ServeReplica:canvas-ls:engine"], capture_output=True, text=True)
+        assert len(pids.stdout.split()) == 2, pids.stdout
+        os.kill(int(pids.stdout.split()[0]), signal.SIGKILL)
+        after = [infill(client, f"file:///team/fault{i}.py") for i in range(6)]  # homed on both replicas
+        assert [(a.status_code, a.json()["text"]) for a in after] == [(200, "Nonecodecodecode")] * 6
+        killed, deadline = pids.stdout.split()[0], time.monotonic() + 120
+        while True:  # a new replica process in the killed one's place, and both running again
+            now = subprocess.run(["pgrep", "-f", "ray::ServeReplica:canvas-ls:engine"], capture_output=True, text=True)
+            states = client.get("/health").json()["deployment"]["replicas"]
+            if len(now.stdout.split()) == 2 and killed not in now.stdout.split() and states == {"RUNNING": 2}:
+                break
+            assert time.monotonic() < deadline, (now.stdout, states)
+            time.sleep(0.5)
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def client(lsp_client: LanguageClient):
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def test_the_language_server_completes_through_the_team_deployment(
+    client: LanguageClient, deployment: Deployment
+) -> None:
+    """A real `canvas-ls serve` with `engine.backend: "remote"`: the whole canvas API of the deployment (the suffix
+    in the canvas, the model's own answer), its model in the server's stats."""
+    token = add_user(deployment.tokens, "editor-user")
+    init = {"engine": {"backend": "remote", "url": deployment.url, "api_key": token},
+            "completion": {"speculate": False, "max_new_tokens_single_line": 4}}  # fmt: skip
+    capabilities = pytest_lsp.client_capabilities("neovim")
+    await client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    await wait_model(client, deployment.model)
+    open_doc(client, "size.py", DOC)
+    answer = await fill(client, "size.py", AFTER_RETURN)
+    assert (answer["source"], answer["edit"]["text"], answer["result"]["model"]) == (
+        "model", "Nonecodecodecode", str(deployment.model)
+    )  # fmt: skip
+    assert json.loads(json.dumps(answer["result"]["gaps"]))[0]["text"] == "Nonecodecodecode"
