@@ -223,6 +223,17 @@ def add_parser(commands: Any) -> None:
     ar.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
     ar.add_argument("--out", type=Path, help="JSON report path")
 
+    team = benches.add_parser("team", help="editors typing through a Ray Serve deployment (affinity vs power of two, "
+                              "faults, a rolling upgrade) against one resident engine")  # fmt: skip
+    team.add_argument("--model", help="model folder or hub id (default: the shipped model)")
+    team.add_argument("--clients", type=int, default=8, help="editors typing at once, each its own user and document")
+    team.add_argument("--replicas", type=int, default=2, help="engine replicas of the deployment")
+    team.add_argument("--router", default="affinity,pow2", help="routers to run, comma-separated (affinity, pow2)")
+    team.add_argument("--seconds", type=float, default=60.0, help="how long the clients type, per system")
+    team.add_argument("--fault", metavar="kill-every=S", help="kill a replica's process every S seconds")
+    team.add_argument("--upgrade", action="store_true", help="a rolling upgrade of the deployment half-way through")
+    team.add_argument("--out", type=Path, help="JSON report path")
+
     warmup = benches.add_parser("warmup", help="the compiled CPU step's warm-up, start after start (fresh processes)")
     warmup.add_argument("--model", help="model folder or hub id (default: the shipped model)")
     warmup.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
@@ -266,8 +277,8 @@ def run(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     handlers = {"lsp": _bench_lsp, "infill": _bench_infill, "sampler": _bench_sampler, "engine": _bench_engine,
                 "train": _bench_train, "holes": _bench_holes, "step": _bench_step, "warmup": _bench_warmup,
-                "ar": _bench_ar, "calibrate": _bench_calibrate, "crossfile": _bench_crossfile, "soak": _bench_soak,
-                "repo": _bench_repo, "neovim": _bench_neovim, "edits": _bench_edits}  # fmt: skip
+                "ar": _bench_ar, "team": _bench_team, "calibrate": _bench_calibrate, "crossfile": _bench_crossfile,
+                "soak": _bench_soak, "repo": _bench_repo, "neovim": _bench_neovim, "edits": _bench_edits}  # fmt: skip
     return handlers[args.bench](args)
 
 
@@ -394,6 +405,23 @@ def _bench_ar(args: argparse.Namespace) -> int:
                               args.shape, progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
     report["busy_cores"] = args.busy_cores
     return _report("ar", report, bench_ar.format_ar, args.out, bench_ar.plot_ar)
+
+
+def _bench_team(args: argparse.Namespace) -> int:
+    from . import team as bench_team
+
+    every = None
+    if args.fault is not None:
+        kind, _, value = args.fault.partition("=")
+        if kind != "kill-every" or not value.replace(".", "", 1).isdigit() or float(value) <= 0:
+            raise CliError(f"--fault wants kill-every=SECONDS, got '{args.fault}'")
+        every = float(value)
+    routers = tuple(args.router.split(","))
+    if not set(routers) <= {"affinity", "pow2"}:
+        raise CliError(f"--router takes affinity and/or pow2, got '{args.router}'")
+    report = bench_team.run(args.model, args.clients, args.replicas, routers, args.seconds, every, args.upgrade,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    return _report("team", report, bench_team.format_team, args.out, bench_team.plot_team)
 
 
 def _bench_warmup(args: argparse.Namespace) -> int:

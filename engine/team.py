@@ -388,7 +388,8 @@ def _deployment_status() -> dict[str, Any]:
         status = serve.status().applications[APP_NAME].deployments["engine"]
     except Exception as exc:  # the controller unreachable: what we know is that we do not know
         return {"status": "unknown", "message": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
-    return {"status": str(getattr(status.status, "value", status.status)), "replicas": {str(k): v for k, v in status.replica_states.items()},
+    state = str(getattr(status.status, "value", status.status))
+    return {"status": state, "replicas": {str(k): v for k, v in status.replica_states.items()},
             "message": status.message}  # fmt: skip
 
 

@@ -3,8 +3,9 @@
 The token file holds one user per line, `NAME sha256:HEX`: the SHA-256 of the user's bearer token, never the token
 (tokens are 32 random bytes, so a plain digest is enough; the file leaks no token). `canvas-ls team token add NAME`
 writes a line and prints the token once. The file is read again when it changes, so a revoked token is refused
-within a second (and a new one is let in at once). A token is checked against every line in constant time (`hmac.compare_digest`, no early exit):
-the time of a refusal says nothing of which user or how much of a guess was right.
+within a second (and a new one is let in at once). A token is checked against every line in constant time
+(`hmac.compare_digest`, no early exit): the time of a refusal says nothing of which user or how much of a guess was
+right.
 
 Each user's requests pass a token bucket (`RateLimit`): `rate` requests a second on average, bursts of `burst`; a
 request over it is answered 429 with the seconds until the bucket holds a request again (Retry-After).

@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,8 @@ async def test_a_server_never_takes_answers_from_another_installations_engine(
 ) -> None:
     """Another installation's engine listens on the socket this server would use for the same model: the server
     refuses it with why (and sends it no request) instead of answering with its code and model."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))  # this test's own: no other test's engine there
+    # this test's own folder, no other test's engine there; short: a unix socket's path has at most 107 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", tempfile.mkdtemp(prefix="cls-"))
     socket = default_socket(str(fixed_model_dir), "cpu")
     process = other_installation_engine(fixed_model_dir, socket)
     try:

@@ -8,6 +8,7 @@ export interface CanvasSettings {
   device: string;
   quantize: string; // the model's weights: auto (what fits the GPU), none, int8, int4
   backend: string;
+  engineUrl: string; // the remote backend's deployment (its token comes from $CANVAS_LS_TOKEN, never settings)
   enabledLanguages: string[];
   gapTokens: { singleLine?: number; multiLine?: number };
   maxNewTokens: { singleLine?: number; multiLine?: number };
@@ -24,6 +25,7 @@ export const DEFAULT_SETTINGS: CanvasSettings = {
   device: "auto",
   quantize: "auto",
   backend: "resident",
+  engineUrl: "",
   enabledLanguages: [
     "python", "javascript", "javascriptreact", "typescript", "typescriptreact", "go", "rust", "c", "cpp", "java", "lua",
   ],
@@ -64,6 +66,7 @@ export function initializationOptions(settings: CanvasSettings): Record<string, 
     workspace_models: settings.workspaceModels,
   };
   if (typeof settings.learnMinutes === "number" && settings.learnMinutes > 0) engine.learn_minutes = settings.learnMinutes;
+  if (settings.engineUrl) engine.url = settings.engineUrl;
   return { engine, completion };
 }
 

@@ -42,6 +42,7 @@ function readSettings(): CanvasSettings {
     device: c.get("device", DEFAULT_SETTINGS.device),
     quantize: c.get("quantize", DEFAULT_SETTINGS.quantize),
     backend: c.get("backend", DEFAULT_SETTINGS.backend),
+    engineUrl: c.get("engineUrl", DEFAULT_SETTINGS.engineUrl),
     enabledLanguages: c.get("enabledLanguages", DEFAULT_SETTINGS.enabledLanguages),
     gapTokens: c.get("gapTokens", DEFAULT_SETTINGS.gapTokens),
     maxNewTokens: c.get("maxNewTokens", DEFAULT_SETTINGS.maxNewTokens),

@@ -90,6 +90,10 @@ test("settings become the server's option tree", () => {
   assert.equal(small.quantize, "int4"); // DiffusionGemma on a 24 GB card
   const local = initializationOptions({ ...DEFAULT_SETTINGS, backend: "local" }).engine as { backend: string };
   assert.equal(local.backend, "local");
+  const team = initializationOptions({ ...DEFAULT_SETTINGS, backend: "remote", engineUrl: "http://gpu-box:8000" }).engine;
+  assert.deepEqual(team, {
+    model: null, device: "auto", quantize: "auto", backend: "remote", workspace_models: true, url: "http://gpu-box:8000",
+  });
   const strict = initializationOptions({ ...DEFAULT_SETTINGS, minConfidence: 0 }).completion as Record<string, unknown>;
   assert.equal(strict.min_confidence, 0); // 0 is a value (show everything), not "unset"
 });
