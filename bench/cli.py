@@ -230,6 +230,8 @@ def add_parser(commands: Any) -> None:
     team.add_argument("--replicas", type=int, default=2, help="engine replicas of the deployment")
     team.add_argument("--router", default="affinity,pow2", help="routers to run, comma-separated (affinity, pow2)")
     team.add_argument("--seconds", type=float, default=60.0, help="how long the clients type, per system")
+    team.add_argument("--documents", type=int, default=1, help="files per client, visited in turn (4 keys each): "
+                      "more documents than a replica's prefix cache holds is where routing shows")  # fmt: skip
     team.add_argument("--fault", metavar="kill-every=S", help="kill a replica's process every S seconds")
     team.add_argument("--upgrade", action="store_true", help="a rolling upgrade of the deployment half-way through")
     team.add_argument("--out", type=Path, help="JSON report path")
@@ -419,8 +421,10 @@ def _bench_team(args: argparse.Namespace) -> int:
     routers = tuple(args.router.split(","))
     if not set(routers) <= {"affinity", "pow2"}:
         raise CliError(f"--router takes affinity and/or pow2, got '{args.router}'")
+    if min(args.clients, args.replicas, args.documents) < 1 or args.seconds <= 0:
+        raise CliError("bench team: --clients, --replicas, --documents and --seconds must be positive")
     report = bench_team.run(args.model, args.clients, args.replicas, routers, args.seconds, every, args.upgrade,
-                            progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+                            args.documents, progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
     return _report("team", report, bench_team.format_team, args.out, bench_team.plot_team)
 
 

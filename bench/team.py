@@ -30,28 +30,31 @@ from .core import engine_process, filler_code, percentile
 
 TYPED = "    total = compute(values, weights) + offset * scale\n"
 PREFIX_CHARS = 1200  # about 350 tokens of real code before the cursor
+KEYS_PER_VISIT = 4  # with several documents per client: characters typed into one before moving to the next
 REPLICA_PROCESS = "ray::ServeReplica:canvas-ls:engine"
 
 
 def run(model: str | None, clients: int = 8, replicas: int = 2, routers: tuple[str, ...] = ("affinity", "pow2"),
-        seconds: float = 60.0, fault_every_s: float | None = None, upgrade: bool = False,
+        seconds: float = 60.0, fault_every_s: float | None = None, upgrade: bool = False, documents: int = 1,
         progress: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+    cpus = max(1, (os.cpu_count() or 1) // replicas)  # the machine's cores shared out: one replica gets them all
     """The reference (one resident engine), then a deployment per router; the same clients and workload each time."""
     rows, requests = [], []
     progress(f"reference: one resident engine, {clients} clients typing for {seconds:g} s")
     with engine_process(model) as (_, socket):
-        row, done = _clients("resident engine", lambda user: _resident(socket, model), clients, seconds, model)
+        row, done = _clients("resident engine", lambda user: _resident(socket, model), clients, seconds, model,
+                             documents)  # fmt: skip
         rows.append(row)
         requests += done
     for router in routers:
         progress(f"team: {replicas} replicas, router {router}, {clients} clients typing for {seconds:g} s"
                  + (f", a replica killed every {fault_every_s:g} s" if fault_every_s else "")
                  + (", a rolling upgrade midway" if upgrade else ""))  # fmt: skip
-        with _deployment(model, replicas, router) as (url, tokens, redeploy):
+        with _deployment(model, replicas, router, cpus) as (url, tokens, redeploy):
             chaos = _Chaos(fault_every_s, redeploy if upgrade else None, seconds)
             with chaos.running():
                 row, done = _clients(f"team {router} x{replicas}", lambda user: _remote(url, tokens, user), clients,
-                                     seconds, model)  # fmt: skip
+                                     seconds, model, documents)  # fmt: skip
             row.update(kills=chaos.kills, upgrades=chaos.upgrades)
         rows.append(row)
         requests += done
@@ -60,6 +63,7 @@ def run(model: str | None, clients: int = 8, replicas: int = 2, routers: tuple[s
         row["p50_vs_reference"] = row["p50_ms"] / reference["p50_ms"]
         row["hit_rate_vs_reference"] = row["hit_rate"] / reference["hit_rate"] if reference["hit_rate"] else None
     return {"machine": machine(), "model": model or "(default)", "clients": clients, "replicas": replicas,
+            "cpus_per_replica": cpus, "documents": documents,
             "seconds": seconds, "fault_every_s": fault_every_s, "upgrade": upgrade, "rows": rows,
             "requests": requests}  # fmt: skip
 
@@ -81,8 +85,8 @@ def _remote(url: str, tokens: Path, user: str) -> Any:
 
 
 @contextlib.contextmanager
-def _deployment(model: str | None, replicas: int,
-                router: str) -> Iterator[tuple[str, Path, Callable[[], None]]]:  # fmt: skip
+def _deployment(model: str | None, replicas: int, router: str,
+                cpus: int) -> Iterator[tuple[str, Path, Callable[[], None]]]:  # fmt: skip
     """The team application on a local Ray cluster in this process: its URL, its token file, and a function that
     redeploys it with a new code version (Serve's rolling upgrade: new replicas start, old ones drain)."""
     import ray
@@ -96,7 +100,7 @@ def _deployment(model: str | None, replicas: int,
     tokens.write_text("")
     port = free_port()
     options = TeamOptions(model=model, replicas=replicas, device="cpu", router=router, tokens=str(tokens),
-                          rate=1000.0, burst=1000)  # fmt: skip
+                          cpus_per_replica=cpus, rate=1000.0, burst=1000)  # fmt: skip
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -154,15 +158,15 @@ class _Chaos:
 # -- the clients -------------------------------------------------------------------------------------------------
 
 
-def _clients(name: str, backend_of: Callable[[str], Any], clients: int, seconds: float,
-             model: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
-    """`clients` editors typing for `seconds`, each through its own backend (its own user) asking for `model`: the
-    row and every request."""
-    return asyncio.run(_typing(name, backend_of, clients, seconds, model))
+def _clients(name: str, backend_of: Callable[[str], Any], clients: int, seconds: float, model: str | None,
+             documents: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
+    """`clients` editors typing for `seconds` into `documents` files each, each through its own backend (its own
+    user) asking for `model`: the row and every request."""
+    return asyncio.run(_typing(name, backend_of, clients, seconds, model, documents))
 
 
-async def _typing(name: str, backend_of: Callable[[str], Any], clients: int, seconds: float,
-                  model: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
+async def _typing(name: str, backend_of: Callable[[str], Any], clients: int, seconds: float, model: str | None,
+                  documents: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
     from ..engine.results import InfillResult
     from ..server.backend import Answer, CancelFlag, Failed
 
@@ -179,20 +183,28 @@ async def _typing(name: str, backend_of: Callable[[str], Any], clients: int, sec
     deadline = time.monotonic() + seconds
 
     async def editor(index: int) -> None:
-        start = (index * 7919) % (len(filler) - PREFIX_CHARS)
-        document = f"file:///team/{index}.py"
-        base = f"# editor {index}\n" + filler[start : start + PREFIX_CHARS]
-        typed = 0
+        """Types a few characters into one of its documents, then moves on to the next (a developer between
+        files); with one document, types into it throughout."""
+        bases = []
+        for number in range(documents):
+            start = ((index * documents + number) * 7919) % (len(filler) - PREFIX_CHARS)
+            bases.append(f"# editor {index}, file {number}\n" + filler[start : start + PREFIX_CHARS])
+        typed = [0] * documents
+        request = 0
         while time.monotonic() < deadline:
-            prefix = base + TYPED[: typed % len(TYPED) + 1]
-            typed += 1
+            number = (request // KEYS_PER_VISIT) % documents
+            request += 1
+            prefix = bases[number] + TYPED[: typed[number] % len(TYPED) + 1]
+            typed[number] += 1
             started = time.perf_counter()
-            reply = await backends[index].infill(prefix, "\n", {"max_new_tokens": 16}, CancelFlag(), document)
+            reply = await backends[index].infill(prefix, "\n", {"max_new_tokens": 16}, CancelFlag(),
+                                                 f"file:///team/{index}/{number}.py")  # fmt: skip
             ms = (time.perf_counter() - started) * 1000
             row = {"system": name, "user": index, "ms": ms, "ok": isinstance(reply, Answer),
                    "failed": reply.reason if isinstance(reply, Failed) else None}  # fmt: skip
             if isinstance(reply, Answer) and isinstance(reply.raw, InfillResult):
-                row.update(prefix_tokens=reply.raw.prefix_tokens, reused=reply.raw.prefix_reused_tokens)
+                row.update(prefix_tokens=reply.raw.prefix_tokens, reused=reply.raw.prefix_reused_tokens,
+                           overhead_ms=ms - (reply.engine_ms or 0.0))  # fmt: skip
             requests.append(row)
 
     started = time.perf_counter()
@@ -209,6 +221,7 @@ async def _typing(name: str, backend_of: Callable[[str], Any], clients: int, sec
            "lost": sum(1 for r in requests if r["failed"] is not None),
            "first_failures": sorted({r["failed"] for r in requests if r["failed"]})[:3],
            "requests_per_s": len(answered) / elapsed, "p50_ms": percentile(ms, 0.5), "p95_ms": percentile(ms, 0.95),
+           "overhead_p50_ms": percentile([r["overhead_ms"] for r in answered if "overhead_ms" in r], 0.5),
            "hit_rate": sum(1 for r in answered if r.get("reused")) / max(1, len(answered)),
            "reused_share": sum(r.get("reused", 0) for r in answered) / max(1, prefix),
            "fairness": max(p95s) / min(p95s) if p95s else None}  # fmt: skip
@@ -219,17 +232,19 @@ async def _typing(name: str, backend_of: Callable[[str], Any], clients: int, sec
 
 
 def format_team(report: dict[str, Any]) -> str:
-    lines = [f"{report['machine']}; model {report['model']}; {report['clients']} clients typing for "
-             f"{report['seconds']:g} s; {report['replicas']} replicas"
+    lines = [f"{report['machine']}; model {report['model']}; {report['clients']} clients typing into "
+             f"{report.get('documents', 1)} document(s) each for "
+             f"{report['seconds']:g} s; {report['replicas']} replicas of {report['cpus_per_replica']} CPU"
              + (f"; a replica killed every {report['fault_every_s']:g} s" if report["fault_every_s"] else "")
              + ("; a rolling upgrade midway" if report["upgrade"] else ""), "",
              f"{'system':<22}{'requests':>9}{'lost':>6}{'req/s':>8}{'p50 ms':>9}{'p95 ms':>9}{'p50/ref':>9}"
-             f"{'hit rate':>10}{'hit/ref':>9}{'reused':>8}{'fairness':>10}{'kills':>7}"]  # fmt: skip
+             f"{'beyond':>8}{'hit rate':>10}{'hit/ref':>9}{'reused':>8}{'fairness':>10}{'kills':>7}"]  # fmt: skip
     for row in report["rows"]:
         hit_ref = f"{row['hit_rate_vs_reference']:.2f}" if row["hit_rate_vs_reference"] is not None else "-"
         fairness = f"{row['fairness']:.2f}" if row["fairness"] is not None else "-"
         lines.append(f"{row['system']:<22}{row['requests']:>9}{row['lost']:>6}{row['requests_per_s']:>8.1f}"
                      f"{row['p50_ms']:>9.1f}{row['p95_ms']:>9.1f}{row['p50_vs_reference']:>9.2f}"
+                     f"{row['overhead_p50_ms']:>8.1f}"
                      f"{row['hit_rate']:>10.1%}{hit_ref:>9}{row['reused_share']:>8.1%}{fairness:>10}"
                      f"{row.get('kills', 0):>7}")  # fmt: skip
         for failure in row["first_failures"]:

@@ -25,21 +25,32 @@ from .documents import Document
 from .fill import FillOutcome, Lead, fill_regions
 from .holes import find_holes
 from .positions import PositionError
+from .protocol import (
+    FILL_HOLES_COMMAND,
+    FILL_METHOD,
+    FILL_REGIONS_METHOD,
+    LEARN_COMMAND,
+    NEXT_EDIT_METHOD,
+    PREFETCH_METHOD,
+    REWRITE_COMMAND,
+    FillHolesArgument,
+    FillParams,
+    FillRegionsParams,
+    LearnArgument,
+    NextEditParams,
+    PrefetchParams,
+    RegionParams,
+    RewriteArgument,
+    argument,
+)
 from .session import CanvasServer
 from .silence import MOVED_ON, Why, sentence
 from .wire import unstructure
 from .workspaces import Learned, LearnJob, uri_path
 
 log = logging.getLogger(__name__)
-FILL_METHOD = "canvas/fill"
 STATS_METHOD = "canvas/stats"
 STATUS_METHOD = "canvas/status"
-PREFETCH_METHOD = "canvas/prefetch"
-FILL_REGIONS_METHOD = "canvas/fillRegions"
-NEXT_EDIT_METHOD = "canvas/nextEdit"
-FILL_HOLES_COMMAND = "canvas-ls.fillHoles"
-REWRITE_COMMAND = "canvas-ls.rewriteSelection"
-LEARN_COMMAND = "canvas-ls.learnWorkspace"
 
 
 server = CanvasServer()
@@ -142,14 +153,9 @@ async def completion(ls: CanvasServer, params: types.CompletionParams) -> types.
 
 
 @server.feature(FILL_METHOD)
-async def fill(ls: CanvasServer, params: Any) -> dict[str, Any]:
+async def fill(ls: CanvasServer, params: FillParams) -> dict[str, Any]:
     """`canvas/fill` {textDocument: {uri}, position}: the edit and the engine's whole result."""
-    uri = _get(_get(params, "textDocument"), "uri")
-    position = _position(_get(params, "position"))
-    if not isinstance(uri, str) or position is None:
-        raise JsonRpcInvalidParams("canvas/fill wants {textDocument: {uri}, position: {line, character}} (LSP "
-                                   "positions: integers from 0 to 2**31 - 1)")  # fmt: skip
-    outcome, span = await _complete(ls, uri, types.Position(*position))
+    outcome, span = await _complete(ls, params.text_document.uri, params.position)
     return {
         "source": outcome.label,
         "detail": outcome.detail,
@@ -162,24 +168,17 @@ async def fill(ls: CanvasServer, params: Any) -> dict[str, Any]:
 
 
 @server.feature(PREFETCH_METHOD)
-async def prefetch(ls: CanvasServer, params: Any) -> dict[str, bool] | None:
+async def prefetch(ls: CanvasServer, params: PrefetchParams) -> dict[str, bool] | None:
     """`canvas/prefetch` {textDocument: {uri, version?}, position, wait?}: the cursor went there (the editor will ask
     for a completion there once its debounce ends); start that completion now. A request rather than a notification
     so that the editor sends its pending changes first; for another version of the document (changes still on their
     way) nothing starts. Answers at once (null), or with `wait: true` once the completion is done: {ready: true} when
     the request for that place would now be answered at once, so that the editor can ask without waiting out the
     rest of its debounce."""
-    document_id, position = _get(params, "textDocument"), _get(params, "position")
-    uri, version = _get(document_id, "uri"), _get(document_id, "version")
-    at = _position(position)
-    if not isinstance(uri, str) or at is None:
-        raise JsonRpcInvalidParams(
-            f"{PREFETCH_METHOD} wants {{textDocument: {{uri}}, position: {{line, character}}, wait?}}"
-        )
-    line, character = at
-    wait = _get(params, "wait") is True
+    uri, version, wait = params.text_document.uri, params.text_document.version, params.wait
+    line, character = params.position.line, params.position.character
     document = ls.documents.get(uri)
-    if document is None or (isinstance(version, int) and version != document.version):
+    if document is None or (version is not None and version != document.version):
         return {"ready": False} if wait else None
     task = ls.completer.prefetch(document, line, character)
     if not wait:
@@ -189,24 +188,20 @@ async def prefetch(ls: CanvasServer, params: Any) -> dict[str, bool] | None:
 
 
 @server.feature(NEXT_EDIT_METHOD)
-async def next_edit(ls: CanvasServer, params: Any) -> dict[str, Any]:
+async def next_edit(ls: CanvasServer, params: NextEditParams) -> dict[str, Any]:
     """`canvas/nextEdit` {textDocument: {uri, version?}, position}: after the user's recent edits in the document,
     the edits that should follow (`server/nextedit.py`), each {textDocument: {uri}, range, newText, confidence,
     predictor, away}, for the document version that was read (`version`); none, with `reason`, when there is nothing
     to suggest, the request was superseded, or the document changed meanwhile (`version` given and not the
     document's: answered at once, stale)."""
-    document_id = _get(params, "textDocument")
-    uri, version, at = _get(document_id, "uri"), _get(document_id, "version"), _position(_get(params, "position"))
-    if not isinstance(uri, str) or at is None or not (version is None or isinstance(version, int)):
-        raise JsonRpcInvalidParams(f"{NEXT_EDIT_METHOD} wants {{textDocument: {{uri, version?}}, position: {{line, "
-                                   "character}} (LSP positions: integers from 0 to 2**31 - 1)")  # fmt: skip
+    uri, version = params.text_document.uri, params.text_document.version
     document = ls.documents.get(uri)
     if document is None:
         return {"version": None, "edits": [], "reason": f"{uri} is not open"}
     if version is not None and version != document.version:
         return {"version": document.version, "edits": [], "reason": "stale: the document is at another version"}
     try:
-        offset = document.index.offset(*at)
+        offset = document.index.offset(params.position.line, params.position.character)
     except PositionError:
         raise JsonRpcInvalidParams(f"{NEXT_EDIT_METHOD}: the position is past the end of the document") from None
     options = ls.config.next_edit
@@ -348,31 +343,29 @@ def code_action(ls: CanvasServer, params: types.CodeActionParams) -> list[types.
 @server.command(FILL_HOLES_COMMAND)
 async def fill_holes_command(ls: CanvasServer, *arguments: Any) -> dict[str, Any]:
     """Fill the placeholders of the function or class at `position`, applied as one workspace edit."""
-    return await _fill_request(ls, {**_first(arguments, FILL_HOLES_COMMAND), "apply": True})
+    given = argument(arguments, FillHolesArgument, FILL_HOLES_COMMAND)
+    return await _fill_request(ls, FillRegionsParams(given.text_document, position=given.position, apply=True))
 
 
 @server.command(REWRITE_COMMAND)
 async def rewrite_command(ls: CanvasServer, *arguments: Any) -> dict[str, Any]:
     """Rewrite the selected `range` in place (strength: `fill.rewrite_strength`), applied as one workspace edit."""
-    argument = _first(arguments, REWRITE_COMMAND)
-    region = {"range": _get(argument, "range"), "strength": ls.config.fill.rewrite_strength}
-    return await _fill_request(ls, {**argument, "regions": [region], "apply": True})
+    given = argument(arguments, RewriteArgument, REWRITE_COMMAND)
+    region = RegionParams(given.range, ls.config.fill.rewrite_strength)
+    return await _fill_request(ls, FillRegionsParams(given.text_document, regions=[region], apply=True))
 
 
 @server.feature(FILL_REGIONS_METHOD)
-async def fill_regions_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
+async def fill_regions_request(ls: CanvasServer, params: FillRegionsParams) -> dict[str, Any]:
     """`canvas/fillRegions` {textDocument: {uri}, regions: [{range, strength?}] | position, apply?}: several regions
     (or the holes of the function or class at `position`) in one canvas. Returns the WorkspaceEdit (applied when
     `apply`), each region's answer or why it stayed as it was, and `error` when nothing could run."""
     return await _fill_request(ls, params)
 
 
-async def _fill_request(ls: CanvasServer, params: Any) -> dict[str, Any]:
-    uri = _get(_get(params, "textDocument"), "uri")
-    if not isinstance(uri, str):
-        raise JsonRpcInvalidParams("want {textDocument: {uri}, regions: [{range, strength?}] | position, apply?}")
+async def _fill_request(ls: CanvasServer, params: FillRegionsParams) -> dict[str, Any]:
+    uri, apply = params.text_document.uri, params.apply
     document = ls.documents.get(uri)
-    apply = _get(params, "apply") is True
     if document is None:
         return _fill_failed(ls, f"{uri} is not open", apply)
     try:
@@ -435,38 +428,27 @@ def _lead(ls: CanvasServer, document: Document, regions: list[Region]) -> Lead |
     return None if block is None else Lead(block, options.context_tokens, options.prefix_tokens)
 
 
-def _regions(document: Document, params: Any) -> list[Region]:
+def _regions(document: Document, params: FillRegionsParams) -> list[Region]:
     """The regions to fill: the given ranges, or the placeholders of the function or class at `position`."""
     index = document.index
-    given = _get(params, "regions")
-    if given is None:
-        position = _position(_get(params, "position"))
-        if position is None:
+    if params.regions is None:
+        if params.position is None:
             raise ValueError("give 'regions' or a 'position' {line, character}")
-        scope = find_holes(document, index.offset(*position))
+        scope = find_holes(document, index.offset(params.position.line, params.position.character))
         if scope is None:
             raise ValueError("no function or class here to fill holes in")
         if not scope.holes:
             raise ValueError("no holes here: this function or class has no placeholder (..., pass # TODO, "
                              "raise NotImplementedError, todo!(), a TODO comment, an empty body)")  # fmt: skip
         return [Region(start, end) for start, end in scope.holes]
-    if not isinstance(given, list):
-        raise ValueError("'regions' must be a list of {range, strength?}")
     regions = []
-    for number, item in enumerate(given, 1):
-        span, strength = _get(item, "range"), _get(item, "strength")
-        start, end = _position(_get(span, "start")), _position(_get(span, "end"))
-        if start is None or end is None:
-            raise ValueError(f"region {number}: want a range {{start: {{line, character}}, end: ...}}")
-        points = [*start, *end]
-        strength = 1.0 if strength is None else strength
-        if isinstance(strength, bool) or not isinstance(strength, int | float):
-            raise ValueError(f"region {number}: strength must be a number")
+    for number, item in enumerate(params.regions, 1):
+        start, end = item.range.start, item.range.end
         try:
-            offsets = index.offset(points[0], points[1]), index.offset(points[2], points[3])
+            offsets = index.offset(start.line, start.character), index.offset(end.line, end.character)
         except PositionError as exc:
             raise ValueError(f"region {number} lies outside the document ({exc})") from exc
-        regions.append(Region(*offsets, float(strength)))
+        regions.append(Region(*offsets, 1.0 if item.strength is None else item.strength))
     return regions
 
 
@@ -493,14 +475,6 @@ def _fill_failed(ls: CanvasServer, message: str, apply: bool) -> dict[str, Any]:
             "message": f"nothing filled: {message}", "regions": [], "context": [], "result": None}  # fmt: skip
 
 
-def _first(arguments: tuple[Any, ...], command: str) -> dict[str, Any]:
-    """A command's one argument, an object (absent: empty)."""
-    argument = arguments[0] if arguments else {}
-    if not isinstance(argument, dict):
-        raise JsonRpcInvalidParams(f"{command} takes one object argument, not {type(argument).__name__}")
-    return argument
-
-
 def _unstructure(ls: CanvasServer, value: Any) -> Any:
     return unstructure(ls.protocol, value)
 
@@ -513,10 +487,8 @@ async def learn_workspace_command(ls: CanvasServer, *arguments: Any) -> dict[str
     """Tune the configured model on the repository of `folder` (a URI or path; default: the first workspace folder)
     in the background, at the lowest CPU priority; work-done progress while it runs (cancel: it stops, keeps what it
     learnt), a message when it ends. Returns at once: {workspace, minutes} or {error}."""
-    argument = arguments[0] if arguments else {}
-    folder = argument if isinstance(argument, str) else _get(argument, "folder")
-    if folder is not None and not isinstance(folder, str):
-        raise JsonRpcInvalidParams(f"{LEARN_COMMAND} takes a folder (a URI or a path) or {{folder}}")
+    given = arguments[0] if arguments else None
+    folder = given if isinstance(given, str) else argument(arguments, LearnArgument, LEARN_COMMAND).folder
     if folder is None and ls.workspace.folders:
         folder = next(iter(ls.workspace.folders.values())).uri
     folder = folder or ls.workspace.root_uri or ""

@@ -18,8 +18,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import attrs
 from lsprotocol import types
+from pygls.exceptions import JsonRpcInvalidParams
 from pygls.protocol import JsonRPCProtocol
+
+from .protocol import PARAMS, structure
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +225,12 @@ class Dispatcher:
             self._refuse(request, method, types.ErrorCodes.InvalidParams,
                          f"Invalid params for {method}: {_first_line(cause)}")  # fmt: skip
             return
+        if method in PARAMS:  # canvas-ls's own methods: their params typed (`protocol.py`), strictly
+            try:
+                typed = attrs.evolve(typed, params=structure(params, PARAMS[method], method))
+            except JsonRpcInvalidParams as exc:
+                self._refuse(request, method, types.ErrorCodes.InvalidParams, str(exc))
+                return
         self.protocol.handle_message(typed)
 
     def _response(self, message: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ import pytest
 import pytest_lsp
 from lsprotocol import types
 from prometheus_client.parser import text_string_to_metric_families
+from pygls.exceptions import JsonRpcException
 from pytest_lsp import ClientServerConfig, LanguageClient
 
 from tests.conftest import FIXTURES
@@ -353,8 +354,11 @@ async def test_a_prefetch_answers_the_request_that_follows(client: LanguageClien
     assert elsewhere["result"] is not None
     stats = await request(client, "canvas/stats", {})
     assert stats["prefetch"] == {"started": 2, "used": 1} and stats["modelCalls"] == 4  # none for the race
-    with pytest.raises(Exception, match="canvas/prefetch wants"):
+    with pytest.raises(JsonRpcException) as refused:
         await request(client, "canvas/prefetch", {"position": {"line": 0}})
+    assert (refused.value.code, refused.value.message) == (-32602, "Invalid params for canvas/prefetch: required field "
+                                                           "missing @ $.textDocument; required field missing @ "
+                                                           "$.position.character")  # fmt: skip
 
 
 async def test_a_prefetch_that_waits_says_when_the_request_would_be_answered_at_once(client: LanguageClient) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Union
 import pytest
 import pytest_lsp
 from lsprotocol import types
+from pygls.exceptions import JsonRpcException
 from pytest_lsp import ClientServerConfig, LanguageClient
 
 from tests.test_crossfile import MAIN, UTIL
@@ -190,11 +191,15 @@ BAD_REGIONS = [
     ([{"range": span(1, 0, 40, 0)}], "region 1 lies outside the document"),
     ([{"range": span(2, 5, 1, 0)}], "region 1 is reversed"),
     ([], "nothing to fill: no hole given"),
-    ([{"range": span(1, 0, 1, 2), "strength": "hard"}], "region 1: strength must be a number"),
     ([{"range": span(1, 0, 1, 2), "strength": 0}], "hole 1: strength must be in (0, 1]"),
-    ([{"range": {"start": {"line": 1}}}], "region 1: want a range"),
-    ("not a list", "'regions' must be a list"),
 ]
+# Params of the wrong type: refused before the handler runs, from the type (`server/protocol.py`), naming the field.
+BAD_REGION_TYPES = [
+    ([{"range": span(1, 0, 1, 2), "strength": "hard"}], "expected float, got str @ $.regions[0].strength"),
+    ([{"range": {"start": {"line": 1}}}],
+     "required field missing @ $.regions[0].range.start.character; required field missing @ $.regions[0].range.end"),
+    ("not a list", "expected list, got str @ $.regions"),
+]  # fmt: skip
 
 
 async def test_bad_regions_give_a_clear_error(client: LanguageClient) -> None:
@@ -219,6 +224,13 @@ async def test_bad_regions_give_a_clear_error(client: LanguageClient) -> None:
     assert outside["error"] == "no function or class here to fill holes in"
     unknown = await request(client, "canvas/fillRegions", {"textDocument": {"uri": uri("nope.py")}, "regions": []})
     assert unknown["error"].endswith("is not open")
+    for regions, error in BAD_REGION_TYPES:
+        params = {"textDocument": {"uri": uri("notes.txt")}, "regions": regions, "apply": True}
+        with pytest.raises(JsonRpcException) as refused:
+            await request(client, "canvas/fillRegions", params)
+        expected = (-32602, f"Invalid params for canvas/fillRegions: {error}")
+        assert (refused.value.code, refused.value.message) == expected
+    assert client.applied == []
 
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE), params=["local", "resident"])

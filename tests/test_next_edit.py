@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import pytest_lsp
 from lsprotocol import types
+from pygls.exceptions import JsonRpcException
 from pytest_lsp import ClientServerConfig, LanguageClient
 
 from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Gap, Reply
@@ -405,10 +406,13 @@ async def test_bad_next_edit_requests_are_refused_with_why(client: LanguageClien
     gone = await next_edit(client, "nope.py", 0, 0)
     assert gone == {"version": None, "edits": [], "reason": f"{uri('nope.py')} is not open"}
     for params, message in [
-        ({"textDocument": {"uri": uri("a.py")}}, "canvas/nextEdit wants"),
-        ({"textDocument": {"uri": uri("a.py")}, "position": {"line": 40, "character": 0}}, "past the end"),
+        ({"textDocument": {"uri": uri("a.py")}},
+         "Invalid params for canvas/nextEdit: required field missing @ $.position"),
+        ({"textDocument": {"uri": uri("a.py")}, "position": {"line": 40, "character": 0}},
+         "canvas/nextEdit: the position is past the end of the document"),
         ({"textDocument": {"uri": uri("a.py"), "version": "1"}, "position": {"line": 0, "character": 0}},
-         "canvas/nextEdit wants"),
+         "Invalid params for canvas/nextEdit: expected int, got str @ $.textDocument.version"),
     ]:  # fmt: skip
-        with pytest.raises(Exception, match=message):
+        with pytest.raises(JsonRpcException) as refused:
             await request(client, "canvas/nextEdit", params)
+        assert (refused.value.code, refused.value.message) == (-32602, message)

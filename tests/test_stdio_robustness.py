@@ -175,9 +175,13 @@ def test_a_message_that_is_no_request_gets_the_error_the_spec_names(shared: RawC
           "params": {"command": "canvas-ls.fillHoles", "arguments": [5]}}, -32602, "takes one object argument"),
         ({"jsonrpc": "2.0", "method": "workspace/executeCommand",
           "params": {"command": "canvas-ls.learnWorkspace", "arguments": [{"folder": 5}]}}, -32602,
-         "takes a folder"),
+         "Invalid params for canvas-ls.learnWorkspace: expected str, got int @ $.folder"),
+        ({"jsonrpc": "2.0", "method": "workspace/executeCommand",
+          "params": {"command": "canvas-ls.rewriteSelection", "arguments": [{"textDocument": {"uri": "file:///a"}}]}},
+         -32602, "Invalid params for canvas-ls.rewriteSelection: required field missing @ $.range"),
         ({"jsonrpc": "2.0", "method": "canvas/fill", "params": {"position": {"line": "x"}}}, -32602,
-         "canvas/fill wants"),
+         "Invalid params for canvas/fill: required field missing @ $.textDocument; expected int, got str @ "
+         "$.position.line; required field missing @ $.position.character"),
     ],
     ids=lambda value: str(value.get("params", value.get("method")))[:40] if isinstance(value, dict) else None,
 )  # fmt: skip
@@ -285,12 +289,21 @@ def test_settings_out_of_range_are_refused_and_the_current_ones_kept(server: Raw
     assert answer == {"jsonrpc": "2.0", "id": 5, "result": {"items": []}}  # at once: the backend fails, no wait
 
 
-@pytest.mark.parametrize("position", [{"line": -1, "character": 0}, {"line": 0, "character": 10**30}, {"line": 2**31}])
-def test_a_position_out_of_the_lsp_range_is_invalid_params(shared: RawClient, position: dict[str, int]) -> None:
+@pytest.mark.parametrize(
+    ("position", "why"),
+    [
+        ({"line": -1, "character": 0}, "Position.line should be in range [0:2147483647], but was -1 @ $.position"),
+        ({"line": 0, "character": 10**30},
+         f"Position.character should be in range [0:2147483647], but was {10**30} @ $.position"),
+        ({"line": 2**31}, "required field missing @ $.position.character"),
+    ],
+)  # fmt: skip
+def test_a_position_out_of_the_lsp_range_is_invalid_params(shared: RawClient, position: dict[str, int],
+                                                           why: str) -> None:  # fmt: skip
     """Found by `bench soak --fault`: canvas/fill built an lsprotocol Position from it, which raised (-32603)."""
     code, text = error(shared, json.dumps({"jsonrpc": "2.0", "id": 8, "method": "canvas/fill", "params": {
         "textDocument": {"uri": "file:///x.py"}, "position": position}}).encode(), 8)  # fmt: skip
-    assert code == -32602 and "integers from 0 to 2**31 - 1" in text
+    assert (code, text) == (-32602, f"Invalid params for canvas/fill: {why}")
 
 
 def test_a_request_within_the_debounce_supersedes_the_one_before(server: RawClient) -> None:
