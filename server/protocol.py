@@ -40,17 +40,18 @@ class FillParams:
     position: types.Position
 
 
-@attrs.define(frozen=True)
-class PrefetchParams:
-    text_document: types.OptionalVersionedTextDocumentIdentifier
-    position: types.Position
-    wait: bool = False  # answer once the completion is done ({ready}), not at once
+FillHolesArgument = FillParams  # the holes of the function or class at a position: the same two fields
 
 
 @attrs.define(frozen=True)
 class NextEditParams:
-    text_document: types.OptionalVersionedTextDocumentIdentifier
+    text_document: types.OptionalVersionedTextDocumentIdentifier  # a version: stale unless the document's
     position: types.Position
+
+
+@attrs.define(frozen=True)
+class PrefetchParams(NextEditParams):
+    wait: bool = False  # answer once the completion is done ({ready}), not at once
 
 
 @attrs.define(frozen=True)
@@ -65,12 +66,6 @@ class FillRegionsParams:
     regions: list[RegionParams] | None = None
     position: types.Position | None = None  # instead of regions: the holes of the function or class there
     apply: bool = False
-
-
-@attrs.define(frozen=True)
-class FillHolesArgument:
-    text_document: types.TextDocumentIdentifier
-    position: types.Position
 
 
 @attrs.define(frozen=True)
