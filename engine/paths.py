@@ -7,6 +7,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import stat
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -34,11 +35,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "canvas-ls"
 
 
-def runtime_dir() -> Path:
-    """The user's private folder for the socket, the lock file and the engine log (created 0700)."""
+def runtime_path() -> Path:
+    """Where the user's private runtime folder is (`runtime_dir` makes it)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    folder = Path(base) / "canvas-ls" if base else Path("/tmp") / f"canvas-ls-{os.getuid()}"
+    return Path(base) / "canvas-ls" if base else Path("/tmp") / f"canvas-ls-{os.getuid()}"
+
+
+def runtime_dir() -> Path:
+    """The user's private folder for the socket, the lock file and the engine log (created 0700). One that another
+    user owns (made ahead in /tmp to catch the socket) or that is a link is refused, never used."""
+    folder = runtime_path()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{folder} is not a folder of this user's (`canvas-ls doctor` says how to fix it)")
     os.chmod(folder, 0o700)
     return folder
 

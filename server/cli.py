@@ -110,6 +110,12 @@ def parser(bench: bool = True) -> argparse.ArgumentParser:
     else:
         commands.add_parser("bench", help="benchmarks (figures, not pass/fail)")
 
+    doctor = commands.add_parser("doctor", help="check this installation: Python, torch, the model, the engine, the "
+                                 "editors; each problem with its fix")  # fmt: skip
+    doctor.add_argument("--model", help="the model to check (default: the shipped one)")
+    doctor.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    doctor.add_argument("--json", action="store_true", help="the checks as JSON")
+
     models = commands.add_parser("models", help="the models installed: the shipped default and those tuned on a "
                                  "workspace (`train --workspace`)")  # fmt: skip
     models.add_argument("--remove", type=Path, metavar="DIR", help="delete the model tuned on the repository of DIR")
@@ -386,6 +392,14 @@ def _train(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    checks = doctor.run(args.model, args.device)
+    print(doctor.report(checks, args.json))
+    return 1 if any(check.status == doctor.BROKEN for check in checks) else 0
+
+
 def _team(args: argparse.Namespace) -> int:
     from .team_cli import run
 
@@ -411,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": _train,
         "bench": _bench,
         "team": _team,
+        "doctor": _doctor,
         "make-tiny-model": _make_tiny_model,
         "models": _models,
     }

@@ -131,6 +131,15 @@ def other_installation_engine(model: Path, socket: Path) -> subprocess.Popen[byt
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def health_when_up(process: subprocess.Popen[bytes], socket: Path, timeout: float = 120) -> dict[str, Any]:
+    """The engine's /health once it answers (it must not exit meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while (health := engine_health(socket)) is None:
+        assert process.poll() is None and time.monotonic() < deadline, "the other engine did not start"
+        time.sleep(0.2)
+    return health
+
+
 async def test_a_server_never_takes_answers_from_another_installations_engine(
     fixed_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,10 +150,7 @@ async def test_a_server_never_takes_answers_from_another_installations_engine(
     socket = default_socket(str(fixed_model_dir), "cpu")
     process = other_installation_engine(fixed_model_dir, socket)
     try:
-        deadline = time.monotonic() + 120
-        while (health := engine_health(socket)) is None:
-            assert process.poll() is None and time.monotonic() < deadline, "the other engine did not start"
-            await asyncio.sleep(0.2)
+        health = health_when_up(process, socket)
         assert health["identity"]["installation"] == "/opt/other-venv/canvas_ls"
         backend = ResidentBackend(None, model=str(fixed_model_dir), device="cpu")
         done = asyncio.Event()
