@@ -274,7 +274,12 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       await stop();
       await start();
     }),
-    vscode.commands.registerCommand("canvasLs.showLog", () => output.show(true)),
+    vscode.commands.registerCommand("canvasLs.showLog", () => {
+      const { command, args } = serverCommand(readSettings());
+      const doctor = [command, ...args.slice(0, -1), "doctor"].join(" "); // the server's command, `doctor` for `serve`
+      output.appendLine(`[canvas-ls] nothing appears? In a terminal, \`${doctor}\` checks the installation and prints a fix for each problem.`);
+      output.show(true);
+    }),
     vscode.commands.registerCommand("canvasLs.fillHoles", () =>
       fill("canvas-ls: filling holes", (editor) =>
         fillHolesParams(editor.document.uri.toString(), editor.selection.active),
