@@ -39,7 +39,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -53,6 +53,7 @@ __all__ = ["AffinityRouter", "TeamOptions", "application", "build", "rendezvous"
 log = logging.getLogger("canvas_ls.team")
 APP_NAME = "canvas-ls"
 RETRIES = 2  # a request whose replica died before answering is sent again, to another replica, this many times
+ADAPTERS_PER_REPLICA = 4  # workspace adapters a replica holds beside its model (the engine's `AdapterSet` limit)
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,11 @@ def rendezvous(key: str, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}\0{replica}".encode(), digest_size=8).digest(), "big")
 
 
-class AffinityRouter(FIFOMixin, RequestRouter):
+class AffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     """A document's requests to the replica that holds its prefix KV (its home by `rendezvous`), unless that
     replica's queue is `spill_queue` long: then the least loaded replica. Requests without a key go to the least
-    loaded one."""
+    loaded one. A request for a workspace's adapter looks among the replicas that hold that adapter first (Serve's
+    multiplexing), then the others."""
 
     def initialize_state(self, spill_queue: int = 4, **_: Any) -> None:
         self.spill_queue = spill_queue
@@ -104,6 +106,9 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         key = pending_request.kwargs.get("route_key") if pending_request is not None else None
+        if pending_request is not None and pending_request.metadata.multiplexed_model_id:
+            holding = self.apply_multiplex_routing(pending_request=pending_request)
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id in holding] or candidate_replicas
         if not key or len(candidate_replicas) < 2:
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: rendezvous(key, r.replica_id.unique_id), reverse=True)
@@ -166,6 +171,16 @@ class EngineReplica:
     """One replica: one `Engine` and the resident engine's `EngineService` (its batching, cancellation, metrics)."""
 
     def __init__(self, options: dict[str, Any]) -> None:
+        import os
+
+        # Ray sets OMP_NUM_THREADS to the replica's CPUs: a bound, not a fixed choice. The engine's thread governor
+        # (`threads.py`) takes it as its most and uses fewer while other processes (Ray's own among them) keep cores
+        # busy, rather than spin-waiting on a core it cannot get.
+        cap = os.environ.pop("OMP_NUM_THREADS", None)
+        import torch
+
+        if cap and cap.isdigit() and int(cap) > 0:
+            torch.set_num_threads(int(cap))
         from .engine import Engine
         from .service import EngineService
 
@@ -176,10 +191,19 @@ class EngineReplica:
         self.service = EngineService(engine, max_batch=self.options.max_batch)
         self.name = serve.get_replica_context().replica_id.unique_id
 
+    @serve.multiplexed(max_num_models_per_replica=ADAPTERS_PER_REPLICA)
+    async def adapter(self, folder: str) -> str:
+        """Serve's record of the workspace adapters this replica holds, so that its router sends an adapter's requests
+        where it is held. The engine loads the adapter with the first request that names it (`AdapterSet`, as many
+        held); a folder that is not an adapter of this model is that request's 400."""
+        return folder
+
     async def call(self, method: str, path: str, body: bytes,
                    route_key: str | None = None) -> AsyncIterator[tuple[int, dict[str, str]] | bytes]:  # fmt: skip
         """The request through this replica's engine service: (status, headers) first, then the body's chunks.
         `route_key` is for the router (`AffinityRouter`) only."""
+        if serve.get_multiplexed_model_id():
+            await self.adapter(serve.get_multiplexed_model_id())
         async for item in asgi_request(self.service.app, method, path, body, {"content-type": "application/json"}):
             if isinstance(item, tuple):
                 item = (item[0], {**item[1], "x-canvas-replica": self.name})
@@ -275,8 +299,8 @@ class Gateway:
             body = await _body(request)
         except _Refused as exc:
             return _refusal(exc)
-        route_key = f"{user}\0{_document(body)}"
-        first, rest = await self._send(request, endpoint, body, route_key)
+        document, adapter = _routing(body)
+        first, rest = await self._send(request, endpoint, body, f"{user}\0{document}", adapter)
         if first is None:
             self.m_requests.labels(user, endpoint, "499").inc()
             return Response(status_code=499)
@@ -290,13 +314,14 @@ class Gateway:
         self._count(user, headers.get("x-canvas-replica", ""), status, content)
         return Response(content, status, media_type=headers.get("content-type"), headers=passed)
 
-    async def _send(self, request: Request, endpoint: str, body: bytes,
-                    route_key: str) -> tuple[tuple[int, dict[str, str]] | None, Any]:  # fmt: skip
+    async def _send(self, request: Request, endpoint: str, body: bytes, route_key: str,
+                    adapter: str) -> tuple[tuple[int, dict[str, str]] | None, Any]:  # fmt: skip
         """The replica's first answer (status, headers) and the stream of the rest; (None, None) when the client
         left first (the Serve call is cancelled: the replica's engine stops the work). A replica that died before
         answering: the request goes again, to another replica, up to RETRIES times."""
         for attempt in range(RETRIES + 1):
-            stream = self.engines.options(stream=True).call.remote("POST", request.url.path, body, route_key=route_key)
+            engines = self.engines.options(stream=True, multiplexed_model_id=adapter)
+            stream = engines.call.remote("POST", request.url.path, body, route_key=route_key)
             first = asyncio.ensure_future(stream.__anext__())
             gone = asyncio.ensure_future(_disconnected(request))
             try:
@@ -367,14 +392,15 @@ async def _body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _document(body: bytes) -> str:
-    """The request's document (its routing key with the user); "" when there is none or the body is not JSON (the
-    replica's engine answers that 400 itself)."""
+def _routing(body: bytes) -> tuple[str, str]:
+    """The request's document (its routing key with the user) and adapter folder (its replicas); "" for either when
+    there is none or the body is not JSON (the replica's engine answers that 400 itself)."""
     try:
-        document = json.loads(body).get("document")
+        data = json.loads(body)
+        document, adapter = data.get("document"), data.get("adapter")
     except (ValueError, AttributeError):
-        return ""
-    return document if isinstance(document, str) else ""
+        return "", ""
+    return document if isinstance(document, str) else "", adapter if isinstance(adapter, str) else ""
 
 
 def _refusal(exc: _Refused) -> JSONResponse:

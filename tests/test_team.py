@@ -314,6 +314,21 @@ def test_a_documents_requests_go_to_one_replica_and_are_counted_by_user(deployme
     assert "def size" not in metrics and "return" not in metrics  # counts, never code
 
 
+def test_a_workspace_adapter_is_answered_by_the_replica_that_holds_it(
+    deployment: Deployment, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Requests naming a workspace's LoRA adapter (a folder the replicas can read) are answered with it (Serve's
+    multiplexing records which replica holds it); a folder that is no adapter is that request's 400."""
+    from tests.conftest import random_adapter
+
+    adapter = random_adapter(deployment.model, tmp_path_factory.mktemp("team-adapter"))
+    with deployment.client("adapter-user") as client:
+        answers = [infill(client, f"file:///team/adapter{i}.py", adapter=str(adapter)) for i in range(4)]
+        assert [(a.status_code, a.json()["adapter"]) for a in answers] == [(200, str(adapter))] * 4
+        wrong = infill(client, "file:///team/adapter.py", adapter=str(tmp_path_factory.getbasetemp()))
+    assert wrong.status_code == 400 and "is not a peft adapter folder" in wrong.json()["error"]
+
+
 def test_a_user_over_the_rate_limit_is_told_when_to_come_back(deployment: Deployment) -> None:
     with deployment.client("eager-user") as client:
         statuses = [infill(client, "file:///team/eager.py") for _ in range(BURST + 3)]
