@@ -177,14 +177,15 @@ SECRETS = re.compile(
 
 def _listed(root: Path) -> tuple[list[Path], str]:
     """The repository's files that git would track (tracked plus untracked, .gitignore respected) or, outside git,
-    every file not matched by the root's .gitignore."""
+    every file not matched by the root's .gitignore; in path order either way (of two files with the same content,
+    the first in path order is kept)."""
     import subprocess
 
     try:
         done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                               capture_output=True, timeout=60, check=True)  # fmt: skip
         names = [n for n in done.stdout.decode("utf-8", "replace").split("\0") if n]
-        return [root / n for n in names], "git ls-files (.gitignore respected)"
+        return sorted(root / n for n in names), "git ls-files (.gitignore respected)"
     except (OSError, subprocess.SubprocessError):
         import pathspec
 

@@ -65,7 +65,7 @@ class TeamOptions:
     device: str = "auto"
     dtype: str | None = None
     quantize: str = "auto"
-    compile: str = "off"
+    compile: str = "auto"  # as `canvas-ls engine`: on the CPU the step's graphs compiled once, then loaded
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
     max_batch: int = MAX_BATCH

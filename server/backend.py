@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -487,6 +489,7 @@ class ResidentBackend(EngineClient):
             health = self._health()
             if health is not None:
                 return health
+            retire_older_engines(self.socket)  # their memory (a GPU's) is what this one is about to load into
             command = [sys.executable, "-m", "canvas_ls.server.cli", "engine", "--socket", str(self.socket),
                        "--idle-exit", str(self.idle_exit_s)]  # fmt: skip
             if self._model:
@@ -583,6 +586,32 @@ class RemoteBackend(EngineClient):
         self.error = f"the team engine at {self.url} is unreachable ({exc or type(exc).__name__})"
         self.state, self.checked, self.why = "failed", time.monotonic(), Why.UNREACHABLE
         return Failed(self.error, True, Why.UNREACHABLE)
+
+
+def retire_older_engines(keep: Path) -> list[int]:
+    """Stop the resident engines of this installation at another version, beside `keep`'s socket: an upgrade in
+    place leaves the old version's engine holding its model in memory (a GPU's too) for up to its 30 idle minutes,
+    and no server of the new version will ask it anything. SIGTERM: uvicorn lets their requests in flight end first.
+    Engines of this version (another model's) and of other installations are left alone. Their pids."""
+    from ..engine.paths import installation
+
+    ours, stopped = installation(), []
+    for socket in keep.parent.glob("engine-*.sock"):
+        health = engine_health(socket, timeout=1.0) if socket != keep else None
+        theirs = (health or {}).get("identity")
+        if not isinstance(theirs, dict) or theirs.get("installation") != ours["installation"]:
+            continue
+        pid = (health or {}).get("pid")
+        if theirs.get("version") != ours["version"] and isinstance(pid, int):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError as exc:  # gone meanwhile, or not ours to stop
+                log.warning("could not stop the canvas-ls %s engine (pid %d): %s", theirs.get("version"), pid, exc)
+                continue
+            log.info("stopped the resident engine of canvas-ls %s (pid %d): this is %s", theirs.get("version"), pid,
+                     ours["version"])  # fmt: skip
+            stopped.append(pid)
+    return stopped
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -46,7 +46,8 @@ def add_parser(commands: Any) -> None:
     serve.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bf16 on GPUs, else what the CPU "
                        "computes fastest")  # fmt: skip
     serve.add_argument("--quantize", choices=QUANTIZE, default="auto")
-    serve.add_argument("--compile", choices=("off", "on"), default="off", help="compile each replica's step")
+    serve.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                       help="each replica's compiled step, as `canvas-ls engine --compile`")  # fmt: skip
     serve.add_argument("--cpus-per-replica", type=float, default=1.0)
     serve.add_argument("--gpus-per-replica", type=float, default=0.0, help="e.g. 1 for DiffusionGemma on an H100")
     serve.add_argument("--max-batch", type=int, default=MAX_BATCH, help="requests sharing a replica's forwards")

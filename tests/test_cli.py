@@ -90,7 +90,7 @@ def test_complete_json_prints_every_field(tiny_model_dir: Path) -> None:
     assert result["layout"] == "canvas"
     assert result["steps"] == result["forward_passes"] > 0
     assert len(result["confidence"]) == len(result["tokens"]) <= 16
-    assert result["stop_reason"] in ("eos", "max_tokens")
+    assert (result["stop_reason"], len(result["tokens"])) == ("max_tokens", 16)  # the tiny model fills its 16
     assert done.stderr == ""  # no library chatter
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,12 +120,14 @@ async def test_the_cache_key_reads_memory_only(tmp_path: Path, monkeypatch: pyte
     assert key != complete._key(document, context, {}, Identity("local", base, "f2"))
 
 
-def other_installation_engine(model: Path, socket: Path) -> subprocess.Popen[bytes]:
-    """A real `canvas-ls engine` that says it belongs to another installation of canvas-ls (another virtualenv)."""
+def other_installation_engine(model: Path, socket: Path, installation: str = "/opt/other-venv/canvas_ls",
+                              version: str = "0.0.9") -> subprocess.Popen[bytes]:  # fmt: skip
+    """A real `canvas-ls engine` that says it belongs to another installation of canvas-ls (another virtualenv), or
+    to another version of this one."""
     script = (
         "import sys, functools; from canvas_ls.engine import paths; "
-        "paths.installation = functools.cache(lambda: {'installation': '/opt/other-venv/canvas_ls', "
-        "'version': '0.0.9'}); from canvas_ls.server.cli import main; sys.exit(main(sys.argv[1:]))"
+        f"paths.installation = functools.cache(lambda: {{'installation': {installation!r}, 'version': {version!r}}}); "
+        "from canvas_ls.server.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     command = [sys.executable, "-c", script, "engine", "--model", str(model), "--device", "cpu", "--socket",
                str(socket)]  # fmt: skip
@@ -171,6 +174,39 @@ async def test_a_server_never_takes_answers_from_another_installations_engine(
     finally:
         process.kill()
         process.wait()
+
+
+async def test_an_engine_left_by_an_older_version_is_stopped_when_this_one_starts(
+    fixed_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upgrade in place: the old version's engine (this installation, version 0.0.9) still holds the model on its
+    own socket. The first server of the new version to start its engine stops the old one (it would otherwise hold
+    its memory, a GPU's, for 30 idle minutes); an engine of another installation beside it is left alone."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", tempfile.mkdtemp(prefix="cls-"))
+    ours = installation()["installation"]
+    folder = default_socket(str(fixed_model_dir), "cpu").parent
+    old = other_installation_engine(fixed_model_dir, folder / "engine-old.sock", installation=ours)
+    other = other_installation_engine(fixed_model_dir, folder / "engine-other.sock")
+    try:
+        health_when_up(old, folder / "engine-old.sock")
+        health_when_up(other, folder / "engine-other.sock")
+        backend = ResidentBackend(None, model=str(fixed_model_dir), device="cpu")
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        backend.load(str(fixed_model_dir), "cpu", lambda _: loop.call_soon_threadsafe(done.set))
+        await done.wait()
+        assert (backend.state, backend.error) == ("ready", None)
+        # the old version exited on SIGTERM (uvicorn ends its requests in flight, then re-raises the signal)
+        assert (old.wait(timeout=30), other.poll()) == (-signal.SIGTERM, None)
+        reply = await backend.infill("def f():\n    return ", "\n", {"max_new_tokens": 4}, CancelFlag())
+        assert isinstance(reply, Answer)
+    finally:
+        for process in (old, other):
+            process.kill()
+            process.wait()
+        socket = default_socket(str(fixed_model_dir), "cpu")
+        if (health := engine_health(socket)) is not None:
+            os.kill(health["pid"], 9)
 
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))

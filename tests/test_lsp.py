@@ -469,8 +469,8 @@ async def test_newer_request_supersedes_the_older(slow_client: LanguageClient, w
 
 
 async def still_up(client: LanguageClient) -> None:
-    stats = await request(client, "canvas/stats", {})
-    assert stats["engine"]["state"] in ("loading", "ready")
+    """The server answers, and its model is (or becomes) ready."""
+    assert (await wait_ready(client))["engine"]["state"] == "ready"
 
 
 async def test_request_while_the_model_is_loading_is_empty(client: LanguageClient) -> None:
@@ -542,7 +542,7 @@ async def test_non_utf8_bytes(client: LanguageClient) -> None:
     text = bytes(range(256)).decode("latin-1") + "\n\ufffd\ufffd = 1\n# note: \n"
     open_doc(client, "bytes.py", text)
     response = await fill(client, "bytes.py", types.Position(text.count("\n") - 1, 8))
-    assert response["source"] in ("model", "rejected", "skip:position past the end")
+    assert response["source"] == "model"  # the position read after the odd bytes, the model asked there
     await still_up(client)
 
 
