@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -171,8 +172,6 @@ class EngineReplica:
     """One replica: one `Engine` and the resident engine's `EngineService` (its batching, cancellation, metrics)."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        import os
-
         # Ray sets OMP_NUM_THREADS to the replica's CPUs: a bound, not a fixed choice. The engine's thread governor
         # (`threads.py`) takes it as its most and uses fewer while other processes (Ray's own among them) keep cores
         # busy, rather than spin-waiting on a core it cannot get.
