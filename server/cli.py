@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -109,6 +110,12 @@ def parser(bench: bool = True) -> argparse.ArgumentParser:
         add_bench_parser(commands)
     else:
         commands.add_parser("bench", help="benchmarks (figures, not pass/fail)")
+
+    stats = commands.add_parser("stats", help="what canvas-ls showed you and what you took: acceptance, latency, per "
+                                "language and model (local only, no code)")  # fmt: skip
+    stats.add_argument("--since", help="only the last N days or hours (7d, 12h; default: everything)")
+    stats.add_argument("--json", action="store_true", help="the statistics as JSON")
+    stats.add_argument("--clear", action="store_true", help="delete every recorded event")
 
     doctor = commands.add_parser("doctor", help="check this installation: Python, torch, the model, the engine, the "
                                  "editors; each problem with its fix")  # fmt: skip
@@ -392,6 +399,33 @@ def _train(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _stats(args: argparse.Namespace) -> int:
+    import json as json_module
+    import re
+
+    from .acceptance import default_path, format_summary, summary
+
+    path = default_path()
+    if args.clear:
+        for suffix in ("", "-wal", "-shm"):
+            path.with_name(path.name + suffix).unlink(missing_ok=True)
+        print(f"cleared {path}", file=sys.stderr)
+        return 0
+    since = None
+    if args.since is not None:
+        found = re.fullmatch(r"(\d+(?:\.\d+)?)([dh])", args.since)
+        if found is None:
+            raise CliError(f"--since wants days or hours such as 7d or 12h, got '{args.since}'")
+        since = float(found[1]) * (86400 if found[2] == "d" else 3600)
+    try:
+        report = summary(path, since)
+    except sqlite3.DatabaseError as exc:
+        raise CliError(f"the statistics database {path} cannot be read ({exc}); the language server moves it aside "
+                       "and starts a new one, or `canvas-ls stats --clear`") from exc  # fmt: skip
+    print(json_module.dumps(report, indent=2) if args.json else format_summary(report))
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
@@ -426,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": _bench,
         "team": _team,
         "doctor": _doctor,
+        "stats": _stats,
         "make-tiny-model": _make_tiny_model,
         "models": _models,
     }

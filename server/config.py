@@ -198,6 +198,9 @@ class ServerConfig:
     languages: dict[str, bool] = field(default_factory=dict)
     # Completions remembered by context (LRU), answered without a model call.
     cache_size: int = 256
+    # Record what was shown, accepted (whole or partly) and dismissed, in a local database (`canvas-ls stats`): counts,
+    # lengths and latency per language, workspace, model and kind; never code, never sent anywhere.
+    statistics: bool = True
 
     def __post_init__(self) -> None:
         _within(self, "", cache_size=(0, 100_000))

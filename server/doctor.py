@@ -5,7 +5,8 @@ the command that fixes it; the command exits 1 when something is broken. It read
 and contacts no network: Python and torch (version, device, the CPU's kernels), the model folder (its files, the
 weights' size against free memory), the runtime folder (owner and mode), the resident engine on the model's socket
 (which installation and version answers there), the grammars, the editor set-ups it can find (VS Code's extension
-and its `canvasLs.command`, Neovim's plugin on the runtime path, Emacs's load-path) and the optional extras.
+and its `canvasLs.command`, Neovim's plugin on the runtime path, Emacs's load-path), the statistics database and the
+optional extras.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Check:
 def run(model: str | None = None, device: str = "auto") -> list[Check]:
     """Every check, in the order a request meets them."""
     checks = [_python(), *_torch(device), _model(model, device), _runtime()]
-    checks += [_engine(model, device), _grammars(), *_editors(), *_extras()]
+    checks += [_engine(model, device), _grammars(), *_editors(), _statistics(), *_extras()]
     return checks
 
 
@@ -247,6 +248,26 @@ def _emacs() -> Check:
             f"(add-to-list 'load-path \"{_repo_editor('emacs')}\") (require 'canvas-ls) in init.el",
         )
     return Check("emacs", OK, f"canvas-ls.el at {located.strip().splitlines()[-1]}")
+
+
+def _statistics() -> Check:
+    import sqlite3
+
+    from .acceptance import connect, default_path
+
+    path = default_path()
+    if not path.exists():
+        return Check("statistics", OK, f"{path}: none recorded yet (`canvas-ls stats` once you have used it)")
+    try:
+        db = connect(path)
+        try:
+            count = db.execute("SELECT count(*) FROM events").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as exc:
+        return Check("statistics", BROKEN, f"{path} cannot be read ({_line(exc)})", "canvas-ls stats --clear (the "
+                     "language server also moves a corrupt one aside by itself)")  # fmt: skip
+    return Check("statistics", OK, f"{path}: {count:,} events (counts only, no code)")
 
 
 def _extras() -> Iterator[Check]:

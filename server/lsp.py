@@ -16,8 +16,10 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
 
 from ..engine.confidence import HIDDEN
+from ..engine.paths import document_repository
 from ..engine.regions import Region
 from ..engine.workspaces import WORKSPACE_MINUTES, repository_root
+from .acceptance import ACCEPTED_COMMAND
 from .backend import CancelFlag
 from .completion import PREFETCH_READY, Outcome, Source
 from .config import layered
@@ -100,6 +102,7 @@ def did_change(ls: CanvasServer, params: types.DidChangeTextDocumentParams) -> N
 
 @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
 def did_close(ls: CanvasServer, params: types.DidCloseTextDocumentParams) -> None:
+    ls.acceptance.settle(params.text_document.uri, None)
     ls.completer.forget(params.text_document.uri)
     ls.next_edits.forget(params.text_document.uri)
     ls.documents.close(params.text_document.uri)
@@ -126,10 +129,33 @@ async def _complete(ls: CanvasServer, uri: str, position: types.Position,
 @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
 async def inline_completion(ls: CanvasServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
     invoked = params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
-    outcome, span = await _complete(ls, params.text_document.uri, params.position, invoked)
-    if outcome.edit is None or span is None:
+    uri = params.text_document.uri
+    document = ls.documents.get(uri)
+    if document is not None:  # what became of the last suggestion shown here (`acceptance.py`)
+        ls.acceptance.settle(uri, document.text)
+    outcome, span = await _complete(ls, uri, params.position, invoked)
+    if outcome.edit is None or span is None or document is None:
         return types.InlineCompletionList(items=[])
-    return types.InlineCompletionList(items=[types.InlineCompletionItem(insert_text=outcome.edit.text, range=span)])
+    route = ls.backend.resolve(uri)
+    shown = ls.acceptance.shown(uri, outcome.edit.start, outcome.edit.text, "completion", document.language,
+                                document_repository(uri) or "", route.identity.model if route.identity else "",
+                                outcome.elapsed_ms)  # fmt: skip
+    # the editor runs the item's command when the user accepts it: the statistics learn it (whole, or the
+    # characters a partial accept took)
+    command = None
+    if shown is not None:
+        command = types.Command(title="canvas-ls: accepted", command=ACCEPTED_COMMAND, arguments=[shown])
+    item = types.InlineCompletionItem(insert_text=outcome.edit.text, range=span, command=command)
+    return types.InlineCompletionList(items=[item])
+
+
+@server.command(ACCEPTED_COMMAND)
+def accepted_command(ls: CanvasServer, *arguments: Any) -> None:
+    """A shown suggestion accepted: [its id, the characters taken (a partial accept; absent: all of it)]."""
+    shown, chars = [*arguments, None, None][:2]
+    if isinstance(shown, bool) or not isinstance(shown, int) or not (chars is None or type(chars) is int):
+        raise JsonRpcInvalidParams(f"{ACCEPTED_COMMAND} takes [id, chars?]: integers, got {list(arguments)!r:.100}")
+    ls.acceptance.accepted(shown, chars)
 
 
 @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(trigger_characters=[".", "(", " "]))

@@ -18,6 +18,7 @@ from pygls.exceptions import JsonRpcException, JsonRpcInternalError
 from pygls.io_ import StdoutWriter
 from pygls.lsp.server import LanguageServer
 
+from .acceptance import Recorder
 from .backend import Backend, LocalBackend, OpenAIBackend, RemoteBackend, ResidentBackend
 from .completion import Completer
 from .config import ServerConfig, parse_config
@@ -67,6 +68,8 @@ class CanvasServer(LanguageServer):
         self.paths: dict[str, Path | None] = {}  # each open document's resolved path, for every router of this server
         self.backend = make_backend(self.config, self.learner, self.log_to_client, self.paths)
         self.completer = Completer(self.backend, self.config, self.documents)
+        self.acceptance = Recorder(notify=lambda message: self.window_show_message(
+            types.ShowMessageParams(type=types.MessageType.Warning, message=message)))  # fmt: skip
         self.next_edits = NextEdits()
         self.pending_messages: list[str] = []
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
@@ -143,6 +146,7 @@ class CanvasServer(LanguageServer):
             self.backend.retarget(config.engine.model, config.engine.workspace_models)
         self.config = config
         self.completer.config = config
+        self.acceptance.enabled = config.statistics
         if changed:
             self.completer.reset()  # answers of the old model go (their keys name it, too)
         if reload and self.loop is not None:

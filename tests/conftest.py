@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # path has its own tests (test_compiled.py), which ask for it by name.
 os.environ.setdefault("CANVAS_LS_COMPILE", "off")
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,18 +72,32 @@ def private_runtime_dir(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XDG_RUNTIME_DIR"] = previous
 
 
-@pytest.fixture(scope="session", autouse=True)
-def private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    """The user's cache (training runs, reports, workspace models) in a folder of the tests' own, for the test
-    process and every server or engine it starts."""
-    folder = tmp_path_factory.mktemp("cache")
-    previous = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(folder)
+@contextlib.contextmanager
+def private_folder(tmp_path_factory: pytest.TempPathFactory, variable: str) -> Iterator[Path]:
+    """`variable` (an XDG folder) pointed at a folder of the tests' own, for the test process and every server or
+    engine it starts; put back after."""
+    folder = tmp_path_factory.mktemp(variable.lower())
+    previous = os.environ.get(variable)
+    os.environ[variable] = str(folder)
     yield folder
     if previous is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
+        os.environ.pop(variable, None)
     else:
-        os.environ["XDG_CACHE_HOME"] = previous
+        os.environ[variable] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The user's cache (training runs, reports, workspace models) in a folder of the tests' own."""
+    with private_folder(tmp_path_factory, "XDG_CACHE_HOME") as folder:
+        yield folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The user's state folder (the acceptance statistics' database) in a folder of the tests' own."""
+    with private_folder(tmp_path_factory, "XDG_STATE_HOME") as folder:
+        yield folder
 
 
 @pytest.fixture(scope="session")

@@ -122,6 +122,17 @@ def test_a_resident_engine_of_another_installation(fixed_model_dir: Path, tmp_pa
     })  # fmt: skip
 
 
+def test_a_corrupt_statistics_database(fixed_model_dir: Path, tmp_path: Path) -> None:
+    database = tmp_path / "state" / "canvas-ls" / "stats.sqlite3"
+    database.parent.mkdir(parents=True)
+    database.write_bytes(b"not a database " * 100)
+    status, checks = doctor(tmp_path, "--model", str(fixed_model_dir), XDG_STATE_HOME=str(tmp_path / "state"))
+    assert (status, checks["statistics"]) == (1, {
+        "name": "statistics", "status": "broken", "detail": f"{database} cannot be read (file is not a database)",
+        "fix": "canvas-ls stats --clear (the language server also moves a corrupt one aside by itself)",
+    })  # fmt: skip
+
+
 def test_the_vs_code_extension_missing(fixed_model_dir: Path, tmp_path: Path) -> None:
     status, checks = doctor(tmp_path, "--model", str(fixed_model_dir), code="ms-python.python")
     assert (status, checks["vscode"]) == (1, {

@@ -1,0 +1,258 @@
+"""Acceptance statistics, local only: what canvas-ls showed and what became of it, for `canvas-ls stats`.
+
+One SQLite database (the standard library's sqlite3) under the user's state folder, never sent anywhere and never
+holding code: per event its time, what happened (shown, accepted, partial, dismissed), the kind of suggestion, the
+language, the workspace folder, the model, a length in characters and the latency. At most `MAX_EVENTS` rows (the
+oldest go first). A database that is corrupt is moved aside and a new one started; one that is locked or on a disk
+that refuses writes loses that event; either way the user is told once and completion goes on.
+
+How the server learns what became of a suggestion: the inline completion item it shows carries a command
+(`ACCEPTED_COMMAND`, the LSP 3.18 item's `command`, which the editor runs when the user accepts it, with the
+characters taken for a partial accept); a shown suggestion that the next request for the document finds neither
+accepted nor being typed through was dismissed (typed over, or the cursor went elsewhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+ACCEPTED_COMMAND = "canvas-ls.accepted"
+MAX_EVENTS = 100_000
+PRUNE_EVERY = 1_000  # inserts between two looks at the bound
+EVENTS = ("shown", "accepted", "partial", "dismissed")
+SCHEMA = """CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY, at REAL NOT NULL, event TEXT NOT NULL, kind TEXT NOT NULL, language TEXT NOT NULL,
+    workspace TEXT NOT NULL, model TEXT NOT NULL, chars INTEGER NOT NULL, latency_ms REAL, shown_id INTEGER)"""
+
+
+def default_path() -> Path:
+    """The user's state folder ($XDG_STATE_HOME, else ~/.local/state) / canvas-ls / stats.sqlite3."""
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "canvas-ls" / "stats.sqlite3"
+
+
+@dataclass
+class Pending:
+    """A suggestion shown in a document whose fate is not known yet."""
+
+    shown_id: int
+    offset: int  # where it was inserted
+    text: str
+    kind: str
+    language: str
+    workspace: str
+    model: str
+
+
+class Recorder:
+    """The server's side: records events, and keeps each document's last shown suggestion until its fate is known.
+    Never raises: a database that fails is reported once through `notify` and recording stops or starts anew."""
+
+    def __init__(self, path: Path | None = None, enabled: bool = True,
+                 notify: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        self.path = path or default_path()
+        self.enabled = enabled
+        self.notify = notify or (lambda message: log.warning("%s", message))
+        self.pending: dict[str, Pending] = {}  # uri -> its last shown suggestion
+        self._db: sqlite3.Connection | None = None
+        self._inserts = 0
+        self._said: set[str] = set()
+
+    # -- what the server calls -------------------------------------------------------------------------------
+
+    def shown(self, uri: str, offset: int, text: str, kind: str, language: str, workspace: str, model: str,
+              latency_ms: float) -> int | None:  # fmt: skip
+        """A suggestion shown: its id (for the accept command), or None when nothing is recorded."""
+        self.settle(uri, None)
+        shown_id = self._insert("shown", kind, language, workspace, model, len(text), latency_ms)
+        if shown_id is not None:
+            self.pending[uri] = Pending(shown_id, offset, text, kind, language, workspace, model)
+        return shown_id
+
+    def accepted(self, shown_id: int, chars: int | None = None) -> None:
+        """The editor ran the accept command: the whole suggestion, or `chars` of it (a partial accept)."""
+        for uri, pending in list(self.pending.items()):
+            if pending.shown_id == shown_id:
+                whole = chars is None or chars >= len(pending.text)
+                self._insert(
+                    "accepted" if whole else "partial",
+                    pending.kind,
+                    pending.language,
+                    pending.workspace,
+                    pending.model,
+                    len(pending.text) if whole else max(0, chars or 0),
+                    None,
+                    shown_id,
+                )
+                if whole:
+                    del self.pending[uri]
+                return
+
+    def settle(self, uri: str, text: str | None) -> None:
+        """The document's next request (or its close: `text` None): its last suggestion was dismissed unless the
+        document now holds it whole (accepted, typed through) or holds a start of it at its place (being typed
+        through: still pending)."""
+        pending = self.pending.get(uri)
+        if pending is None:
+            return
+        if text is not None:
+            typed = text[pending.offset : pending.offset + len(pending.text)]
+            if typed == pending.text:
+                del self.pending[uri]
+                self._insert("accepted", pending.kind, pending.language, pending.workspace, pending.model,
+                             len(pending.text), None, pending.shown_id)  # fmt: skip
+                return
+            if typed and pending.text.startswith(typed) and len(text) >= pending.offset:
+                return
+        del self.pending[uri]
+        self._insert("dismissed", pending.kind, pending.language, pending.workspace, pending.model, 0, None,
+                     pending.shown_id)  # fmt: skip
+
+    # -- the database ----------------------------------------------------------------------------------------
+
+    def _insert(self, event: str, kind: str, language: str, workspace: str, model: str, chars: int,
+                latency_ms: float | None, shown_id: int | None = None) -> int | None:  # fmt: skip
+        if not self.enabled:
+            return None
+        db = self._open()
+        if db is None:
+            return None
+        try:
+            with db:
+                row = db.execute(
+                    "INSERT INTO events (at, event, kind, language, workspace, model, chars, latency_ms,"
+                    " shown_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (time.time(), event, kind, language, workspace, model, chars, latency_ms, shown_id),
+                )
+            self._inserts += 1
+            if self._inserts % PRUNE_EVERY == 0:
+                prune(db, MAX_EVENTS)
+            return row.lastrowid
+        except sqlite3.DatabaseError as exc:
+            self._failed(exc)
+            return None
+
+    def _open(self) -> sqlite3.Connection | None:
+        if self._db is None:
+            try:
+                self._db = connect(self.path)
+            except sqlite3.DatabaseError as exc:
+                self._failed(exc)
+        return self._db
+
+    def _failed(self, exc: sqlite3.DatabaseError) -> None:
+        """Locked, read-only, full: this event is lost (said once). Corrupt: moved aside, a new one next time."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+        text = str(exc)
+        if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "readonly" in text or "full" in text
+                                                          or "unable to open" in text):  # fmt: skip
+            self._say(f"canvas-ls: the statistics database {self.path} cannot be written ({text}); events are not "
+                      "recorded meanwhile (completion goes on)")  # fmt: skip
+            return
+        aside = move_aside(self.path)
+        self._say(f"canvas-ls: the statistics database was unreadable ({text}): moved to {aside}, a new one started")
+
+    def _say(self, message: str) -> None:
+        if message.split(" (")[0] not in self._said:
+            self._said.add(message.split(" (")[0])
+            self.notify(message)
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """The database at `path` (made 0600 in a 0700 folder), checked: raises sqlite3.DatabaseError when it is not one."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    new = not path.exists()
+    db = sqlite3.connect(path, timeout=0.2)
+    if new:
+        os.chmod(path, 0o600)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")  # statistics: no fsync on the keystroke path
+    db.execute(SCHEMA)
+    db.execute("SELECT count(*) FROM events").fetchone()
+    return db
+
+
+def move_aside(path: Path) -> Path:
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+    for suffix in ("", "-wal", "-shm"):
+        source = path.with_name(path.name + suffix)
+        if source.exists():
+            source.replace(aside.with_name(aside.name + suffix))
+    return aside
+
+
+def prune(db: sqlite3.Connection, keep: int) -> None:
+    """At most `keep` events: the oldest go (a tenth more than needed, so that this runs rarely)."""
+    count = db.execute("SELECT count(*) FROM events").fetchone()[0]
+    if count > keep:
+        with db:
+            db.execute("DELETE FROM events WHERE id IN (SELECT id FROM events ORDER BY id LIMIT ?)",
+                       (count - keep + keep // 10,))  # fmt: skip
+
+
+# -- canvas-ls stats -----------------------------------------------------------------------------------------------
+
+
+def summary(path: Path, since_s: float | None = None) -> dict[str, Any]:
+    """The statistics since `since_s` seconds ago (None: all): totals, and by language, kind and model."""
+    if not path.exists():
+        return {"path": str(path), "events": 0, "total": _rates({}), "by_language": {}, "by_kind": {}, "by_model": {}}
+    db = connect(path)
+    try:
+        since = time.time() - since_s if since_s else 0.0
+        rows = db.execute("SELECT event, kind, language, model, chars, latency_ms FROM events WHERE at >= ?",
+                          (since,)).fetchall()  # fmt: skip
+    finally:
+        db.close()
+    report: dict[str, Any] = {"path": str(path), "events": len(rows), "total": _rates(_count(rows))}
+    for name, column in (("by_language", 2), ("by_kind", 1), ("by_model", 3)):
+        groups: dict[str, list[tuple[Any, ...]]] = {}
+        for row in rows:
+            groups.setdefault(row[column], []).append(row)
+        report[name] = {key: _rates(_count(group)) for key, group in sorted(groups.items())}
+    return report
+
+
+def _count(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
+    counts: dict[str, Any] = {event: 0 for event in EVENTS}
+    latencies = sorted(row[5] for row in rows if row[0] == "shown" and row[5] is not None)
+    for row in rows:
+        counts[row[0]] += 1
+    counts["chars_accepted"] = sum(row[4] for row in rows if row[0] in ("accepted", "partial"))
+    counts["latency_p50_ms"] = latencies[len(latencies) // 2] if latencies else None
+    return counts
+
+
+def _rates(counts: dict[str, Any]) -> dict[str, Any]:
+    counts = {**{event: 0 for event in EVENTS}, "chars_accepted": 0, "latency_p50_ms": None, **counts}
+    shown = counts["shown"]
+    counts["acceptance_rate"] = (counts["accepted"] + counts["partial"]) / shown if shown else None
+    return counts
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    lines = [f"statistics: {report['path']} ({report['events']} events; local only, no code)", "",
+             f"{'':<22}{'shown':>7}{'accepted':>10}{'partial':>9}{'dismissed':>11}{'rate':>7}{'chars':>8}"
+             f"{'p50 ms':>8}"]  # fmt: skip
+
+    def line(name: str, row: dict[str, Any]) -> str:
+        rate = f"{row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else "-"
+        p50 = f"{row['latency_p50_ms']:.0f}" if row["latency_p50_ms"] is not None else "-"
+        return (f"{name[:22]:<22}{row['shown']:>7}{row['accepted']:>10}{row['partial']:>9}{row['dismissed']:>11}"
+                f"{rate:>7}{row['chars_accepted']:>8}{p50:>8}")  # fmt: skip
+
+    lines.append(line("all", report["total"]))
+    for title, key in (("language", "by_language"), ("kind", "by_kind"), ("model", "by_model")):
+        for name, row in report[key].items():
+            lines.append(line(f"{title} {Path(name).name if key == 'by_model' else name}", row))
+    return "\n".join(lines)

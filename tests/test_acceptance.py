@@ -1,0 +1,145 @@
+"""Acceptance statistics, local only (`server/acceptance.py`, `canvas-ls stats`): through a real `canvas-ls serve` on
+the fixed-answer model, a suggestion accepted whole, one accepted in part, one typed over, each recorded once, none
+of their text in the database; a corrupt database moved aside with a message while completion goes on; the bound;
+recording off."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_lsp
+from lsprotocol import types
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+from canvas_ls.server import acceptance
+from canvas_ls.server.acceptance import ACCEPTED_COMMAND, Recorder, default_path
+from tests.test_identity import AFTER_RETURN, DOC
+from tests.test_lsp import SERVE, inline, open_doc, uri, wait_ready
+
+INVOKED = types.InlineCompletionTriggerKind.Invoked
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def client(lsp_client: LanguageClient):
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def start(client: LanguageClient, model: Path, **options: Any) -> None:
+    init = {"engine": {"model": str(model), "device": "cpu", "backend": "local"},
+            "completion": {"speculate": False, "max_new_tokens_single_line": 4}, **options}  # fmt: skip
+    capabilities = pytest_lsp.client_capabilities("neovim")
+    await client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    await wait_ready(client)
+
+
+def stats() -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "canvas_ls.server.cli", "stats", "--json"], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def type_at(client: LanguageClient, name: str, version: int, line: int, character: int, text: str) -> None:
+    point = types.Position(line, character)
+    change = types.TextDocumentContentChangePartial(range=types.Range(point, point), text=text)
+    client.text_document_did_change(types.DidChangeTextDocumentParams(
+        types.VersionedTextDocumentIdentifier(version=version, uri=uri(name)), [change]))  # fmt: skip
+
+
+async def test_shown_accepted_partly_accepted_and_typed_over_are_each_recorded_without_code(
+    client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
+) -> None:
+    for suffix in ("", "-wal", "-shm"):  # this test's counts alone
+        default_path().with_name(default_path().name + suffix).unlink(missing_ok=True)
+    await start(client, fixed_model_dir)
+    open_doc(client, "size.py", DOC)
+    first = await inline(client, "size.py", AFTER_RETURN, INVOKED)
+    assert [(i.insert_text, i.command.command if i.command else None) for i in first] == [
+        ("Nonecodecodecode", ACCEPTED_COMMAND)
+    ]  # fmt: skip
+    await client.workspace_execute_command_async(
+        types.ExecuteCommandParams(ACCEPTED_COMMAND, first[0].command.arguments)
+    )
+    second = await inline(client, "size.py", AFTER_RETURN, INVOKED)  # shown again (from the cache)
+    await client.workspace_execute_command_async(
+        types.ExecuteCommandParams(ACCEPTED_COMMAND, [*second[0].command.arguments, 4])
+    )  # "None": a word of it
+    type_at(client, "size.py", 2, 1, 11, "x")  # typed over what the suggestion offered
+    third = await inline(client, "size.py", types.Position(1, 12), INVOKED)
+    assert len(third) == 1
+    client.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri("size.py"))))
+    await wait_ready(client)  # the close is handled before this answer
+    report = stats()
+    counts = {key: report["total"][key] for key in ("shown", "accepted", "partial", "dismissed", "chars_accepted")}
+    # first: accepted whole; second: 4 characters, then typed over (dismissed); third: closed unanswered (dismissed)
+    assert counts == {"shown": 3, "accepted": 1, "partial": 1, "dismissed": 2, "chars_accepted": 16 + 4}
+    assert list(report["by_language"]) == ["python"] and list(report["by_kind"]) == ["completion"]
+    assert list(report["by_model"]) == [str(fixed_model_dir)]
+    stored = b"".join(p.read_bytes() for p in default_path().parent.glob("stats.sqlite3*"))
+    assert b"Nonecode" not in stored and b"return" not in stored  # counts and lengths, never code
+
+
+async def test_a_corrupt_database_is_moved_aside_and_completion_goes_on(
+    client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
+) -> None:
+    path = default_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in ("-wal", "-shm"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    path.write_bytes(b"this is not a database, " * 100)
+    await start(client, fixed_model_dir)
+    open_doc(client, "size.py", DOC)
+    items = await inline(client, "size.py", AFTER_RETURN, INVOKED)
+    assert [i.insert_text for i in items] == ["Nonecodecodecode"]
+    await wait_ready(client)
+    warnings = [m.message for m in client.messages if "statistics database" in m.message]
+    assert len(warnings) == 1 and warnings[0].startswith("canvas-ls: the statistics database was unreadable (file is "
+                                                         "not a database): moved to ")  # fmt: skip
+    aside = Path(warnings[0].split("moved to ")[1].split(", a new one")[0])
+    assert aside.read_bytes().startswith(b"this is not a database")
+    again = await inline(client, "size.py", AFTER_RETURN, INVOKED)  # recorded in the new database
+    assert [i.command is not None for i in again] == [True] and stats()["total"]["shown"] == 1
+
+
+async def test_recording_off_records_nothing(client: LanguageClient, fixed_model_dir: Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        default_path().with_name(default_path().name + suffix).unlink(missing_ok=True)
+    await start(client, fixed_model_dir, statistics=False)
+    open_doc(client, "size.py", DOC)
+    items = await inline(client, "size.py", AFTER_RETURN, INVOKED)
+    assert [(i.insert_text, i.command) for i in items] == [("Nonecodecodecode", None)]
+    assert stats()["events"] == 0 and not default_path().exists()
+
+
+def test_the_database_stays_within_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(acceptance, "MAX_EVENTS", 1_000)
+    monkeypatch.setattr(acceptance, "PRUNE_EVERY", 100)
+    recorder = Recorder(tmp_path / "stats.sqlite3")
+    for number in range(3_000):
+        recorder.shown(f"file:///d{number % 7}.py", 0, "x" * 5, "completion", "python", "", "m", 10.0)
+    with sqlite3.connect(tmp_path / "stats.sqlite3") as db:
+        count, newest = db.execute("SELECT count(*), max(id) FROM events").fetchone()
+    assert count <= 1_000 + 100 and newest >= 3_000  # the oldest went, the newest stayed
+
+
+def test_stats_clear_and_a_bad_since(tmp_path: Path) -> None:
+    env = {"XDG_STATE_HOME": str(tmp_path)}
+    Recorder(tmp_path / "canvas-ls" / "stats.sqlite3").shown("file:///a.py", 0, "x", "completion", "go", "", "m", 1.0)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        import os
+
+        return subprocess.run([sys.executable, "-m", "canvas_ls.server.cli", "stats", *args], capture_output=True,
+                              text=True, env={**os.environ, **env})  # fmt: skip
+
+    assert json.loads(run("--json", "--since", "7d").stdout)["total"]["shown"] == 1
+    bad = run("--since", "a week")
+    assert (bad.returncode, bad.stderr.strip()) == (2, "canvas-ls: error: --since wants days or hours such as 7d or "
+                                                       "12h, got 'a week'")  # fmt: skip
+    assert run("--clear").returncode == 0 and json.loads(run("--json").stdout)["events"] == 0
