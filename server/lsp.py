@@ -568,10 +568,10 @@ async def _learn(ls: CanvasServer, job: LearnJob, minutes: float) -> None:
         kind = types.MessageType.Info
     else:
         message, kind = f"learning {root.name} failed: {final.reason}", types.MessageType.Error
+    if progress:  # the progress ends before the message says how it went (in that order on the wire)
+        ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
     ls.log_to_client(message, kind)
     ls.window_show_message(types.ShowMessageParams(type=kind, message=f"canvas-ls: {message}"))
-    if progress:
-        ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
 
 
 def _shown_while_typing(display: dict[str, Any] | None) -> str:
