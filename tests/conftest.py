@@ -25,8 +25,8 @@ import pytest
 from canvas_ls.engine import Engine
 from canvas_ls.engine.architecture import build_tiny_model
 
-# The fuzzers' budgets: each property a few seconds by default; `pytest --hypothesis-profile=long tests/test_wire.py`
-# runs each for many thousands of examples (about ten minutes a property on 2 cores).
+# The fuzzers' budgets: each property a few seconds by default; `pytest --hypothesis-profile=long -o timeout=0
+# tests/test_wire.py` runs each for many thousands of examples (about ten minutes a property on 2 cores).
 hypothesis.settings.register_profile("long", max_examples=50_000, deadline=None)
 
 
