@@ -46,11 +46,22 @@ def runtime_dir() -> Path:
     user owns (made ahead in /tmp to catch the socket) or that is a link is refused, never used."""
     folder = runtime_path()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = folder.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise PermissionError(f"{folder} is not a folder of this user's (`canvas-ls doctor` says how to fix it)")
+    problem = foreign_folder(folder)
+    if problem is not None:
+        raise PermissionError(f"{problem} (`canvas-ls doctor` says how to fix it)")
     os.chmod(folder, 0o700)
     return folder
+
+
+def foreign_folder(folder: Path) -> str | None:
+    """Why `folder` cannot be this user's private folder (a link or a file, or another user's), or None."""
+    info = folder.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        return f"{folder} is not a folder (a link or a file)"
+    if info.st_uid != os.getuid():
+        return (f"{folder} belongs to uid {info.st_uid}, not to you ({os.getuid()}): another user could read or "
+                "replace the engine's socket")  # fmt: skip
+    return None
 
 
 def default_socket(model: str | None = None, device: str | None = None, adapter: str | None = None,

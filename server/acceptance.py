@@ -77,6 +77,11 @@ class Recorder:
             self.pending[uri] = Pending(shown_id, offset, text, kind, language, workspace, model)
         return shown_id
 
+    def still_shown(self, uri: str) -> int | None:
+        """The id of the suggestion the user is typing through in `uri` (its rest is shown again), if any."""
+        pending = self.pending.get(uri)
+        return None if pending is None else pending.shown_id
+
     def accepted(self, shown_id: int, chars: int | None = None) -> None:
         """The editor ran the accept command: the whole suggestion, or `chars` of it (a partial accept)."""
         for uri, pending in list(self.pending.items()):
@@ -182,13 +187,23 @@ def connect(path: Path) -> sqlite3.Connection:
     return db
 
 
+def _files(path: Path) -> list[Path]:
+    """The database's files: itself and its write-ahead log's two."""
+    return [path.with_name(path.name + suffix) for suffix in ("", "-wal", "-shm")]
+
+
 def move_aside(path: Path) -> Path:
     aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
-    for suffix in ("", "-wal", "-shm"):
-        source = path.with_name(path.name + suffix)
+    for source, target in zip(_files(path), _files(aside), strict=True):
         if source.exists():
-            source.replace(aside.with_name(aside.name + suffix))
+            source.replace(target)
     return aside
+
+
+def clear(path: Path) -> None:
+    """Every recorded event gone (`canvas-ls stats --clear`)."""
+    for file in _files(path):
+        file.unlink(missing_ok=True)
 
 
 def prune(db: sqlite3.Connection, keep: int) -> None:

@@ -221,12 +221,12 @@ class Backend(Protocol):
     def shutdown(self) -> None: ...
 
 
-def _not_ready(state: str, error: str | None, mismatch: bool = False) -> Failed | None:
+def _not_ready(state: str, error: str | None, why: Why = Why.LOAD_FAILED) -> Failed | None:
     if state == "ready":
         return None
     if state != "failed":
         return Failed("the model is still loading", True, Why.LOADING)
-    return Failed(f"the model failed to load: {error}", True, Why.ENGINE_MISMATCH if mismatch else Why.LOAD_FAILED)
+    return Failed(f"the model failed to load: {error}", True, why)
 
 
 class LocalBackend:
@@ -345,8 +345,10 @@ class EngineClient:
     def __init__(self, client: httpx.AsyncClient, adapter: str | None = None) -> None:
         self.adapter = adapter
         self.state = "idle"
-        self.mismatch = False  # the engine that answers is not the one this server asked for
         self.error: str | None = None
+        # why the last load failed: the engine is not the one asked for (ENGINE_MISMATCH), a remote one does not
+        # answer (UNREACHABLE), or it could not start (LOAD_FAILED)
+        self.why = Why.LOAD_FAILED
         self.model_name: str | None = None
         self.load_seconds: float | None = None
         self.cancelled_after_steps: list[int] = []
@@ -361,7 +363,7 @@ class EngineClient:
 
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None:
         self._model, self._device = model, device
-        self.state, self.error, self.identity, self.mismatch = "loading", None, None, False
+        self.state, self.error, self.identity, self.why = "loading", None, None, Why.LOAD_FAILED
 
         def work() -> None:
             started = time.perf_counter()
@@ -383,7 +385,7 @@ class EngineClient:
         raise NotImplementedError
 
     def _not_ready(self) -> Failed | None:
-        return _not_ready(self.state, self.error, self.mismatch)
+        return _not_ready(self.state, self.error, self.why)
 
     def _unreachable(self, exc: httpx.HTTPError, what: str) -> Failed:
         raise NotImplementedError
@@ -463,7 +465,7 @@ class ResidentBackend(EngineClient):
         health = self._ensure_engine()
         why = engine_mismatch(health, self._model, self.adapter)
         if why is not None:
-            self.mismatch = True
+            self.why = Why.ENGINE_MISMATCH
             raise RuntimeError(f"the engine at {self.socket} is not this server's: {why}; stop that engine "
                                "(it exits when idle) or set engine.socket to another path")  # fmt: skip
         return health
@@ -541,7 +543,6 @@ class RemoteBackend(EngineClient):
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.checked = -float("inf")  # when /health was last asked
-        self.why = Why.UNREACHABLE  # why the last connection failed
         client = httpx.AsyncClient(base_url=self.url, headers=self.headers,
                                    timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))  # fmt: skip
         super().__init__(client, adapter)
@@ -567,7 +568,7 @@ class RemoteBackend(EngineClient):
             reason = health.get("error") or f"it answered {response.status_code}"
             raise RuntimeError(f"the team engine at {self.url} is not ready: {reason}")
         if health.get("api") != API_VERSION:
-            self.mismatch, self.why = True, Why.ENGINE_MISMATCH
+            self.why = Why.ENGINE_MISMATCH
             raise RuntimeError(f"the team engine at {self.url} speaks API version {health.get('api', 'unknown')} "
                                f"(canvas-ls {health.get('identity', {}).get('version', 'unknown')}), this "
                                f"canvas-ls {API_VERSION}: upgrade the one that is older")  # fmt: skip
@@ -575,7 +576,7 @@ class RemoteBackend(EngineClient):
 
     def _not_ready(self) -> Failed | None:
         if self.state != "failed":
-            return _not_ready(self.state, self.error, self.mismatch)
+            return _not_ready(self.state, self.error)
         failed = Failed(self.error or "the team engine failed", True, self.why)
         if time.monotonic() - self.checked > RECHECK_S:
             self.load(self._model, self._device)  # asked again in the background; this request fails at once

@@ -403,12 +403,11 @@ def _stats(args: argparse.Namespace) -> int:
     import json as json_module
     import re
 
-    from .acceptance import default_path, format_summary, summary
+    from .acceptance import clear, default_path, format_summary, summary
 
     path = default_path()
     if args.clear:
-        for suffix in ("", "-wal", "-shm"):
-            path.with_name(path.name + suffix).unlink(missing_ok=True)
+        clear(path)
         print(f"cleared {path}", file=sys.stderr)
         return 0
     since = None

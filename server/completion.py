@@ -100,6 +100,7 @@ class Outcome:
     detail: str | None = None  # what the user should know: why the answer was hidden or cut
     reason: str | None = None  # the skip's, the error's, the stale answer's or the loading model's why
     why: Why | None = None  # nothing shown to the user: which reason of the closed list (`silence.py`)
+    identity: Identity | None = None  # the model whose answer this is (the route resolved for the request)
 
     @property
     def result(self) -> Mapping[str, Any] | None:
@@ -277,6 +278,7 @@ class Completer:
                     self.speculations.pop(document.uri, None)
                     self.stats.speculation_used += 1
             outcome = self._answer(document, context, offset, self.cache[key], invoked, source, request_id)
+            outcome.identity = route.identity
             self._speculate(document, outcome.edit)
             return outcome
 
@@ -314,7 +316,7 @@ class Completer:
         if prefetch:
             return Outcome(None, Source.PREFETCHED, request_id, 0.0, answer=reply)
         outcome = self._answer(document, context, offset, reply, invoked, Source.MODEL, request_id)
-        outcome.answer = reply
+        outcome.answer, outcome.identity = reply, route.identity
         self._speculate(document, outcome.edit)
         return outcome
 

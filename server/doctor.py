@@ -16,14 +16,13 @@ import importlib.util
 import json
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..engine.paths import DEFAULT_MODEL_DIR, default_socket, installation, runtime_path
+from ..engine.paths import DEFAULT_MODEL_DIR, default_socket, foreign_folder, installation, runtime_path
 
 OK, NOTE, BROKEN = "ok", "note", "broken"
 WEIGHTS = ("*.safetensors", "*.bin", "*.gguf")
@@ -125,14 +124,11 @@ def _runtime() -> Check:
     folder = runtime_path()
     if not folder.exists():
         return Check("runtime folder", OK, f"{folder} (made 0700 when the first engine starts)")
+    problem = foreign_folder(folder)
+    if problem is not None:
+        return Check("runtime folder", BROKEN, problem, f"sudo rm -r {folder}, or set XDG_RUNTIME_DIR to a folder "
+                     "of your own")  # fmt: skip
     info = folder.lstat()
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        return Check("runtime folder", BROKEN, f"{folder} is not a folder (a link or a file)",
-                     f"rm {folder} (canvas-ls makes its own)")  # fmt: skip
-    if info.st_uid != os.getuid():
-        return Check("runtime folder", BROKEN, f"{folder} belongs to uid {info.st_uid}, not to you ({os.getuid()}): "
-                     "another user could read or replace the engine's socket", f"sudo rm -r {folder}, or set "
-                     "XDG_RUNTIME_DIR to a folder of your own")  # fmt: skip
     if info.st_mode & 0o077:
         return Check("runtime folder", BROKEN, f"{folder} has mode {oct(info.st_mode & 0o777)}: others may reach the "
                      "engine's socket", f"chmod 700 {folder}")  # fmt: skip

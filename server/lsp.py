@@ -136,10 +136,12 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
     outcome, span = await _complete(ls, uri, params.position, invoked)
     if outcome.edit is None or span is None or document is None:
         return types.InlineCompletionList(items=[])
-    route = ls.backend.resolve(uri)
-    shown = ls.acceptance.shown(uri, outcome.edit.start, outcome.edit.text, "completion", document.language,
-                                document_repository(uri) or "", route.identity.model if route.identity else "",
-                                outcome.elapsed_ms)  # fmt: skip
+    if outcome.source is Source.TYPING:  # the rest of the suggestion being typed through: still the one shown
+        shown = ls.acceptance.still_shown(uri)
+    else:
+        model = outcome.identity.model if outcome.identity is not None else ""
+        shown = ls.acceptance.shown(uri, outcome.edit.start, outcome.edit.text, "completion", document.language,
+                                    document_repository(uri) or "", model, outcome.elapsed_ms)  # fmt: skip
     # the editor runs the item's command when the user accepts it: the statistics learn it (whole, or the
     # characters a partial accept took)
     command = None

@@ -18,7 +18,7 @@ from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
 from canvas_ls.server import acceptance
-from canvas_ls.server.acceptance import ACCEPTED_COMMAND, Recorder, default_path
+from canvas_ls.server.acceptance import ACCEPTED_COMMAND, Recorder, clear, default_path
 from tests.test_identity import AFTER_RETURN, DOC
 from tests.test_lsp import SERVE, inline, open_doc, uri, wait_ready
 
@@ -55,8 +55,7 @@ def type_at(client: LanguageClient, name: str, version: int, line: int, characte
 async def test_shown_accepted_partly_accepted_and_typed_over_are_each_recorded_without_code(
     client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
 ) -> None:
-    for suffix in ("", "-wal", "-shm"):  # this test's counts alone
-        default_path().with_name(default_path().name + suffix).unlink(missing_ok=True)
+    clear(default_path())  # this test's counts alone
     await start(client, fixed_model_dir)
     open_doc(client, "size.py", DOC)
     first = await inline(client, "size.py", AFTER_RETURN, INVOKED)
@@ -89,9 +88,8 @@ async def test_a_corrupt_database_is_moved_aside_and_completion_goes_on(
     client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
 ) -> None:
     path = default_path()
+    clear(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for suffix in ("-wal", "-shm"):
-        path.with_name(path.name + suffix).unlink(missing_ok=True)
     path.write_bytes(b"this is not a database, " * 100)
     await start(client, fixed_model_dir)
     open_doc(client, "size.py", DOC)
@@ -108,8 +106,7 @@ async def test_a_corrupt_database_is_moved_aside_and_completion_goes_on(
 
 
 async def test_recording_off_records_nothing(client: LanguageClient, fixed_model_dir: Path) -> None:
-    for suffix in ("", "-wal", "-shm"):
-        default_path().with_name(default_path().name + suffix).unlink(missing_ok=True)
+    clear(default_path())
     await start(client, fixed_model_dir, statistics=False)
     open_doc(client, "size.py", DOC)
     items = await inline(client, "size.py", AFTER_RETURN, INVOKED)

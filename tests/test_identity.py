@@ -134,6 +134,14 @@ def other_installation_engine(model: Path, socket: Path, installation: str = "/o
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+async def loaded(backend: Any, model: str | None = None, device: str = "auto") -> None:
+    """`backend.load(model, device)`, awaited until it has loaded or failed."""
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    backend.load(model, device, lambda _: loop.call_soon_threadsafe(done.set))
+    await done.wait()
+
+
 def health_when_up(process: subprocess.Popen[bytes], socket: Path, timeout: float = 120) -> dict[str, Any]:
     """The engine's /health once it answers (it must not exit meanwhile)."""
     deadline = time.monotonic() + timeout
@@ -156,10 +164,7 @@ async def test_a_server_never_takes_answers_from_another_installations_engine(
         health = health_when_up(process, socket)
         assert health["identity"]["installation"] == "/opt/other-venv/canvas_ls"
         backend = ResidentBackend(None, model=str(fixed_model_dir), device="cpu")
-        done = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        backend.load(str(fixed_model_dir), "cpu", lambda _: loop.call_soon_threadsafe(done.set))
-        await done.wait()
+        await loaded(backend, str(fixed_model_dir), "cpu")
         assert (backend.state, backend.identity) == ("failed", None)
         ours = installation()["installation"]
         assert backend.error == (
@@ -191,10 +196,7 @@ async def test_an_engine_left_by_an_older_version_is_stopped_when_this_one_start
         health_when_up(old, folder / "engine-old.sock")
         health_when_up(other, folder / "engine-other.sock")
         backend = ResidentBackend(None, model=str(fixed_model_dir), device="cpu")
-        done = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        backend.load(str(fixed_model_dir), "cpu", lambda _: loop.call_soon_threadsafe(done.set))
-        await done.wait()
+        await loaded(backend, str(fixed_model_dir), "cpu")
         assert (backend.state, backend.error) == ("ready", None)
         # the old version exited on SIGTERM (uvicorn ends its requests in flight, then re-raises the signal)
         assert (old.wait(timeout=30), other.poll()) == (-signal.SIGTERM, None)

@@ -34,7 +34,7 @@ from canvas_ls.server import backend as backends
 from canvas_ls.server.backend import CancelFlag, Failed, RemoteBackend
 from canvas_ls.server.cli import main
 from canvas_ls.server.silence import Why
-from tests.test_identity import AFTER_RETURN, DOC, wait_model
+from tests.test_identity import AFTER_RETURN, DOC, loaded, wait_model
 from tests.test_lsp import SERVE, fill, open_doc
 
 CLI = [sys.executable, "-m", "canvas_ls.server.cli"]
@@ -156,21 +156,14 @@ def identity(version: str = "0.0.9") -> dict[str, str]:
             "device": "cpu", "dtype": "float32", "quantize": "none", "adapter": ""}  # fmt: skip
 
 
-async def connect(backend: RemoteBackend) -> None:
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    backend.load(None, "auto", lambda _: loop.call_soon_threadsafe(done.set))
-    await done.wait()
-
-
 async def test_a_deployment_of_another_api_version_gets_no_request() -> None:
     with FakeEngine(
         {"status": "ok", "api": API_VERSION + 1, "model": "team-model", "identity": identity("9.0")}
     ) as fake:
         backend = RemoteBackend(f"http://127.0.0.1:{fake.port}", "t")
-        await connect(backend)
+        await loaded(backend)
         reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
-    assert (backend.state, backend.mismatch, fake.infills) == ("failed", True, 0)
+    assert (backend.state, backend.why, fake.infills) == ("failed", Why.ENGINE_MISMATCH, 0)
     expected = (f"the team engine at http://127.0.0.1:{fake.port} speaks API version {API_VERSION + 1} (canvas-ls "
                 f"9.0), this canvas-ls {API_VERSION}: upgrade the one that is older")  # fmt: skip
     assert (reply, backend.error) == (Failed(expected, True, Why.ENGINE_MISMATCH), expected)
@@ -182,7 +175,7 @@ async def test_an_answer_without_this_api_version_is_not_read() -> None:
     with FakeEngine({"status": "ok", "api": API_VERSION, "model": "team-model", "identity": identity()},
                     versioned=False) as fake:  # fmt: skip
         backend = RemoteBackend(f"http://127.0.0.1:{fake.port}", "t")
-        await connect(backend)
+        await loaded(backend)
         assert backend.state == "ready"
         reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
     assert (reply, fake.infills) == (
@@ -202,7 +195,7 @@ async def test_a_deployment_that_does_not_answer_fails_at_once_and_is_asked_agai
     port = free_port()
     backend = RemoteBackend(f"http://127.0.0.1:{port}", "t")
     started = time.monotonic()
-    await connect(backend)
+    await loaded(backend)
     reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
     assert time.monotonic() - started < backends.CONNECT_TIMEOUT_S
     assert reply == Failed(f"the team engine at http://127.0.0.1:{port} is unreachable ([Errno 111] Connection "
