@@ -101,21 +101,21 @@ class Recorder:
                     del self.pending[uri]
                 return
 
-    def settle(self, uri: str, text: str | None) -> None:
-        """The document's next request (or its close: `text` None): its last suggestion was dismissed unless the
-        document now holds it whole (accepted, typed through) or holds a start of it at its place (being typed
-        through: still pending)."""
+    def settle(self, uri: str, text: str | None, cursor: int | None = None) -> None:
+        """The document's next request, at offset `cursor` (or its close: `text` None): its last suggestion was
+        dismissed unless the document now holds it whole where it was shown (accepted, or typed through to its end)
+        or the text from there to the cursor is a start of it (being typed through: still pending)."""
         pending = self.pending.get(uri)
         if pending is None:
             return
         if text is not None:
-            typed = text[pending.offset : pending.offset + len(pending.text)]
-            if typed == pending.text:
+            if text[pending.offset : pending.offset + len(pending.text)] == pending.text:
                 del self.pending[uri]
                 self._insert("accepted", pending.kind, pending.language, pending.workspace, pending.model,
                              len(pending.text), None, pending.shown_id)  # fmt: skip
                 return
-            if typed and pending.text.startswith(typed) and len(text) >= pending.offset:
+            typed = text[pending.offset : cursor] if cursor is not None else ""
+            if typed and pending.text.startswith(typed):
                 return
         del self.pending[uri]
         self._insert("dismissed", pending.kind, pending.language, pending.workspace, pending.model, 0, None,

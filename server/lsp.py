@@ -132,7 +132,11 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
     uri = params.text_document.uri
     document = ls.documents.get(uri)
     if document is not None:  # what became of the last suggestion shown here (`acceptance.py`)
-        ls.acceptance.settle(uri, document.text)
+        try:
+            cursor = document.index.offset(params.position.line, params.position.character)
+        except PositionError:
+            cursor = None
+        ls.acceptance.settle(uri, document.text, cursor)
     outcome, span = await _complete(ls, uri, params.position, invoked)
     if outcome.edit is None or span is None or document is None:
         return types.InlineCompletionList(items=[])

@@ -84,6 +84,28 @@ async def test_shown_accepted_partly_accepted_and_typed_over_are_each_recorded_w
     assert b"Nonecode" not in stored and b"return" not in stored  # counts and lengths, never code
 
 
+async def test_a_suggestion_typed_through_stays_one_shown_suggestion(
+    client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
+) -> None:
+    """Typing the start of a shown suggestion shows its rest under the same id: accepted then, it is one suggestion
+    shown and accepted, not one dismissed and another shown."""
+    clear(default_path())
+    await start(client, fixed_model_dir)
+    open_doc(client, "size.py", DOC)
+    first = await inline(client, "size.py", AFTER_RETURN, INVOKED)
+    type_at(client, "size.py", 2, 1, 11, "No")  # the suggestion's own first characters
+    rest = await inline(client, "size.py", types.Position(1, 13), INVOKED)
+    assert [(i.insert_text, i.command.arguments) for i in rest] == [("necodecodecode", first[0].command.arguments)]
+    await client.workspace_execute_command_async(
+        types.ExecuteCommandParams(ACCEPTED_COMMAND, rest[0].command.arguments)
+    )
+    await wait_ready(client)
+    total = stats()["total"]
+    assert {key: total[key] for key in ("shown", "accepted", "partial", "dismissed")} == {
+        "shown": 1, "accepted": 1, "partial": 0, "dismissed": 0,
+    }  # fmt: skip
+
+
 async def test_a_corrupt_database_is_moved_aside_and_completion_goes_on(
     client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
 ) -> None:
