@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,10 +246,11 @@ def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None) -> t
 
 
 def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int | None, ...], threads: int,
-        compile_mode: str, shape: str = "qwen2.5-coder-0.5b",
+        compile_mode: str, shape: str = "qwen2.5-coder-0.5b", quantize: tuple[str, ...] = ("auto",),
         progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
     """The side-by-side: per document, a cold request then len(TYPED) warm ones, to each system in turn (the order
-    alternating), llama-server skipped with the reason when it is missing or fails."""
+    alternating), llama-server skipped with the reason when it is missing or fails. canvas-ls runs one engine per
+    `quantize` choice (the engine's --quantize), each at every step cap."""
     from .core import engine_process, machine
 
     work = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-ar-"))
@@ -258,15 +259,22 @@ def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int 
     progress("building the canvas-ls model (random weights)")
     report["canvas_parameters"] = canvas_model(work / "canvas", SHAPES[shape])
     llama_client: Any = None
-    with engine_process(str(work / "canvas"), "float32", ["--compile", compile_mode], timeout_s=3600) as (engine, _):
+    with ExitStack() as stack:
+        engines = {}
+        for choice in quantize:
+            arguments = ["--compile", compile_mode, "--quantize", choice]
+            engine, _ = stack.enter_context(engine_process(str(work / "canvas"), "float32", arguments, timeout_s=3600))
+            health = engine.get("/health").json()
+            name = f"canvas-ls {health['quantize']}" if len(quantize) > 1 else "canvas-ls"
+            engines[name] = engine
+            report.setdefault("engines", {})[name] = {"quantize": health["quantize"], "threads": health.get("threads")}
         try:
             with _llama(llama, gguf_file, work, SHAPES[shape], threads, report, progress) as llama_client:
-                timed = _interleaved(engine, llama_client, documents(count), steps, progress)
+                timed = _interleaved(engines, llama_client, documents(count), steps, progress)
         except RuntimeError as exc:  # llama-server missing or failing: canvas-ls's rows still run
             report["llama_error"] = str(exc)
             progress(f"llama-server: {exc}; timing canvas-ls alone")
-            timed = _interleaved(engine, None, documents(count), steps, progress)
-        report["engine"] = engine.get("/health").json().get("threads")
+            timed = _interleaved(engines, None, documents(count), steps, progress)
     report["requests"] = [vars(t) for t in timed]
     report["rows"] = summary(timed)
     shutil.rmtree(work, ignore_errors=True)
@@ -287,10 +295,11 @@ def _llama(binary: str | None, gguf_file: Path | None, work: Path, shape: dict[s
         yield client
 
 
-def _interleaved(engine: Any, llama: Any, docs: list[tuple[str, str]], steps: tuple[int | None, ...],
+def _interleaved(engines: dict[str, Any], llama: Any, docs: list[tuple[str, str]], steps: tuple[int | None, ...],
                  progress: Callable[[str], None]) -> list[Timed]:  # fmt: skip
     systems: list[tuple[str, Callable[[str, str], tuple[float, int, dict[str, float]]]]] = [
-        (f"canvas-ls {f'{s} steps' if s else 'default steps'}", lambda p, x, s=s: canvas_infill(engine, p, x, s))
+        (f"{name} {f'{s} steps' if s else 'default steps'}", lambda p, x, e=engine, s=s: canvas_infill(e, p, x, s))
+        for name, engine in engines.items()
         for s in steps
     ]
     if llama is not None:
@@ -332,17 +341,19 @@ def summary(timed: list[Timed]) -> list[dict[str, Any]]:
 
 
 def format_ar(report: dict[str, Any]) -> str:
+    weights = ", ".join(f"{name}: {engine['quantize']}" for name, engine in report["engines"].items())
     lines = [f"{report['machine']}; shape {report['shape']}",
              f"llama-server: {report.get('llama_parameters', '?')} parameters (q8_0, -t "
-             f"{report['threads']}); canvas-ls: {report['canvas_parameters']} parameters (float32, compile "
+             f"{report['threads']}); canvas-ls: {report['canvas_parameters']} parameters (weights: "
+             f"{weights}; compile "
              f"{report['compile']}); {report['documents']} documents, {ANSWER_TOKENS}-token answers", ""]  # fmt: skip
     if report["llama_error"]:
         lines.append(f"llama-server not timed: {report['llama_error']}")
-    lines.append(f"{'system':<26}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13} | "
+    lines.append(f"{'system':<31}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13} | "
                  f"{'prompt':>7}{'reused':>7}{'encode ms':>10}{'answer ms':>10}{'steps':>6}")  # fmt: skip
     for row in report["rows"]:
         ratio = f"{row['p50_vs_llama']:.2f}" if row["p50_vs_llama"] is not None else "-"
-        lines.append(f"{row['system']:<26}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
+        lines.append(f"{row['system']:<31}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
                      f"{row['p95_ms']:>10.1f}{ratio:>13} | {row['prompt_tokens']:>7.0f}{row['reused_tokens']:>7.0f}"
                      f"{row['encode_ms']:>10.1f}{row['answer_ms']:>10.1f}{row['steps']:>6.0f}")  # fmt: skip
     lines.append("(medians; 'answer ms': llama-server's decoding, canvas-ls's denoising; 'steps': tokens decoded or "

@@ -221,6 +221,8 @@ def add_parser(commands: Any) -> None:
     ar.add_argument("--compile", choices=("auto", "on", "off"), default="off",
                     help="canvas-ls's engine --compile (a 0.5B model's graphs take minutes to compile)")  # fmt: skip
     ar.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
+    ar.add_argument("--quantize", default="auto", help="canvas-ls's weights, one engine each: comma-separated of "
+                    f"{', '.join(QUANTIZE)} (e.g. none,int8: before and after in one run)")  # fmt: skip
     ar.add_argument("--out", type=Path, help="JSON report path")
 
     team = benches.add_parser("team", help="editors typing through a Ray Serve deployment (affinity vs power of two, "
@@ -402,9 +404,14 @@ def _bench_ar(args: argparse.Namespace) -> int:
     from .core import busy_cores
 
     steps = tuple(None if s == "default" else int(s) for s in args.steps.split(","))
+    quantize = tuple(args.quantize.split(","))
+    unknown = [choice for choice in quantize if choice not in QUANTIZE]
+    if unknown:
+        raise SystemExit(f"canvas-ls: error: --quantize {','.join(unknown)}: use {', '.join(QUANTIZE)}")
     with busy_cores(args.busy_cores):
         report = bench_ar.run(args.llama_server, args.gguf, args.documents, steps, args.threads, args.compile,
-                              args.shape, progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+                              args.shape, quantize,
+                              progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
     report["busy_cores"] = args.busy_cores
     return _report("ar", report, bench_ar.format_ar, args.out, bench_ar.plot_ar)
 

@@ -154,6 +154,12 @@ class AdapterSet:
     def _load(self, key: str) -> None:
         from peft import PeftModel
 
+        from .quantize import is_cpu_int8
+
+        if is_cpu_int8(self.model):
+            raise ModelLoadError(f"adapter '{key}' cannot be held apart on int8-dynamic weights (peft has no layer "
+                                 "for them): run it merged (canvas-ls engine --adapter), or start the engine with "
+                                 "--quantize int8 or none")  # fmt: skip
         if not holds_beside_others(_adapter_folder(key)):
             raise ModelLoadError(f"adapter '{key}' adapts the MoE expert parameters, which peft cannot hold "
                                  "beside another adapter: run it merged (canvas-ls engine --adapter)")  # fmt: skip

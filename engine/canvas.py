@@ -45,9 +45,10 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 
 from .compiled import CompiledDecoder
-from .conditioning import SelfConditioning
+from .conditioning import SelfConditioning, SparseSelfConditioning
 from .encoding import EncodedPrefix, encode, encode_prefixes, left_pad
 from .prefix_cache import PrefixCache
+from .quantize import is_cpu_int8
 from .sampling import (
     EntropyStableAndConfident,
     LeftToRightSampler,
@@ -528,7 +529,10 @@ class DenoisingBatch:
         self.layer_types = list(model.config.text_config.layer_types)
         self.jobs: list[CanvasJob] = []  # in the order of the forward's rows (and of `conditioning`'s)
         embed = model.model.decoder.embed_tokens.weight
-        self.conditioning = SelfConditioning(model.config.text_config.vocab_size, embed.dtype, embed.device)
+        # A CPU's int8 model conditions on soft embeddings computed sparsely (`conditioning.py`)
+        vocab = model.config.text_config.vocab_size
+        self.conditioning = (SparseSelfConditioning(model) if is_cpu_int8(model)
+                             else SelfConditioning(vocab, embed.dtype, embed.device))  # fmt: skip
         self._kv: tuple[tuple[tuple[int, int], ...], BatchedKV] | None = None
 
     def __len__(self) -> int:
@@ -582,8 +586,10 @@ class DenoisingBatch:
             self._kv = (key, BatchedKV([job.cache for job, _, _ in ready], self.layer_types))
         kv = self._kv[1]
         self_cond = mask = None
+        if isinstance(self.conditioning, SparseSelfConditioning):  # eager; the block's hook takes them
+            self.conditioning.feed(len(ready), width)
         # A compiled decoder always takes them (one graph); eager, they are left out while no row has any
-        if self.conditioning.any(len(ready)) or self.decoder.static_inputs:
+        elif self.conditioning.any(len(ready)) or self.decoder.static_inputs:
             self_cond, mask = self.conditioning.inputs(len(ready), width)
         return dict(
             decoder_input_ids=canvases,

@@ -12,17 +12,31 @@ as before. Slots past a row's canvas and rows whose mask is off hold stale but f
 zero): the model multiplies masked rows' soft embeddings by zero and masks padded slots out of attention, so the
 answers are those of freshly zeroed inputs. The buffer is an inference tensor, as the step's inputs are (a compiled
 graph's guards read that); the methods that write it run in inference mode.
+
+`SparseSelfConditioning` (a CPU's int8 weights, `quantize.cpu_int8`) keeps the soft embeddings themselves, `[rows,
+width, hidden]`: what the decoder would compute from the logits (softmax, then times the embedding matrix: on a 0.5B
+model with 151,936 tokens, 8.7 GFLOP a step, 109 of a 393 ms int8 step on 2 Zen 2 cores), from each slot's `TOP_K`
+most likely tokens exactly and the rest of the probability spread evenly over the other tokens' embeddings. On the
+shipped model's own steps (186 canvases' logits) that soft embedding pointed where the exact one does within a
+cosine of 0.973 at worst, 0.9986 on average (the top 64 alone: 0.728 / 0.993); the block that reads it normalises
+its length. The decoder is then passed no logits, and a hook on its self-conditioning block (`SoftInput`) hands the
+block these embeddings in place of the zeros the decoder made.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+TOP_K = 64  # the tokens per slot `SparseSelfConditioning` weighs exactly
 
 
 class SelfConditioning:
     def __init__(self, vocab_size: int, dtype: torch.dtype, device: torch.device):
         self.vocab_size, self.dtype, self.device = vocab_size, dtype, device
-        self.buffer: torch.Tensor | None = None  # [capacity, width, V]
+        self.columns = vocab_size  # what the buffer keeps per slot
+        self.buffer: torch.Tensor | None = None  # [capacity, width, columns]
         self.mask: torch.Tensor | None = None  # [capacity] bool, on the device
         self.flags: list[bool] = []  # the mask as the host knows it (no device read to decide anything)
         self.reallocations = 0
@@ -81,7 +95,7 @@ class SelfConditioning:
         if self.buffer is not None and self.buffer.shape[0] >= rows and self.buffer.shape[1] == width:
             return
         capacity = max(rows, len(self.flags))
-        buffer = torch.zeros((capacity, width, self.vocab_size), dtype=self.dtype, device=self.device)
+        buffer = torch.zeros((capacity, width, self.columns), dtype=self.dtype, device=self.device)
         mask = torch.zeros(capacity, dtype=torch.bool, device=self.device)
         if self.buffer is not None and self.mask is not None:
             kept, slots = self.buffer.shape[0], min(width, self.buffer.shape[1])
@@ -90,3 +104,65 @@ class SelfConditioning:
         self.flags += [False] * (capacity - len(self.flags))
         self.buffer, self.mask = buffer, mask
         self.reallocations += 1
+
+
+class SparseSelfConditioning(SelfConditioning):
+    """The rows' soft embeddings `[rows, width, hidden]` (see the module's docstring), handed to the decoder's
+    self-conditioning block by `SoftInput`; a row without last step's logits holds zeros, as the decoder's mask
+    would make them."""
+
+    def __init__(self, model: Any, top_k: int = TOP_K):
+        embed = model.model.decoder.embed_tokens
+        super().__init__(embed.weight.shape[0], embed.weight.dtype, embed.weight.device)
+        self.embed, self.scale = embed.weight, embed.embed_scale.to(embed.weight.dtype)
+        self.top_k = min(top_k, self.vocab_size)
+        self.columns = embed.weight.shape[1]
+        self.total = embed.weight.sum(dim=0)  # every token's embedding summed: the tail's spread
+        self.input = SoftInput.of(model)
+
+    @torch.inference_mode()
+    def write(self, row: int, logits: torch.Tensor, temperature: float) -> None:
+        assert self.buffer is not None and row < self.buffer.shape[0] and logits.shape[0] <= self.width
+        probabilities = torch.softmax(logits.float() / temperature, dim=-1)
+        top, tokens = probabilities.topk(self.top_k, dim=-1)  # [L, k]
+        picked = self.embed[tokens]  # [L, k, hidden]
+        soft = torch.einsum("lk,lkh->lh", top.to(picked.dtype), picked)  # [L, hidden]
+        rest = self.vocab_size - self.top_k
+        if rest:  # the other tokens' share, spread evenly over their embeddings
+            soft += (1 - top.sum(-1, keepdim=True)) * (self.total - picked.sum(dim=1)) / rest
+        torch.mul(soft, self.scale, out=self.buffer[row, : logits.shape[0]])
+        self._flag(row, True)
+
+    @torch.inference_mode()
+    def clear(self, row: int) -> None:
+        if row < len(self.flags) and self.flags[row]:
+            assert self.buffer is not None
+            self.buffer[row].zero_()
+            self._flag(row, False)
+
+    def feed(self, rows: int, width: int) -> None:
+        """The next decoder forward's self-conditioning: these rows' soft embeddings, or none while no row has any
+        (the decoder's zeros)."""
+        self.input.soft = self.inputs(rows, width)[0] if self.any(rows) else None
+
+
+class SoftInput:
+    """A forward pre-hook on a decoder's self-conditioning block: replaces the signal the decoder computed (zeros,
+    when passed no logits) by `soft` where it is set. One per model (`of`), set before each forward by the batch
+    that runs it."""
+
+    def __init__(self, block: torch.nn.Module):
+        self.soft: torch.Tensor | None = None
+        block.register_forward_pre_hook(self._hook)
+
+    @classmethod
+    def of(cls, model: Any) -> SoftInput:
+        if not hasattr(model, "canvas_ls_soft_input"):
+            model.canvas_ls_soft_input = cls(model.model.decoder.self_conditioning)
+        return model.canvas_ls_soft_input
+
+    def _hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self.soft is None:
+            return None
+        inputs_embeds, signal = args
+        return inputs_embeds, self.soft.to(signal.dtype)

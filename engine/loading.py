@@ -168,8 +168,13 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         )
 
     quantized = quantization.resolve(quantize, config, target)
+    # int8-dynamic loads float32 and is quantised once loaded and adapted (`quantize.cpu_int8`); torchao quantises
+    # int8 and int4 while the checkpoint loads
+    cpu_int8 = quantized == "int8-dynamic"
+    if cpu_int8:
+        weights_dtype = torch.float32
     kwargs: dict[str, Any] = {"dtype": weights_dtype}
-    if quantized != "none":
+    if quantized != "none" and not cpu_int8:
         kwargs["quantization_config"] = quantization.torchao_config(quantized)
     if target.type == "cuda":
         kwargs["device_map"] = "auto" if target.index is None else {"": target.index}
@@ -183,7 +188,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     if target.type == "cpu" and weights_dtype != torch.float32:
         model.set_attn_implementation(fp32_attention())
     text = model.config.get_text_config()
-    if quantized != "none":
+    if quantized != "none" and not cpu_int8:
         quantization.use_quantized_experts(model)
     elif text.num_experts <= DENSE_ARITHMETIC * text.top_k_experts:
         use_dense_experts(model, encoder=target.type == "cpu" and weights_dtype == torch.bfloat16)
@@ -194,13 +199,15 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
 
         folder_of_adapter = Path(adapter).expanduser()
         # peft's LoRA on a 3-D parameter (the experts') needs float weights
-        if (quantized != "none" and (folder_of_adapter / "adapter_config.json").is_file()
+        if (quantized != "none" and not cpu_int8 and (folder_of_adapter / "adapter_config.json").is_file()
                 and not holds_beside_others(folder_of_adapter)):  # fmt: skip
             raise ModelLoadError(
                 f"adapter '{adapter}' adapts the MoE experts' weights, which {quantized} weights cannot take: "
                 "load it with --quantize none, or tune one without --lora-experts"
             )
-        model = apply_adapter(model, adapter, merge_adapter and quantized == "none")
+        model = apply_adapter(model, adapter, merge_adapter and (quantized == "none" or cpu_int8))
+    if cpu_int8:
+        quantization.cpu_int8(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -26,7 +26,7 @@ MODEL_SETTINGS_FILE = "canvas_ls.json"
 # Its sections: the infill settings, the display policy (`bench calibrate`), what training recorded
 MODEL_SETTINGS_SECTIONS = frozenset({"infill", "display", "trained", "trained_before"})
 # How a model's layers' weights load (`engine.quantize`; `--quantize`): here, without torch, for the command line.
-QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
+QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "int8-dynamic")
 
 
 class SettingsError(ValueError):

@@ -41,7 +41,7 @@ class EngineOptions:
     # The layers' weights: "auto" (on a GPU, the first of none / int8 / int4 that leaves room in its free memory, so
     # that DiffusionGemma 26B-A4B runs on a 24 or 48 GB card; on a CPU none), "none", "int8" (CPU or GPU) or "int4"
     # (NVIDIA GPUs of compute capability 8.0+). Needs torchao (`pip install 'canvas-ls[quantize]'`).
-    quantize: Literal["auto", "none", "int8", "int4"] = "auto"
+    quantize: Literal["auto", "none", "int8", "int4", "int8-dynamic"] = "auto"
     # The compiled denoising step (`canvas-ls engine --compile`): "auto" on (on the CPU its graphs are compiled once
     # by a background process at the lowest priority, 1-2 minutes on 2 cores, then loaded in ~3 s at every start; a
     # machine that cannot compile stays eager); "on" also compiles in the engine itself where that process cannot;

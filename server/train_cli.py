@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.paths import lowest_priority
-from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from ..engine.workspaces import RECIPES as RECIPE_NAMES
 from . import learning
 from .arguments import CliError
@@ -48,7 +47,7 @@ def add_parser(commands: Any) -> None:
     train.add_argument("--lora", type=int, metavar="RANK", help="train a LoRA adapter of this rank (peft) instead "
                        "of every weight; exports OUT/adapter and OUT/model (merged)")  # fmt: skip
     train.add_argument("--lora-experts", action="store_true", help="the adapter also adapts the MoE expert weights")
-    train.add_argument("--quantize", choices=QUANTIZE[1:],
+    train.add_argument("--quantize", choices=("none", "int8", "int4"),
                        help="with --lora: the frozen base's layers in int8 or int4 (QLoRA-style: DiffusionGemma's "
                        "LoRA on a 24/48 GB card; int4 on NVIDIA GPUs of compute capability 8.0+); the adapter alone "
                        "is exported, to load with --adapter (default: none; with --workspace, what fits)")  # fmt: skip

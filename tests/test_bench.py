@@ -256,13 +256,17 @@ def test_bench_ar_writes_a_gguf_llama_cpp_reads_as_the_named_shape(tmp_path: Pat
 def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Path) -> None:
     out = tmp_path / "ar.json"
     done = cli("bench", "ar", "--shape", "tiny", "--llama-server", str(tmp_path / "no-llama-server"),
-                     "--documents", "1", "--steps", "2", "--out", str(out))  # fmt: skip
+               "--documents", "1", "--steps", "2", "--quantize", "none,int8-dynamic", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["llama_error"] == f"no llama-server at '{tmp_path / 'no-llama-server'}' (--llama-server PATH)"
     assert [(row["system"], row["mode"], row["requests"]) for row in report["rows"]] == [
-        ("canvas-ls 2 steps", "cold", 1), ("canvas-ls 2 steps", "warm", 4)
+        ("canvas-ls none 2 steps", "cold", 1), ("canvas-ls none 2 steps", "warm", 4),
+        ("canvas-ls int8-dynamic 2 steps", "cold", 1), ("canvas-ls int8-dynamic 2 steps", "warm", 4),
     ]  # fmt: skip
+    assert {name: engine["quantize"] for name, engine in report["engines"].items()} == {
+        "canvas-ls none": "none", "canvas-ls int8-dynamic": "int8-dynamic"
+    }  # fmt: skip
     assert all(r["detail"]["steps"] <= 2 and r["tokens"] <= 16 for r in report["requests"])
     assert "llama-server not timed: no llama-server at" in done.stdout and out.with_suffix(".png").is_file()
 

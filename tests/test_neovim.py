@@ -366,3 +366,40 @@ def test_the_invoke_key_asks_and_the_statusline_says_why_nothing_was_shown(
     text = nvim.exec_lua("return require('canvas_ls').status_text(0)")
     assert re.search(r"\n +\d+ nothing shown: the model's confidence is below the display threshold\n", text), text
     assert "last 1 (asked): the cursor is inside a word; inside an identifier" in text
+
+
+PARTS = """
+local part = require('canvas_ls').part
+return {
+  part('None None', 'word'), part(' None None', 'word'), part('(a, b)', 'word'), part('\\n    x = 1', 'word'),
+  part('foo(a)\\n    bar', 'line'), part('\\n    bar\\nbaz', 'line'), part('one', 'line'),
+}
+"""
+
+
+def test_a_word_of_the_suggestion_accepted_and_the_rest_still_shown(nvim, tmp_path: Path) -> None:
+    """<C-Right> (the plugin's default, as VS Code's) takes the ghost text's next word: the buffer gets it, the rest
+    is shown again, and the statistics count a partial accept of its characters; <Tab> then takes the rest. A model
+    that writes " None" in every slot answers "None None None None" in a comment."""
+    from canvas_ls.engine.architecture import build_tiny_model
+    from tests.conftest import tokenizer_texts
+    from tests.test_acceptance import stats
+
+    infill = {"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 4}
+    model = build_tiny_model(tmp_path / "words", tokenizer_texts(), infill=infill, writes=(" None",))
+    path = tmp_path / "words.py"
+    path.write_text("x = 1  #\n")
+    attach(nvim, model, path, FIXED_SETUP, False, False)
+    assert nvim.exec_lua(PARTS) == ["None", " None", "(", "\n    ", "foo(a)", "\n    bar", "one"]
+    nvim.current.window.cursor = (1, 0)
+    nvim.input("A ")
+    assert wait_for(lambda: nvim.exec_lua(GHOSTS), what="the ghost text") == [[0, 9, "None None None None"]]
+    nvim.input("<C-Right>")
+    wait_for(lambda: nvim.current.buffer[0] == "x = 1  # None", what="the accepted word")
+    assert wait_for(lambda: nvim.exec_lua(GHOSTS), what="the rest") == [[0, 13, " None None None"]]
+    nvim.input("<Tab>")
+    wait_for(lambda: nvim.current.buffer[0] == "x = 1  # None None None None", what="the accepted rest")
+    total = wait_for(lambda: (t := stats()["total"])["accepted"] and t, what="the statistics")
+    assert {key: total[key] for key in ("shown", "accepted", "partial", "dismissed")} == {
+        "shown": 1, "accepted": 1, "partial": 1, "dismissed": 0
+    }  # fmt: skip

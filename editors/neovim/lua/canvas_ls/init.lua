@@ -14,6 +14,10 @@ local M = {}
 ---  place where the cursor still is, instead of when Neovim's debounce ends (default true)
 ---@field next_edit_key? string  normal-mode key for next edits: ask for them, then jump to the shown one, then
 ---  accept it (default: none; :CanvasLsNextEdit does the same)
+---@field accept_word_key? string  insert-mode key that accepts the suggestion's next word and keeps the rest shown
+---  (default '<C-Right>', as VS Code's; falls back to the key itself; false: none)
+---@field accept_line_key? string  insert-mode key that accepts the rest of the suggestion's current line (default
+---  '<C-Down>'; falls back to the key itself; false: none)
 ---@field invoke_key? string  insert-mode key that asks for a suggestion here and now (an Invoked request: shown
 ---  whatever the model's confidence; when nothing comes, the server says why) (default '<M-\>', as VS Code's Alt+\;
 ---  false: none)
@@ -89,6 +93,17 @@ function M.setup(opts)
       return key
     end
   end, { expr = true, replace_keycodes = true, desc = 'canvas-ls: accept the inline completion' })
+  for unit, default in pairs({ word = '<C-Right>', line = '<C-Down>' }) do
+    local partial_key = opts['accept_' .. unit .. '_key']
+    if partial_key ~= false then
+      partial_key = partial_key or default
+      vim.keymap.set('i', partial_key, function()
+        if not M.accept_part(unit) then
+          return partial_key
+        end
+      end, { expr = true, replace_keycodes = true, desc = 'canvas-ls: accept the next ' .. unit .. ' of the suggestion' })
+    end
+  end
   if opts.invoke_key ~= false then
     vim.keymap.set('i', opts.invoke_key or '<M-\\>', function()
       M.invoke()
@@ -238,6 +253,55 @@ function M.invoke(bufnr)
   end
   completor:request(vim.lsp.protocol.InlineCompletionTriggerKind.Invoked)
   return true
+end
+
+--- The start of a suggestion's `text` that a partial accept of `unit` takes: 'word', the next word (the spaces
+--- before it included) or run of punctuation, or a line break with the next line's indentation; 'line', the rest of
+--- the current line (after a line break: the next line).
+function M.part(text, unit)
+  if unit == 'line' then
+    return text:match('^\n?[^\n]*')
+  end
+  return text:match('^\n[ \t]*') or text:match('^[ \t]*[%w_]+') or text:match('^[ \t]*[^%w_%s]+') or text
+end
+
+--- Accept the next `unit` ('word' or 'line', `M.part`) of the suggestion shown in the current buffer: it is inserted
+--- at the cursor, the server is told how many characters were taken (its statistics), and the rest is shown again
+--- (the server answers it from what it had: the suggestion being typed through). A suggestion that replaces text
+--- (a non-empty range) is accepted whole. False when none is shown (a mapping then falls back to its key).
+function M.accept_part(unit)
+  local bufnr = vim.api.nvim_get_current_buf()
+  return vim.lsp.inline_completion.get({
+    bufnr = bufnr,
+    on_accept = function(item)
+      local text = type(item.insert_text) == 'string' and item.insert_text or nil
+      local range = item.range
+      local empty = not range or (range.start.row == range.end_.row and range.start.col == range.end_.col)
+      local completor = completor_of(bufnr)
+      if not (text and empty and completor and completor.accept) then
+        if completor and completor.accept then
+          completor:accept(item)
+        end
+        return
+      end
+      local head = M.part(text, unit)
+      local lines = vim.split(head, '\n')
+      local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+      if range then
+        row, col = range.start.row + 1, range.start.col
+      end
+      vim.api.nvim_buf_set_text(bufnr, row - 1, col, row - 1, col, lines)
+      vim.api.nvim_win_set_cursor(0, { row + #lines - 1, (#lines == 1 and col or 0) + #lines[#lines] })
+      local command = item.command
+      if command and #head < #text then -- the statistics: this many characters of it
+        command = vim.deepcopy(command)
+        command.arguments = { command.arguments[1], vim.fn.strchars(head) }
+      end
+      if command then
+        vim.lsp.get_client_by_id(item.client_id):exec_cmd(command, { bufnr = bufnr })
+      end
+    end,
+  })
 end
 
 --- How many suggestions were asked for as soon as the server had them (not after Neovim's debounce).
