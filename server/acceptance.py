@@ -2,9 +2,12 @@
 
 One SQLite database (the standard library's sqlite3) under the user's state folder, never sent anywhere and never
 holding code: per event its time, what happened (shown, accepted, partial, dismissed), the kind of suggestion, the
-language, the workspace folder, the model, a length in characters and the latency. At most `MAX_EVENTS` rows (the
-oldest go first). A database that is corrupt is moved aside and a new one started; one that is locked or on a disk
-that refuses writes loses that event; either way the user is told once and completion goes on.
+language, the workspace folder, the model, a length in characters, the latency and the suggestion's confidence
+score with the model's own threshold for it (what `personal.py` learns the display threshold from; its thresholds
+live in the same database). At most
+`MAX_EVENTS` rows (the oldest go first). A database that is corrupt is moved aside and a new one started; one that
+is locked or on a disk that refuses writes loses that event; either way the user is told once and completion goes
+on.
 
 How the server learns what became of a suggestion: the inline completion item it shows carries a command
 (`ACCEPTED_COMMAND`, the LSP 3.18 item's `command`, which the editor runs when the user accepts it, with the
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import personal
+
 log = logging.getLogger(__name__)
 ACCEPTED_COMMAND = "canvas-ls.accepted"
 MAX_EVENTS = 100_000
@@ -30,7 +35,8 @@ PRUNE_EVERY = 1_000  # inserts between two looks at the bound
 EVENTS = ("shown", "accepted", "partial", "dismissed")
 SCHEMA = """CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY, at REAL NOT NULL, event TEXT NOT NULL, kind TEXT NOT NULL, language TEXT NOT NULL,
-    workspace TEXT NOT NULL, model TEXT NOT NULL, chars INTEGER NOT NULL, latency_ms REAL, shown_id INTEGER)"""
+    workspace TEXT NOT NULL, model TEXT NOT NULL, chars INTEGER NOT NULL, latency_ms REAL, shown_id INTEGER,
+    score REAL, calibrated REAL)"""
 
 
 def default_path() -> Path:
@@ -50,6 +56,8 @@ class Pending:
     language: str
     workspace: str
     model: str
+    score: float | None = None  # its confidence score (None: not judged)
+    calibrated: float | None = None  # the model's own threshold for it (`personal.py` starts there)
 
 
 class Recorder:
@@ -62,6 +70,7 @@ class Recorder:
         self.enabled = enabled
         self.notify = notify or (lambda message: log.warning("%s", message))
         self.pending: dict[str, Pending] = {}  # uri -> its last shown suggestion
+        self.on_settled: Callable[[Pending], None] | None = None  # told each accept or dismissal (`personal.py`)
         self._db: sqlite3.Connection | None = None
         self._inserts = 0
         self._said: set[str] = set()
@@ -69,12 +78,15 @@ class Recorder:
     # -- what the server calls -------------------------------------------------------------------------------
 
     def shown(self, uri: str, offset: int, text: str, kind: str, language: str, workspace: str, model: str,
-              latency_ms: float) -> int | None:  # fmt: skip
-        """A suggestion shown: its id (for the accept command), or None when nothing is recorded."""
+              latency_ms: float, score: float | None = None,
+              calibrated: float | None = None) -> int | None:  # fmt: skip
+        """A suggestion shown (with its confidence `score` and the model's own threshold for it, where judged): its
+        id (for the accept command), or None when nothing is recorded."""
         self.settle(uri, None)
-        shown_id = self._insert("shown", kind, language, workspace, model, len(text), latency_ms)
+        shown_id = self._insert("shown", kind, language, workspace, model, len(text), latency_ms, score=score,
+                                calibrated=calibrated)  # fmt: skip
         if shown_id is not None:
-            self.pending[uri] = Pending(shown_id, offset, text, kind, language, workspace, model)
+            self.pending[uri] = Pending(shown_id, offset, text, kind, language, workspace, model, score, calibrated)
         return shown_id
 
     def still_shown(self, uri: str) -> int | None:
@@ -99,6 +111,7 @@ class Recorder:
                 )
                 if whole:
                     del self.pending[uri]
+                self._settled(pending)
                 return
 
     def settle(self, uri: str, text: str | None, cursor: int | None = None) -> None:
@@ -113,6 +126,7 @@ class Recorder:
                 del self.pending[uri]
                 self._insert("accepted", pending.kind, pending.language, pending.workspace, pending.model,
                              len(pending.text), None, pending.shown_id)  # fmt: skip
+                self._settled(pending)
                 return
             typed = text[pending.offset : cursor] if cursor is not None else ""
             if typed and pending.text.startswith(typed):
@@ -120,11 +134,21 @@ class Recorder:
         del self.pending[uri]
         self._insert("dismissed", pending.kind, pending.language, pending.workspace, pending.model, 0, None,
                      pending.shown_id)  # fmt: skip
+        self._settled(pending)
+
+    def _settled(self, pending: Pending) -> None:
+        if self.on_settled is not None and pending.score is not None and self.enabled:
+            self.on_settled(pending)
+
+    def database(self) -> sqlite3.Connection | None:
+        """The open database (None: recording is off or the database cannot be opened)."""
+        return self._open() if self.enabled else None
 
     # -- the database ----------------------------------------------------------------------------------------
 
     def _insert(self, event: str, kind: str, language: str, workspace: str, model: str, chars: int,
-                latency_ms: float | None, shown_id: int | None = None) -> int | None:  # fmt: skip
+                latency_ms: float | None, shown_id: int | None = None,
+                score: float | None = None, calibrated: float | None = None) -> int | None:  # fmt: skip
         if not self.enabled:
             return None
         db = self._open()
@@ -134,8 +158,20 @@ class Recorder:
             with db:
                 row = db.execute(
                     "INSERT INTO events (at, event, kind, language, workspace, model, chars, latency_ms,"
-                    " shown_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (time.time(), event, kind, language, workspace, model, chars, latency_ms, shown_id),
+                    " shown_id, score, calibrated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        time.time(),
+                        event,
+                        kind,
+                        language,
+                        workspace,
+                        model,
+                        chars,
+                        latency_ms,
+                        shown_id,
+                        score,
+                        calibrated,
+                    ),
                 )
             self._inserts += 1
             if self._inserts % PRUNE_EVERY == 0:
@@ -183,6 +219,12 @@ def connect(path: Path) -> sqlite3.Connection:
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")  # statistics: no fsync on the keystroke path
     db.execute(SCHEMA)
+    columns = {row[1] for row in db.execute("PRAGMA table_info(events)")}
+    for column in ("score", "calibrated"):  # a database from before scores were kept
+        if column not in columns:
+            db.execute(f"ALTER TABLE events ADD COLUMN {column} REAL")
+    db.execute("CREATE INDEX IF NOT EXISTS events_shown_id ON events (shown_id)")
+    db.execute(personal.SCHEMA)
     db.execute("SELECT count(*) FROM events").fetchone()
     return db
 
@@ -219,23 +261,46 @@ def prune(db: sqlite3.Connection, keep: int) -> None:
 
 
 def summary(path: Path, since_s: float | None = None) -> dict[str, Any]:
-    """The statistics since `since_s` seconds ago (None: all): totals, and by language, kind and model."""
+    """The statistics since `since_s` seconds ago (None: all): totals, by language, kind and model, and the display
+    thresholds learned from them (`personal.py`): the current ones and every move."""
     if not path.exists():
-        return {"path": str(path), "events": 0, "total": _rates({}), "by_language": {}, "by_kind": {}, "by_model": {}}
+        return {"path": str(path), "events": 0, "total": _rates({}), "by_language": {}, "by_kind": {}, "by_model": {},
+                "thresholds": {"learned": [], "history": []}}  # fmt: skip
     db = connect(path)
     try:
         since = time.time() - since_s if since_s else 0.0
-        rows = db.execute("SELECT event, kind, language, model, chars, latency_ms FROM events WHERE at >= ?",
+        rows = db.execute("SELECT event, kind, language, model, chars, latency_ms, at FROM events WHERE at >= ?",
                           (since,)).fetchall()  # fmt: skip
+        learned = personal.latest(db)
+        history = [move for move in personal.history(db) if move["at"] >= since]
     finally:
         db.close()
     report: dict[str, Any] = {"path": str(path), "events": len(rows), "total": _rates(_count(rows))}
+    report["thresholds"] = {
+        "learned": [{"language": language, "model": model, "start": start, "value": value}
+                    for (language, model, start), value in sorted(learned.items())],
+        "history": history,
+    }  # fmt: skip
+    report["days"] = _days(rows)
     for name, column in (("by_language", 2), ("by_kind", 1), ("by_model", 3)):
         groups: dict[str, list[tuple[Any, ...]]] = {}
         for row in rows:
             groups.setdefault(row[column], []).append(row)
         report[name] = {key: _rates(_count(group)) for key, group in sorted(groups.items())}
     return report
+
+
+def _days(rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Shown, accepted (whole or in part) and the acceptance rate per day (local time), oldest first."""
+    days: dict[str, dict[str, Any]] = {}
+    for event, *_, at in rows:
+        day = days.setdefault(time.strftime("%Y-%m-%d", time.localtime(at)), {"shown": 0, "accepted": 0})
+        if event == "shown":
+            day["shown"] += 1
+        elif event in ("accepted", "partial"):
+            day["accepted"] += 1
+    return [{"day": day, **counts, "acceptance_rate": counts["accepted"] / counts["shown"] if counts["shown"] else None}
+            for day, counts in sorted(days.items())]  # fmt: skip
 
 
 def _count(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
@@ -270,4 +335,49 @@ def format_summary(report: dict[str, Any]) -> str:
     for title, key in (("language", "by_language"), ("kind", "by_kind"), ("model", "by_model")):
         for name, row in report[key].items():
             lines.append(line(f"{title} {Path(name).name if key == 'by_model' else name}", row))
+    learned = report["thresholds"]["learned"]
+    if learned:
+        lines += ["", "display thresholds learned from your accepts (the model's own -> yours):"]
+        for row in learned:
+            moves = sum(1 for move in report["thresholds"]["history"]
+                        if (move["language"], move["model"], move["start"]) == (row["language"], row["model"],
+                                                                                row["start"]))  # fmt: skip
+            lines.append(f"  {row['language']:<12}{Path(row['model']).name:<24}{row['start']:.3f} -> "
+                         f"{row['value']:.3f}  ({moves} moves)")  # fmt: skip
     return "\n".join(lines)
+
+
+def plot_summary(report: dict[str, Any], out: Path) -> Path:
+    """Shown suggestions and the acceptance rate per day, and the learned display thresholds over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (days, thresholds) = plt.subplots(2, 1, figsize=(8, 6))
+    names = [day["day"] for day in report["days"]]
+    days.bar(names, [day["shown"] for day in report["days"]], color="lightgray", label="shown")
+    days.set_ylabel("shown")
+    rate = days.twinx()
+    rate.plot(names, [day["acceptance_rate"] for day in report["days"]], marker="o", label="acceptance rate")
+    rate.set_ylim(0, 1)
+    rate.set_ylabel("accepted / shown")
+    days.set_title("suggestions shown and accepted, per day")
+    days.tick_params(axis="x", rotation=30)
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for move in report["thresholds"]["history"]:
+        if move["value"] is not None:
+            series.setdefault((move["language"], Path(move["model"]).name), []).append(move)
+    for (language, model), moves in series.items():
+        when = [time.strftime("%m-%d %H:%M", time.localtime(move["at"])) for move in moves]
+        values = [move["value"] for move in moves]
+        thresholds.step(when, values, where="post", marker="o", label=f"{language} ({model})")
+    thresholds.set_ylim(0, 1)
+    thresholds.set_title("display threshold learned from your accepts")
+    if series:
+        thresholds.legend(fontsize=8)
+    thresholds.tick_params(axis="x", rotation=30)
+    figure.tight_layout()
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return out

@@ -27,8 +27,10 @@ def model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> Non
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: bf16 on GPUs and on CPUs with native bf16, else fp32")  # fmt: skip
     parser.add_argument("--quantize", choices=QUANTIZE, default="auto",
-                        help="the layers' weights (torchao): auto picks none, int8 or int4 to fit a GPU's free "
-                        "memory (none on a CPU); int4 needs an NVIDIA GPU of compute capability 8.0+")  # fmt: skip
+                        help="the layers' weights: auto picks none, int8 or int4 (torchao) to fit a GPU's free "
+                        "memory, and on a CPU int8-dynamic (int8 weights and activations, torch's fbgemm: the fast "
+                        "one there) for models of 100M+ weights, else none; int4 needs an NVIDIA GPU of compute "
+                        "capability 8.0+")  # fmt: skip
 
 
 def load_engine(args: argparse.Namespace, overrides: dict[str, Any] | None = None, **options: Any) -> Any:

@@ -116,6 +116,10 @@ def parser(bench: bool = True) -> argparse.ArgumentParser:
     stats.add_argument("--since", help="only the last N days or hours (7d, 12h; default: everything)")
     stats.add_argument("--json", action="store_true", help="the statistics as JSON")
     stats.add_argument("--clear", action="store_true", help="delete every recorded event")
+    stats.add_argument("--reset-threshold", action="store_true", help="the display thresholds learned from your "
+                       "accepts start again from the models' own (the events stay)")  # fmt: skip
+    stats.add_argument("--plot", type=Path, metavar="FILE", help="draw shown and accepted per day and the learned "
+                       "thresholds over time into FILE (PNG; needs matplotlib: the bench extra)")  # fmt: skip
 
     doctor = commands.add_parser("doctor", help="check this installation: Python, torch, the model, the engine, the "
                                  "editors; each problem with its fix")  # fmt: skip
@@ -403,12 +407,22 @@ def _stats(args: argparse.Namespace) -> int:
     import json as json_module
     import re
 
-    from .acceptance import clear, default_path, format_summary, summary
+    from .acceptance import clear, connect, default_path, format_summary, plot_summary, summary
+    from .personal import reset
 
     path = default_path()
     if args.clear:
         clear(path)
         print(f"cleared {path}", file=sys.stderr)
+        return 0
+    if args.reset_threshold:
+        db = connect(path)
+        try:
+            reset(db)
+        finally:
+            db.close()
+        print("the display thresholds start again from the models' own (a running server: at its next look, or "
+              "at once with its canvas-ls.resetThreshold command)", file=sys.stderr)  # fmt: skip
         return 0
     since = None
     if args.since is not None:
@@ -422,6 +436,11 @@ def _stats(args: argparse.Namespace) -> int:
         raise CliError(f"the statistics database {path} cannot be read ({exc}); the language server moves it aside "
                        "and starts a new one, or `canvas-ls stats --clear`") from exc  # fmt: skip
     print(json_module.dumps(report, indent=2) if args.json else format_summary(report))
+    if args.plot is not None:
+        try:
+            print(f"plot: {plot_summary(report, args.plot)}", file=sys.stderr)
+        except ImportError as exc:
+            raise CliError("--plot needs matplotlib: pip install 'canvas-ls[bench]'") from exc
     return 0
 
 

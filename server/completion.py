@@ -43,6 +43,7 @@ from .crossfile import Block, CrossFile
 from .display import Cut, Hidden, decide
 from .documents import Document, DocumentStore
 from .edits import Edit, checked_edit
+from .personal import Thresholds
 from .positions import PositionError
 from .silence import Why
 from .workspaces import RoutedBackend
@@ -101,6 +102,8 @@ class Outcome:
     reason: str | None = None  # the skip's, the error's, the stale answer's or the loading model's why
     why: Why | None = None  # nothing shown to the user: which reason of the closed list (`silence.py`)
     identity: Identity | None = None  # the model whose answer this is (the route resolved for the request)
+    score: float | None = None  # the shown answer's confidence score, where judged
+    calibrated: float | None = None  # the model's own threshold for this kind of request (`personal.py` starts there)
 
     @property
     def result(self) -> Mapping[str, Any] | None:
@@ -184,6 +187,7 @@ class Completer:
         self.stats = Stats()
         self.speculations: dict[str, _Speculation] = {}  # uri -> the next suggestion computed ahead
         self.prefetches: dict[str, tuple[str, asyncio.Task[Outcome]]] = {}  # uri -> the last prefetch's key, task
+        self.thresholds: Thresholds | None = None  # learned from the user's accepts (`personal.py`)
 
     @property
     def last(self) -> tuple[str, Outcome] | None:
@@ -277,8 +281,8 @@ class Completer:
                 else:
                     self.speculations.pop(document.uri, None)
                     self.stats.speculation_used += 1
-            outcome = self._answer(document, context, offset, self.cache[key], invoked, source, request_id)
-            outcome.identity = route.identity
+            outcome = self._answer(document, context, offset, self.cache[key], invoked, source, request_id,
+                                   route.identity)  # fmt: skip
             self._speculate(document, outcome.edit)
             return outcome
 
@@ -315,32 +319,37 @@ class Completer:
         self._store(key, reply.cached())
         if prefetch:
             return Outcome(None, Source.PREFETCHED, request_id, 0.0, answer=reply)
-        outcome = self._answer(document, context, offset, reply, invoked, Source.MODEL, request_id)
-        outcome.answer, outcome.identity = reply, route.identity
+        outcome = self._answer(document, context, offset, reply, invoked, Source.MODEL, request_id, route.identity)
+        outcome.answer = reply
         self._speculate(document, outcome.edit)
         return outcome
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
     def _answer(self, document: Document, context: CompletionContext, offset: int, answer: Answer,
-                invoked: bool, source: Source, request_id: int) -> Outcome:  # fmt: skip
+                invoked: bool, source: Source, request_id: int, identity: Identity | None) -> Outcome:  # fmt: skip
         """The model's answer as the edit to show (shaped and syntax-checked): whole when the user asked for it or
-        the model stands behind it, else its confident head, else nothing."""
+        the model stands behind it (at the threshold learned from the user's accepts, where there is one), else its
+        confident head, else nothing."""
         options = self.config.completion
         edit = checked_edit(document, context, answer.text, options.max_lines)
+        model = identity.model if identity is not None else ""
+        learned = (self.thresholds.threshold(document.language, model, answer.min_confidence)
+                   if self.thresholds is not None else None)  # fmt: skip
         decision = decide(answer, edit, document.text, invoked, options,
-                          lambda head: checked_edit(document, context, head, options.max_lines))  # fmt: skip
+                          lambda head: checked_edit(document, context, head, options.max_lines), learned)  # fmt: skip
         match decision:
             case Hidden(reason, why):
                 self._remember(document, offset, None)
                 source = Source.HIDDEN if why is Why.LOW_CONFIDENCE else Source.REJECTED
-                return Outcome(None, source, request_id, 0.0, detail=reason, why=why)
+                return Outcome(None, source, request_id, 0.0, detail=reason, why=why, identity=identity)
             case Cut(edit, why):
                 self.stats.heads += 1
                 self._remember(document, offset, edit)
-                return Outcome(edit, source, request_id, 0.0, detail=why)
+                return Outcome(edit, source, request_id, 0.0, detail=why, identity=identity)
         self._remember(document, offset, decision.edit)
-        return Outcome(decision.edit, source, request_id, 0.0)
+        return Outcome(decision.edit, source, request_id, 0.0, identity=identity, score=decision.score,
+                       calibrated=answer.min_confidence)  # fmt: skip
 
     def _context(self, document: Document, offset: int) -> CompletionContext | Skip:
         """The windows around the cursor, the prefix led by snippets of the other files of its language."""

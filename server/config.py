@@ -115,9 +115,15 @@ class CompletionOptions:
     # repository, mixed into each slot whose context is known: `engine.token_cache`); None: the model's own setting
     # (1.0 unless its folder says); 0: off.
     workspace_cache: float | None = None
+    # Learn the display threshold from your own accepts and dismissals (`server/personal.py`): per language and
+    # model, from the model's calibrated one, so that this share of the suggestions shown while typing is accepted
+    # while showing as many as that allows. Needs `statistics`; `min_confidence`, where set, overrides it.
+    personal_threshold: bool = True
+    acceptance_target: float = 0.3
 
     def __post_init__(self) -> None:
         _within(self, "completion", min_confidence=(0, 1), workspace_cache=(0, 1), entropy_bound=(0, 1e3),
+                acceptance_target=(0.01, 0.99),
                 gap_tokens_single_line=(1, TOKENS), gap_tokens_multi_line=(1, TOKENS),
                 max_new_tokens_single_line=(1, TOKENS), max_new_tokens_multi_line=(1, TOKENS), max_steps=(1, TOKENS),
                 prefix_tokens=(0, CONTEXT), suffix_tokens=(0, CONTEXT), context_tokens=(0, CONTEXT),

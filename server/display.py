@@ -6,7 +6,8 @@ call `reaches` with their predictor's threshold; `bench calibrate` scores its an
 confidence with a threshold.
 
     answer -> shaped edit (or Hidden: nothing left to show) -> invoked? (Shown whole: the user asked)
-           -> threshold (the user's, else the model's calibrated one for this kind of request)
+           -> threshold (the user's, else the one learned from the user's accepts (`personal.py`), else the
+              model's calibrated one for this kind of request)
            -> score of the tokens that write the shown text, between the document's text around it
            -> Shown | Cut (its confident head, when asked for) | Hidden(why)
 """
@@ -26,6 +27,7 @@ from .silence import Why
 @dataclass(frozen=True)
 class Shown:
     edit: Edit
+    score: float | None = None  # its confidence score (None: not judged: nothing to judge it by)
 
 
 @dataclass(frozen=True)
@@ -54,21 +56,24 @@ def reaches(confidence: float, threshold: float) -> bool:
 
 
 def decide(answer: Answer, edit: Edit | None, text: str, invoked: bool, options: CompletionOptions,
-           reshape: Callable[[str], Edit | None]) -> Decision:  # fmt: skip
+           reshape: Callable[[str], Edit | None], learned: float | None = None) -> Decision:  # fmt: skip
     """What to show of `answer`, whose shaped, syntax-checked edit of the document `text` is `edit` (None: nothing
     of it can be shown). An invoked request shows it whole; a typing request only as far as the model stands behind
-    it: whole, else (with `options.show_head`) its confident head as `reshape` makes it an edit, else nothing."""
+    it: whole, else (with `options.show_head`) its confident head as `reshape` makes it an edit, else nothing.
+    `learned`: the threshold learned from this user's accepts for the model's own (`personal.py`)."""
     if edit is None:
         if not answer.text.strip():
             return Hidden("the model's answer is empty here", Why.NOTHING_TO_ADD)
         return Hidden("the answer would add syntax errors or only repeat the code after the cursor", Why.BREAKS_CODE)
     # the user's threshold, else the one calibrated for the model and this kind of request (reported with the answer)
     threshold = options.min_confidence if options.min_confidence is not None else answer.min_confidence
-    if invoked or threshold <= 0 or answer.score_kind is None:
-        return Shown(edit)  # asked for, or nothing to judge it by (a server that gives no confidences)
+    if options.min_confidence is None and learned is not None:
+        threshold = learned
+    if answer.score_kind is None or (threshold <= 0 and options.min_confidence is not None):
+        return Shown(edit)  # nothing to judge it by (a server that gives no confidences), or the user's "show all"
     score, head = judge(answer, edit.text, threshold, (text[: edit.start], text[edit.end :]))
-    if reaches(score, threshold):
-        return Shown(edit)
+    if invoked or reaches(score, threshold):
+        return Shown(edit, score)  # asked for (scored all the same: what a lower threshold would show), or confident
     why = f"confidence {score:.2f} below {threshold:.2f} ({answer.score_kind} score)"
     if threshold >= HIDDEN:  # a calibration that stands behind nothing here (or the user's 1.0)
         why += "; nothing is shown here while typing: invoke a completion to see the model's answer"

@@ -26,6 +26,7 @@ from .config import layered
 from .documents import Document
 from .fill import FillOutcome, Lead, fill_regions
 from .holes import find_holes
+from .personal import RESET_THRESHOLD_COMMAND
 from .positions import PositionError
 from .protocol import (
     FILL_HOLES_COMMAND,
@@ -145,7 +146,8 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
     else:
         model = outcome.identity.model if outcome.identity is not None else ""
         shown = ls.acceptance.shown(uri, outcome.edit.start, outcome.edit.text, "completion", document.language,
-                                    document_repository(uri) or "", model, outcome.elapsed_ms)  # fmt: skip
+                                    document_repository(uri) or "", model, outcome.elapsed_ms, outcome.score,
+                                    outcome.calibrated)  # fmt: skip
     # the editor runs the item's command when the user accepts it: the statistics learn it (whole, or the
     # characters a partial accept took)
     command = None
@@ -153,6 +155,13 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
         command = types.Command(title="canvas-ls: accepted", command=ACCEPTED_COMMAND, arguments=[shown])
     item = types.InlineCompletionItem(insert_text=outcome.edit.text, range=span, command=command)
     return types.InlineCompletionList(items=[item])
+
+
+@server.command(RESET_THRESHOLD_COMMAND)
+def reset_threshold_command(ls: CanvasServer, *arguments: Any) -> str:
+    """The display thresholds learned from the user's accepts start again from the models' own."""
+    ls.thresholds.reset()
+    return "the display thresholds start again from the models' own"
 
 
 @server.command(ACCEPTED_COMMAND)

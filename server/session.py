@@ -24,6 +24,7 @@ from .completion import Completer
 from .config import ServerConfig, parse_config
 from .documents import DocumentStore
 from .nextedit import NextEdits
+from .personal import Thresholds
 from .wire import Dispatcher, Frames
 from .workspaces import Learner, RoutedBackend
 
@@ -70,6 +71,11 @@ class CanvasServer(LanguageServer):
         self.completer = Completer(self.backend, self.config, self.documents)
         self.acceptance = Recorder(notify=lambda message: self.window_show_message(
             types.ShowMessageParams(type=types.MessageType.Warning, message=message)))  # fmt: skip
+        # the display threshold learned from the user's accepts and dismissals, kept beside the statistics
+        self.thresholds = Thresholds(self.acceptance.database)
+        self.acceptance.on_settled = lambda shown: self.thresholds.settled(shown.language, shown.model,
+                                                                           shown.calibrated)  # fmt: skip
+        self.completer.thresholds = self.thresholds
         self.next_edits = NextEdits()
         self.pending_messages: list[str] = []
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
@@ -147,6 +153,8 @@ class CanvasServer(LanguageServer):
         self.config = config
         self.completer.config = config
         self.acceptance.enabled = config.statistics
+        self.thresholds.enabled = config.completion.personal_threshold and config.statistics
+        self.thresholds.target = config.completion.acceptance_target
         if changed:
             self.completer.reset()  # answers of the old model go (their keys name it, too)
         if reload and self.loop is not None:

@@ -382,8 +382,11 @@ def test_a_word_of_the_suggestion_accepted_and_the_rest_still_shown(nvim, tmp_pa
     is shown again, and the statistics count a partial accept of its characters; <Tab> then takes the rest. A model
     that writes " None" in every slot answers "None None None None" in a comment."""
     from canvas_ls.engine.architecture import build_tiny_model
+    from canvas_ls.server.acceptance import clear, default_path
     from tests.conftest import tokenizer_texts
     from tests.test_acceptance import stats
+
+    clear(default_path())  # this test's counts alone (the server Neovim starts records in the tests' state folder)
 
     infill = {"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 4}
     model = build_tiny_model(tmp_path / "words", tokenizer_texts(), infill=infill, writes=(" None",))
