@@ -37,6 +37,20 @@ def test_bad_completions_fail_in_the_sandbox(add_task: Task, completion: str) ->
     assert not passes(add_task, completion, timeout=2)
 
 
+def test_a_program_left_running_ends_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task's program whose runner died before its timeout (nothing left to kill its group) stops at its CPU
+    limit instead of spinning on."""
+    import signal
+    import subprocess
+    import sys
+
+    from canvas_ls.engine import tasks
+
+    monkeypatch.setattr(tasks, "TEST_CPU_S", 1)
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=tasks._limits)
+    assert child.wait(timeout=30) == -signal.SIGKILL  # the hard limit (equal to the soft one: no grace)
+
+
 def test_limit_spreads_over_the_set() -> None:
     assert [t.task_id for t in load_tasks(DATASET, 2)] == ["Tiny/0/L1", "Tiny/1/L2"]
 
