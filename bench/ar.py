@@ -349,11 +349,11 @@ def format_ar(report: dict[str, Any]) -> str:
              f"{report['compile']}); {report['documents']} documents, {ANSWER_TOKENS}-token answers", ""]  # fmt: skip
     if report["llama_error"]:
         lines.append(f"llama-server not timed: {report['llama_error']}")
-    lines.append(f"{'system':<31}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13} | "
+    lines.append(f"{'system':<37}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13} | "
                  f"{'prompt':>7}{'reused':>7}{'encode ms':>10}{'answer ms':>10}{'steps':>6}")  # fmt: skip
     for row in report["rows"]:
         ratio = f"{row['p50_vs_llama']:.2f}" if row["p50_vs_llama"] is not None else "-"
-        lines.append(f"{row['system']:<31}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
+        lines.append(f"{row['system']:<37}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
                      f"{row['p95_ms']:>10.1f}{ratio:>13} | {row['prompt_tokens']:>7.0f}{row['reused_tokens']:>7.0f}"
                      f"{row['encode_ms']:>10.1f}{row['answer_ms']:>10.1f}{row['steps']:>6.0f}")  # fmt: skip
     lines.append("(medians; 'answer ms': llama-server's decoding, canvas-ls's denoising; 'steps': tokens decoded or "

@@ -149,7 +149,7 @@ class SparseSelfConditioning(SelfConditioning):
 class SoftInput:
     """A forward pre-hook on a decoder's self-conditioning block: replaces the signal the decoder computed (zeros,
     when passed no logits) by `soft` where it is set. One per model (`of`), set before each forward by the batch
-    that runs it."""
+    that runs it, and used once: a forward nothing fed (another caller's, with logits of its own) computes its own."""
 
     def __init__(self, block: torch.nn.Module):
         self.soft: torch.Tensor | None = None
@@ -162,7 +162,8 @@ class SoftInput:
         return model.canvas_ls_soft_input
 
     def _hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if self.soft is None:
+        soft, self.soft = self.soft, None
+        if soft is None:
             return None
         inputs_embeds, signal = args
-        return inputs_embeds, self.soft.to(signal.dtype)
+        return inputs_embeds, soft.to(signal.dtype)

@@ -124,7 +124,8 @@ class Thresholds:
             samples = [(score, bool(taken)) for score, taken in rows]
             value = moved(current, start, proposal(samples, current, self.target))
             if value != current:
-                share = sum(taken for score, taken in samples if score >= current) / max(1, len(samples))
+                kept = [taken for score, taken in samples if score >= current]
+                share = sum(kept) / len(kept) if kept else None  # accepted of those the old threshold showed
                 with db:
                     db.execute("INSERT INTO thresholds (at, language, model, start, value, rate, samples)"
                                " VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -162,7 +162,7 @@ def test_a_confident_model_keeps_a_lightly_renoised_span(tiny_engine: Engine) ->
 def test_a_fill_reuses_the_prefix_kv_of_the_last_one(tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     # an empty prefix cache of the engine's own size (the session's engine may hold this prefix from other tests)
     monkeypatch.setattr(tiny_engine, "prefix_cache", PrefixCache(tiny_engine.prefix_cache.max_bytes))
-    long_prefix = PREFIX * 12  # past the prefix cache's 64-token grid
+    long_prefix = PREFIX * 12  # past the prefix cache's grid
     first = tiny_engine.fill(long_prefix, [Hole(), MIDDLE, Hole()], SUFFIX, PLAIN)
     again = tiny_engine.fill(long_prefix + "    x = 1\n", [Hole(), MIDDLE, Hole()], SUFFIX, PLAIN)
     assert first.prefix_reused_tokens == 0

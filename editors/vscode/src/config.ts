@@ -126,6 +126,15 @@ export function statusNote(last: StatusEntry | undefined): { short: string; long
   return { short, long: last.detail ? `${words} (${last.detail})` : words };
 }
 
+// The log's account of the last requests (newest first): why each showed nothing, or that it showed a suggestion.
+export function statusLines(status: Status, count = 5): string[] {
+  return status.last.slice(0, count).map((entry) => {
+    const note = statusNote(entry);
+    const what = entry.shown ? (note ? `shown, ${note.long}` : "shown") : `nothing shown: ${note?.long ?? "?"}`;
+    return `[canvas-ls] ${entry.invoked ? "asked" : "typing"}, ${entry.ms} ms: ${what}`;
+  });
+}
+
 // `canvas/fillRegions`: the commands "Fill holes" (the placeholders of the function or class at the cursor) and
 // "Rewrite selection" (the selection, starting from its text). The extension applies the returned edit itself.
 export interface LspPosition {

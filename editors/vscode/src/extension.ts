@@ -20,6 +20,7 @@ import {
   learnMessage,
   learnParams,
   LogLevel,
+  statusLines,
   statusNote,
   rewriteParams,
   serverCommand,
@@ -59,7 +60,7 @@ function showStatus(state: string, note?: { short: string; long: string }): void
   const shown = note === undefined ? "" : ` · ${note.short}`;
   status.text = `${icon} canvas-ls${enabled ? latency + shown : ""}`;
   const why = note === undefined ? "" : `\nLast completion: ${note.long}`;
-  status.tooltip = `canvas-ls: engine ${state}${enabled ? "" : " (inline completion off)"}.${why}\nClick to toggle.`;
+  status.tooltip = `canvas-ls: engine ${state}${enabled ? "" : " (inline completion off)"}.${why}\nClick for the log.`;
 }
 
 // After a request that showed nothing (or a cut answer), the server's reason, in the status bar.
@@ -261,7 +262,7 @@ async function stop(): Promise<void> {
 export async function activate(context: vscode.ExtensionContext): Promise<void> {
   output = vscode.window.createOutputChannel("canvas-ls", { log: true });
   status = vscode.window.createStatusBarItem(vscode.StatusBarAlignment.Right, 100);
-  status.command = "canvasLs.toggle";
+  status.command = "canvasLs.showLog";
   status.show();
   context.subscriptions.push(
     output,
@@ -274,7 +275,16 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       await stop();
       await start();
     }),
-    vscode.commands.registerCommand("canvasLs.showLog", () => {
+    vscode.commands.registerCommand("canvasLs.showLog", async () => {
+      if (client) {
+        try {
+          const last = statusLines(await client.sendRequest<Status>("canvas/status", {}));
+          output.appendLine(last.length ? "[canvas-ls] the last requests, newest first:" : "[canvas-ls] no request yet");
+          for (const line of last) output.appendLine(line);
+        } catch {
+          // the server went away: the client reports that itself
+        }
+      }
       const { command, args } = serverCommand(readSettings());
       const doctor = [command, ...args.slice(0, -1), "doctor"].join(" "); // the server's command, `doctor` for `serve`
       output.appendLine(`[canvas-ls] nothing appears? In a terminal, \`${doctor}\` checks the installation and prints a fix for each problem.`);

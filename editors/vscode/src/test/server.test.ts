@@ -33,6 +33,7 @@ import {
   learnMessage,
   learnParams,
   LogLevel,
+  statusLines,
   statusNote,
   rewriteParams,
   serverCommand,
@@ -114,6 +115,14 @@ test("the status bar's note says why nothing was shown", () => {
   assert.deepEqual(statusNote(cut), { short: "cut", long: "cut to its confident head: confidence 0.3" });
   assert.equal(statusNote({ ...cut, detail: null }), undefined);
   assert.equal(statusNote(undefined), undefined);
+  const status = { engine: { state: "ready", model: null, error: null }, requests: 3, shown: 1, silent: [], reasons: [],
+    last: [{ ...low, detail: hidden, ms: 41.5 }, { ...word, invoked: true, ms: 2 }, { ...entry, shown: true, why: null,
+      words: null, detail: null, ms: 120 }] };
+  assert.deepEqual(statusLines(status), [
+    `[canvas-ls] typing, 41.5 ms: nothing shown: the model's confidence is below the display threshold (${hidden})`,
+    "[canvas-ls] asked, 2 ms: nothing shown: the cursor is inside a word",
+    "[canvas-ls] typing, 120 ms: shown",
+  ]);
 });
 
 test("server log lines reach the output channel at their own level", () => {
