@@ -103,6 +103,20 @@ page.on("pageerror", (error) => failures.push(String(error)));
 const areaOpen = () => page.evaluate(() =>
   [...document.querySelectorAll(".tabs-container .tab")].some((tab) => tab.textContent.includes("area.py")));
 
+// The text of the extension's output channel ("canvas-ls"), as code-server writes it to its log files.
+function channelLogs() {
+  const logs = [];
+  const walk = (folder) => {
+    for (const name of readdirSync(folder)) {
+      const path = join(folder, name);
+      if (statSync(path).isDirectory()) walk(path);
+      else if (name.endsWith(".log") && name.includes("canvas-ls")) logs.push(readFileSync(path, "utf8"));
+    }
+  };
+  walk(join(userData, "logs"));
+  return logs;
+}
+
 // Open area.py with Quick Open (a window reload restores it by itself).
 async function openArea() {
   await sleep(2000);
@@ -140,11 +154,19 @@ try {
     const icon = item.querySelector(".codicon");
     return { text: item.textContent.trim(), icon: icon ? [...icon.classList].find((c) => c.startsWith("codicon-") && c !== "codicon") : null };
   });
-  await openArea();
-  const ready = await until("the model to load (status bar)", async () => {
+  // The ghost text shown (null: none).
+  const ghostText = () => page.evaluate(() => {
+    const parts = [...document.querySelectorAll(".ghost-text-decoration, .ghost-text-decoration-preview")];
+    // VS Code draws the ghost text's spaces as no-break spaces
+    return parts.length ? parts.map((el) => el.textContent).join("").replace(/\u00a0/g, " ") : null;
+  });
+  // The status bar item once it shows `icon` (codicon-check: ready; -circle-slash: off; -error: failed).
+  const statusIcon = (what, icon, timeoutMs) => until(what, async () => {
     const item = await statusItem();
-    return item && item.icon === "codicon-check" ? item : null;
-  }, 180000);
+    return item && item.icon === icon ? item : null;
+  }, timeoutMs);
+  await openArea();
+  const ready = await statusIcon("the model to load (status bar)", "codicon-check", 180000);
   step("extension active, model loaded", { status: ready.text });
 
   // Line 2 ("    return"), at its end, type a space: VS Code asks for an inline completion.
@@ -153,27 +175,15 @@ try {
   await page.keyboard.press("Enter");
   await page.keyboard.press("End");
   await page.keyboard.type(" ");
-  const ghost = await until("the ghost text", () => page.evaluate(() => {
-    const parts = [...document.querySelectorAll(".ghost-text-decoration, .ghost-text-decoration-preview")];
-    return parts.length ? parts.map((el) => el.textContent).join("") : null;
-  }), 60000);
+  const ghost = await until("the ghost text", ghostText, 60000);
   const editorBox = await (await page.$(".editor-group-container")).boundingBox();
   await page.screenshot({ path: join(out, "ghost-text.png"),
     clip: { x: editorBox.x, y: editorBox.y, width: Math.min(editorBox.width, 720), height: 170 } });
   const answered = await until("the server's log of its answer", () => {
-    const logs = [];
-    const walk = (folder) => {
-      for (const name of readdirSync(folder)) {
-        const path = join(folder, name);
-        if (statSync(path).isDirectory()) walk(path);
-        else if (name.endsWith(".log") && name.includes("canvas-ls")) logs.push(path);
-      }
-    };
-    walk(join(userData, "logs"));
-    for (const log of logs) {
+    for (const log of channelLogs()) {
       // The output channel's line: "<time> [debug] request N offered ..." (the server logged it at DEBUG).
       const offeredLine = /\[(\w+)\][^\n]*request \d+ offered ("(?:[^"\\]|\\.)*") at offsets/;
-      const match = readFileSync(log, "utf8").match(offeredLine);
+      const match = log.match(offeredLine);
       if (match) return { text: JSON.parse(match[2]), level: match[1] };
     }
     return null;
@@ -255,11 +265,14 @@ try {
   await page.evaluate(() =>
     [...document.querySelectorAll(".statusbar-item")].find((el) => el.textContent.includes("canvas-ls"))
       .querySelector("a, .statusbar-item-label").click());
-  const logged = await until("the log with the last requests", () => page.evaluate(() => {
-    const lines = [...document.querySelectorAll(".output .view-line")].map((el) => el.textContent);
-    if (!lines.some((text) => text.includes("the last requests, newest first"))) return null;
-    return lines.find((text) => text.includes("[canvas-ls] typing,") || text.includes("[canvas-ls] asked,")) ?? null;
-  }), 20000);
+  const logged = await until("the log with the last requests", () => {
+    for (const log of channelLogs()) {
+      const at = log.indexOf("[canvas-ls] the last requests, newest first:");
+      const shown = at >= 0 && log.slice(at).match(/\[canvas-ls\] (typing|asked), [\d.]+ ms: [^\n]+/);
+      if (shown && log.slice(at).includes("doctor` checks the installation")) return shown[0];
+    }
+    return null;
+  }, 20000);
   const toggle = async () => {
     await page.keyboard.press("F1");
     await until("the command palette", () => page.$(".quick-input-widget:not([style*='display: none']) input"));
@@ -268,32 +281,19 @@ try {
     await page.keyboard.press("Enter");
   };
   await toggle();
-  const off = await until("the toggle off", async () => {
-    const item = await statusItem();
-    return item && item.icon === "codicon-circle-slash" ? item : null;
-  }, 10000);
+  const off = await statusIcon("the toggle off", "codicon-circle-slash", 10000);
   await toggle();
-  const on = await until("the toggle back on", async () => {
-    const item = await statusItem();
-    return item && item.icon === "codicon-check" ? item : null;
-  }, 10000);
+  const on = await statusIcon("the toggle back on", "codicon-check", 10000);
   step("status bar: latency; a click shows the log; toggled off and on", { ready: withLatency.text, log: logged,
     off: off.text, on: on.text });
 
   // Partial accepts: the words model answers "None None None None" in a comment at the end of the file.
   await reloadWith(wordsModel);
-  await until("the words model to load", async () => {
-    const item = await statusItem();
-    return item && item.icon === "codicon-check" ? item : null;
-  }, 180000);
+  await statusIcon("the words model to load", "codicon-check", 180000);
   await page.keyboard.down("Control"); await page.keyboard.press("End"); await page.keyboard.up("Control");
   await page.keyboard.type("x = 1  #");
   await sleep(300);
   await page.keyboard.type(" ");
-  const ghostText = () => page.evaluate(() => {
-    const parts = [...document.querySelectorAll(".ghost-text-decoration, .ghost-text-decoration-preview")];
-    return parts.length ? parts.map((el) => el.textContent).join("") : null;
-  });
   const whole = await until("the words ghost text", ghostText, 60000);
   if (whole !== "None None None None") throw new Error(`the words model's ghost text is ${JSON.stringify(whole)}`);
   const lastLine = () => readFileSync(file, "utf8").trimEnd().split("\n").pop();
@@ -311,9 +311,10 @@ try {
   await page.keyboard.down("Control"); await page.keyboard.press("ArrowDown"); await page.keyboard.up("Control");
   await sleep(500);
   await save();
-  const line = await until("the accepted line on disk", () =>
+  const restOfLine = await until("the accepted line on disk", () =>
     (lastLine() === "x = 1  # None None None None" ? lastLine() : null), 10000);
-  step("partial accepts: Ctrl+Right took a word, the rest still shown; Ctrl+Down the rest", { whole, word, rest, line });
+  step("partial accepts: Ctrl+Right took a word, the rest still shown; Ctrl+Down the rest", { whole, word, rest,
+    line: restOfLine });
 
   // A model that fails to load: the server says why, in a notification and the status bar.
   await reloadWith(join(root, "no-such-model"));
@@ -321,19 +322,13 @@ try {
     const messages = [...document.querySelectorAll(".notification-list-item-message")].map((el) => el.textContent);
     return messages.find((text) => text.includes("failed to load")) || null;
   }), 120000);
-  const failed = await until("the status bar's error icon", async () => {
-    const item = await statusItem();
-    return item && item.icon === "codicon-error" ? item : null;
-  }, 30000);
+  const failed = await statusIcon("the status bar's error icon", "codicon-error", 30000);
   await page.screenshot({ path: join(out, "model-failed.png") });
   step("a model that fails to load is reported", { notification: notice, status: failed.text });
 
   // The shipped default model: the round trip happens (what it writes is not known in advance).
   await reloadWith("");
-  await until("the default model to load", async () => {
-    const item = await statusItem();
-    return item && item.icon === "codicon-check" ? item : null;
-  }, 180000);
+  await statusIcon("the default model to load", "codicon-check", 180000);
   await page.keyboard.down("Control"); await page.keyboard.press("KeyG"); await page.keyboard.up("Control");
   await page.keyboard.type("5");
   await page.keyboard.press("Enter");

@@ -50,6 +50,14 @@ export function serverCommand(settings: CanvasSettings): ServerCommand {
   return { command, args };
 }
 
+// The command that checks the installation: the server's own, `doctor` in place of `serve` and what follows it (its
+// options: `--log-level debug` is not doctor's).
+export function doctorCommand(settings: CanvasSettings): string {
+  const { command, args } = serverCommand(settings);
+  const serve = args.indexOf("serve");
+  return [command, ...(serve >= 0 ? args.slice(0, serve) : args), "doctor"].join(" ");
+}
+
 // The server's option tree (server/config.py): engine, completion, languages.
 export function initializationOptions(settings: CanvasSettings): Record<string, unknown> {
   const completion: Record<string, number | null> = {};

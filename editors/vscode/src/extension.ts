@@ -20,6 +20,7 @@ import {
   learnMessage,
   learnParams,
   LogLevel,
+  doctorCommand,
   statusLines,
   statusNote,
   rewriteParams,
@@ -285,8 +286,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
           // the server went away: the client reports that itself
         }
       }
-      const { command, args } = serverCommand(readSettings());
-      const doctor = [command, ...args.slice(0, -1), "doctor"].join(" "); // the server's command, `doctor` for `serve`
+      const doctor = doctorCommand(readSettings());
       output.appendLine(`[canvas-ls] nothing appears? In a terminal, \`${doctor}\` checks the installation and prints a fix for each problem.`);
       output.show(true);
     }),

@@ -33,6 +33,7 @@ import {
   learnMessage,
   learnParams,
   LogLevel,
+  doctorCommand,
   statusLines,
   statusNote,
   rewriteParams,
@@ -118,6 +119,10 @@ test("the status bar's note says why nothing was shown", () => {
   const status = { engine: { state: "ready", model: null, error: null }, requests: 3, shown: 1, silent: [], reasons: [],
     last: [{ ...low, detail: hidden, ms: 41.5 }, { ...word, invoked: true, ms: 2 }, { ...entry, shown: true, why: null,
       words: null, detail: null, ms: 120 }] };
+  const withLevel = { ...DEFAULT_SETTINGS, command: ["canvas-ls", "serve", "--log-level", "debug"] };
+  assert.equal(doctorCommand(withLevel), "canvas-ls doctor");
+  assert.equal(doctorCommand({ ...DEFAULT_SETTINGS, pythonPath: "/venv/bin/python" }),
+    "/venv/bin/python -m canvas_ls.server.cli doctor");
   assert.deepEqual(statusLines(status), [
     `[canvas-ls] typing, 41.5 ms: nothing shown: the model's confidence is below the display threshold (${hidden})`,
     "[canvas-ls] asked, 2 ms: nothing shown: the cursor is inside a word",
