@@ -219,8 +219,12 @@ def torchao_config(kind: str) -> Any:
 def quantize_model(model: Any, kind: str) -> Any:
     """Quantise a model built in memory (`bench step`'s random full-width layers) as loading would (`torchao_config`),
     its experts then run by `quantized_experts`; returns it. torchao quantises each module's weight apart, so the
-    weights the decoder shares with the encoder are shared again afterwards (else each would be held twice)."""
+    weights the decoder shares with the encoder are shared again afterwards (else each would be held twice).
+    int8-dynamic: `cpu_int8`, as loading does it (float32 first)."""
     if kind == "none":
+        return model
+    if kind == "int8-dynamic":
+        cpu_int8(model.float())
         return model
     from torchao.quantization import quantize_
 

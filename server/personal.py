@@ -9,9 +9,9 @@ share of shown suggestions the user accepted meets the target (`completion.accep
 
   - below the target: up to the lowest score above the current threshold from which on, in the recent suggestions
     (`WINDOW`), enough were accepted (at least `SUPPORT` of them counted), else one `STEP` up;
-  - at or above it: down to the lowest score below the current threshold that still meets the target (invoked
-    suggestions are the evidence there), else, when the share is `MARGIN` above the target, one `STEP` down: showing
-    more is the only way to learn what the threshold hides;
+  - at or above it: down to the lowest score below the current threshold that still meets the target with at least
+    `SUPPORT` suggestions between the two (invoked suggestions are the evidence there), else, when the share is
+    `MARGIN` above the target, one `STEP` down: showing more is the only way to learn what the threshold hides;
   - each move half way (`SMOOTH`) and at most one `STEP`, within `RANGE` of where it started.
 
 The thresholds are kept beside the events (table `thresholds`): they survive a restart, `canvas-ls stats` shows them
@@ -66,7 +66,8 @@ def proposal(samples: list[tuple[float, bool]], current: float, target: float) -
     for candidate in sorted({score for score, _ in samples if score < current}, reverse=True):
         if rate(candidate)[0] < target:
             break
-        lowest = candidate
+        if sum(candidate <= score < current for score, _ in samples) >= SUPPORT:  # enough evidence below
+            lowest = candidate
     if lowest < current:
         return lowest
     return current - STEP if share >= target + MARGIN else current

@@ -41,6 +41,7 @@ def test_above_the_target_it_goes_down_as_far_as_the_evidence_allows_else_a_step
     # invoked suggestions below the threshold, half of them taken: it may go as low as they still meet the target
     below = [(0.40 + 0.01 * i, i % 2 == 0) for i in range(15)]  # 0.40 .. 0.54
     assert proposal(taken + below, START, 0.3) == 0.4
+    assert proposal(taken + below[-5:], START, 0.3) == START - personal.STEP  # 5 below: too few to go by
     assert proposal(taken[:29], START, 0.3) == START  # fewer than MIN_SHOWN: it stays
     assert proposal(PICKY[:28] + taken[28:], START, 0.3) == START  # 12 of 40 (30%), not 10 points above: it stays
     assert moved(0.30, START, 0.0) == 0.255 and moved(0.83, START, 1.0) == 0.855  # within RANGE of the start
