@@ -99,19 +99,10 @@ class Recorder:
         for uri, pending in list(self.pending.items()):
             if pending.shown_id == shown_id:
                 whole = chars is None or chars >= len(pending.text)
-                self._insert(
-                    "accepted" if whole else "partial",
-                    pending.kind,
-                    pending.language,
-                    pending.workspace,
-                    pending.model,
-                    len(pending.text) if whole else max(0, chars or 0),
-                    None,
-                    shown_id,
-                )
                 if whole:
                     del self.pending[uri]
-                self._settled(pending)
+                self._fate(pending, "accepted" if whole else "partial",
+                           len(pending.text) if whole else max(0, chars or 0))  # fmt: skip
                 return
 
     def settle(self, uri: str, text: str | None, cursor: int | None = None) -> None:
@@ -124,19 +115,18 @@ class Recorder:
         if text is not None:
             if text[pending.offset : pending.offset + len(pending.text)] == pending.text:
                 del self.pending[uri]
-                self._insert("accepted", pending.kind, pending.language, pending.workspace, pending.model,
-                             len(pending.text), None, pending.shown_id)  # fmt: skip
-                self._settled(pending)
+                self._fate(pending, "accepted", len(pending.text))
                 return
             typed = text[pending.offset : cursor] if cursor is not None else ""
             if typed and pending.text.startswith(typed):
                 return
         del self.pending[uri]
-        self._insert("dismissed", pending.kind, pending.language, pending.workspace, pending.model, 0, None,
-                     pending.shown_id)  # fmt: skip
-        self._settled(pending)
+        self._fate(pending, "dismissed", 0)
 
-    def _settled(self, pending: Pending) -> None:
+    def _fate(self, pending: Pending, event: str, chars: int) -> None:
+        """What became of a shown suggestion (accepted, partial, dismissed): recorded, and told to `on_settled`."""
+        self._insert(event, pending.kind, pending.language, pending.workspace, pending.model, chars, None,
+                     pending.shown_id)  # fmt: skip
         if self.on_settled is not None and pending.score is not None and self.enabled:
             self.on_settled(pending)
 

@@ -66,9 +66,7 @@ def decide(answer: Answer, edit: Edit | None, text: str, invoked: bool, options:
             return Hidden("the model's answer is empty here", Why.NOTHING_TO_ADD)
         return Hidden("the answer would add syntax errors or only repeat the code after the cursor", Why.BREAKS_CODE)
     # the user's threshold, else the one calibrated for the model and this kind of request (reported with the answer)
-    threshold = options.min_confidence if options.min_confidence is not None else answer.min_confidence
-    if options.min_confidence is None and learned is not None:
-        threshold = learned
+    threshold = next(t for t in (options.min_confidence, learned, answer.min_confidence) if t is not None)
     if answer.score_kind is None or (threshold <= 0 and options.min_confidence is not None):
         return Shown(edit)  # nothing to judge it by (a server that gives no confidences), or the user's "show all"
     score, head = judge(answer, edit.text, threshold, (text[: edit.start], text[edit.end :]))

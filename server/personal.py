@@ -114,7 +114,9 @@ class Thresholds:
         if db is None:
             return None
         try:
-            current, since = self._latest(db, language, model, start)
+            since = reset_at(db)  # only events after the last reset count
+            self.learned = latest(db)  # as recorded, a reset made meanwhile (`canvas-ls stats`) included
+            current = self.learned.get((language, model, start), start)
             rows = db.execute(
                 "SELECT s.score, EXISTS (SELECT 1 FROM events a WHERE a.shown_id = s.id AND a.event IN"
                 " ('accepted', 'partial')) FROM events s WHERE s.event = 'shown' AND s.language = ? AND s.model = ?"
@@ -146,16 +148,6 @@ class Thresholds:
         if db is not None:
             reset(db)
 
-    def _latest(self, db: sqlite3.Connection, language: str, model: str, start: float) -> tuple[float, float]:
-        """The threshold as last recorded (`start` before any, or after a reset) and the time from which the events
-        count (the reset's)."""
-        row = db.execute("SELECT value, at FROM thresholds WHERE (language = ? AND model = ? AND start = ?)"
-                         " OR value IS NULL ORDER BY id DESC LIMIT 1", (language, model, start)).fetchone()  # fmt: skip
-        if row is None:
-            return start, 0.0
-        value, at = row
-        return (start, at) if value is None else (value, 0.0)
-
     def _loaded(self) -> dict[tuple[str, str, float], float]:
         if self.learned is None:
             self.learned = {}
@@ -168,11 +160,15 @@ class Thresholds:
         return self.learned
 
 
+def reset_at(db: sqlite3.Connection) -> float:
+    """When the thresholds were last reset (0: never)."""
+    return db.execute("SELECT max(at) FROM thresholds WHERE value IS NULL").fetchone()[0] or 0.0
+
+
 def latest(db: sqlite3.Connection) -> dict[tuple[str, str, float], float]:
     """Each language, model and model's own threshold's learned one, as last recorded since the last reset."""
-    reset_at = db.execute("SELECT max(at) FROM thresholds WHERE value IS NULL").fetchone()[0] or 0.0
     rows = db.execute("SELECT language, model, start, value FROM thresholds WHERE value IS NOT NULL AND at > ?"
-                      " ORDER BY id", (reset_at,)).fetchall()  # fmt: skip
+                      " ORDER BY id", (reset_at(db),)).fetchall()  # fmt: skip
     return {(language, model, start): value for language, model, start, value in rows}
 
 
