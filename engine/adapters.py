@@ -13,6 +13,8 @@ slower steps).
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError
+from .quantize import PackedLinear
 from .workspaces import holds_beside_others
 
 TEXT_LAYERS = r".*(language_model|decoder)\.layers\.\d+\."
@@ -43,26 +46,33 @@ def add_lora(model: Any, rank: int = 16, experts: bool = False) -> Any:
     return tie_shared_adapters(get_peft_model(model, lora_config(rank, experts)))
 
 
-def _adapted_tensor(layer: Any) -> torch.Tensor:
-    """The weight a LoRA layer adapts: a Linear's, or the parameter a ParamWrapper names."""
+def _adapted(layer: Any) -> Any:
+    """What a LoRA layer adapts, one object per weight: a Linear's weight, the parameter a ParamWrapper names, or an
+    int8-dynamic layer itself (its weight is packed; the encoder and decoder share the layer)."""
     name = getattr(layer, "parameter_name", None)
-    return getattr(layer.get_base_layer(), name) if name else layer.get_base_layer().weight
+    base = layer.get_base_layer()
+    return getattr(base, name) if name else base if isinstance(base, PackedLinear) else base.weight
 
 
 def tie_shared_adapters(peft_model: Any) -> Any:
     """DiffusionGemma's encoder and decoder layers share their weights (one tensor, two modules). peft gives each
     module its own LoRA: unmerged, the encoder and decoder would then differ, and merging would add both deltas to
     the one tensor. Here the modules that adapt one tensor share one LoRA (its A, B and dropout), so that the
-    adapter is one delta per weight, as a merge has it."""
+    adapter is one delta per weight, as a merge has it. int8-dynamic's shared layers are one module in two places,
+    which peft (visiting each module once) wraps in one place: the other gets the same LoRA layer."""
     from peft.tuners.lora import LoraLayer
 
     owner: dict[int, Any] = {}
     for _, layer in peft_model.named_modules():
         if not isinstance(layer, LoraLayer):
             continue
-        first = owner.setdefault(id(_adapted_tensor(layer)), layer)
+        first = owner.setdefault(id(_adapted(layer)), layer)
         if first is not layer:
             layer.lora_A, layer.lora_B, layer.lora_dropout = first.lora_A, first.lora_B, first.lora_dropout
+    for name, module in list(peft_model.named_modules(remove_duplicate=False)):
+        if isinstance(module, PackedLinear) and id(module) in owner and not name.endswith(".base_layer"):
+            parent, _, attribute = name.rpartition(".")
+            setattr(peft_model.get_submodule(parent), attribute, owner[id(module)])
     return peft_model
 
 
@@ -154,12 +164,6 @@ class AdapterSet:
     def _load(self, key: str) -> None:
         from peft import PeftModel
 
-        from .quantize import is_cpu_int8
-
-        if is_cpu_int8(self.model):
-            raise ModelLoadError(f"adapter '{key}' cannot be held apart on int8-dynamic weights (peft has no layer "
-                                 "for them): run it merged (canvas-ls engine --adapter), or start the engine with "
-                                 "--quantize int8 or none")  # fmt: skip
         if not holds_beside_others(_adapter_folder(key)):
             raise ModelLoadError(f"adapter '{key}' adapts the MoE expert parameters, which peft cannot hold "
                                  "beside another adapter: run it merged (canvas-ls engine --adapter)")  # fmt: skip
@@ -169,11 +173,15 @@ class AdapterSet:
         name = f"adapter{self._serial}"
         self._serial += 1
         with _fits(key):
+            config = packed_lora_config(key)
             try:
-                if self.peft is None:
-                    self.peft = PeftModel.from_pretrained(self.model, key, adapter_name=name)
-                else:
-                    self.peft.load_adapter(key, adapter_name=name)
+                with warnings.catch_warnings():  # peft's "Unsupported layer type" for the packed layers it wraps
+                    warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
+                    if self.peft is None:
+                        self.peft = PeftModel.from_pretrained(self.model, key, adapter_name=name, config=config)
+                    else:
+                        self.peft.add_adapter(name, config)  # load_adapter then reads the weights only
+                        self.peft.load_adapter(key, adapter_name=name)
             except Exception:
                 if self.peft is not None:  # what peft injected before it failed
                     with contextlib.suppress(Exception):
@@ -183,6 +191,35 @@ class AdapterSet:
         self.peft.eval()
         self.names[key] = name
         self.active = ""  # peft may have switched the active adapter: the next activate sets it
+
+
+def packed_lora_config(folder: str) -> Any:
+    """The adapter folder's LoRA config, with `PackedLoraLinear` registered for int8-dynamic layers (peft's custom
+    layer API: its built-in layers take float or torchao/bitsandbytes/GPTQ weights, not torch's packed ones)."""
+    from peft import LoraConfig
+
+    config = LoraConfig.from_pretrained(folder)
+    config.inference_mode = True
+    config._register_custom_module({PackedLinear: packed_lora_class()})
+    return config
+
+
+@functools.cache
+def packed_lora_class() -> type:
+    """peft's LoRA `Linear` around an int8-dynamic layer (`quantize.PackedLinear`): the packed int8 base computes,
+    the adapter's A and B (float32, on the CPU as the base is) add their product beside it. Never merged: a merge
+    would write a float delta into int8 weights; such a model holds its adapters apart, one active at a time."""
+    from peft.tuners.lora.layer import Linear
+
+    class PackedLoraLinear(Linear):
+        def _get_base_layer_device_and_dtype(self, base_layer: Any) -> tuple[torch.device, torch.dtype]:
+            return base_layer.qweight.device, torch.float32
+
+        def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+            raise ModelLoadError("an adapter cannot be merged into int8-dynamic weights (load it with the model: "
+                                 "it merges into the float weights before they are packed)")  # fmt: skip
+
+    return PackedLoraLinear
 
 
 def adapter_size(config: Any, rank: int = 16, experts: bool = False) -> dict[str, Any]:

@@ -152,6 +152,11 @@ class Engine:
         return self.threads.computing() if self.threads is not None else contextlib.nullcontext()
 
     @property
+    def steps(self) -> int:
+        """Denoising steps taken (batched steps, each one decoder forward, compiled or eager): /health, canvas/stats."""
+        return sum(self.decoder.steps.values())
+
+    @property
     def identity(self) -> dict[str, str]:
         """Which model answers (`loading.LoadedModel.identity`): /health reports it; the server checks, keys on it."""
         return self.loaded.identity

@@ -21,8 +21,8 @@ dynamic-activation kernel 55 (2026-12-06): torchao's int8 saves memory on a CPU,
 layers' attention and dense MLP projections, the self-conditioning block's and the LM head (a packed int8 copy: the
 embedding it is tied to stays float for the lookups); the experts, routers, norms and embeddings stay float. Such a
 model also conditions each step on sparsely computed soft embeddings (`conditioning.SparseSelfConditioning`). It
-computes eager (no compiled graph holds the packed weights) and cannot hold workspace adapters apart per request
-(an adapter given at load is merged first).
+computes eager (no compiled graph holds the packed weights). An adapter given at load merges before packing; workspace
+adapters held apart per request compute in float beside the packed layers (`adapters.packed_lora_class`).
 
 What is quantised: the attention and dense MLP projections and the MoE experts' fused weights (97% of
 DiffusionGemma's parameters). The embeddings (tied to the LM head), the routers and the
@@ -50,6 +50,8 @@ import warnings
 from typing import Any
 
 import torch
+from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+from torch.ao.nn.quantized.modules.linear import LinearPackedParams
 
 from .errors import ModelLoadError
 from .settings import QUANTIZE_CHOICES
@@ -136,7 +138,6 @@ def cpu_int8(model: Any) -> int:
     """Swap the float projections `CPU_INT8_MODULES` names for torch's dynamically quantised linear layers (see the
     module's docstring), each shared weight packed once (the decoder's layers share theirs with the encoder's);
     returns how many weights were packed."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
     packed: dict[int, Any] = {}
@@ -149,9 +150,40 @@ def cpu_int8(model: Any) -> int:
             linear.qconfig = per_channel_dynamic_qconfig
             with warnings.catch_warnings():  # torch marks its quantised dtypes for removal in a future release
                 warnings.simplefilter("ignore")
-                packed[key] = DynamicLinear.from_float(linear.float())
+                packed[key] = PackedLinear.from_float(linear.float())
         setattr(model.get_submodule(parent) if parent else model, attribute, packed[key])
     return len(packed)
+
+
+class PackedLinear(DynamicLinear):
+    """torch's dynamically quantised linear layer (`cpu_int8`), as peft can put a LoRA adapter beside it
+    (`adapters.PackedLoraLinear`): it has a `qweight` (peft's name for a quantised layer's weight, where this
+    class's `weight` is a method), and loading a state dict without its keys (peft loading an adapter's
+    weights with `strict=False`) leaves it as it is, where torch's layer raises a KeyError. Its weights are packed
+    from the float checkpoint (`cpu_int8`), never loaded."""
+
+    def __init__(self, in_features: int, out_features: int, bias_: bool = True, dtype: torch.dtype = torch.qint8):
+        super().__init__(in_features, out_features, bias_, dtype=dtype)
+        kept = _PackedParams(dtype)
+        kept.set_weight_bias(*self._packed_params._weight_bias())
+        self._packed_params = kept
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """What peft reads of it: the device (on every `hasattr`, thousands of times for one adapter). The packed
+        weight lives on the CPU (fbgemm); an empty tensor there stands for it, where unpacking it took 7 ms a call
+        (27 s to load an adapter onto a 0.5B model)."""
+        return torch.empty(0, dtype=torch.int8)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if prefix + "scale" in state_dict:
+            super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class _PackedParams(LinearPackedParams):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if {prefix + "weight", prefix + "_packed_params"} & state_dict.keys():
+            super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 def int4_capable(device: torch.device) -> bool:
@@ -243,8 +275,6 @@ def quantize_model(model: Any, kind: str) -> Any:
 def held_bytes(model: Any) -> int:
     """Bytes the model's parameters hold, quantised ones by their parts (torchao's int data, scales, zero points;
     `cpu_int8`'s packed weights and their per-row scales); each shared parameter or packed layer once."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
     seen: set[int] = set()
     total = 0
     for module in model.modules():
@@ -285,10 +315,9 @@ def compiles(model: Any) -> bool:
 
 
 def is_cpu_int8(model: Any) -> bool:
-    """Whether `cpu_int8` quantised the model's projections."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    return isinstance(model.model.decoder.layers[0].self_attn.q_proj, DynamicLinear)
+    """Whether `cpu_int8` quantised the model's projections (a LoRA layer around one counts: its base layer)."""
+    projection = model.model.decoder.layers[0].self_attn.q_proj
+    return isinstance(getattr(projection, "base_layer", projection), DynamicLinear)
 
 
 def is_quantized(model: Any) -> bool:

@@ -155,7 +155,7 @@ class EngineService:
         device = str(self.engine.loaded.device)
         return JSONResponse({"status": "ok", "api": API_VERSION, "model": self.engine.name, "device": device,
                              "dtype": self.engine.dtype, "quantize": self.engine.loaded.quantized, "queue": self.queue,
-                             "pid": os.getpid(),
+                             "steps": self.engine.steps, "pid": os.getpid(),
                              "compile": self.engine.decoder.report(),
                              "adapters": list(self.engine.adapters.names),
                              "identity": self.engine.identity,

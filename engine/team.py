@@ -57,14 +57,6 @@ RETRIES = 2  # a request whose replica died before answering is sent again, to a
 ADAPTERS_PER_REPLICA = 4  # workspace adapters a replica holds beside its model (the engine's `AdapterSet` limit)
 
 
-def replica_quantize(quantize: str, device: str | None) -> str:
-    """The weights a replica loads: as asked, except that `auto` on a CPU loads float (`none`) rather than
-    int8-dynamic, whose packed weights cannot hold the team's workspace adapters apart per request (peft)."""
-    from .loading import resolve_device
-
-    return "none" if quantize == "auto" and resolve_device(device).type == "cpu" else quantize
-
-
 @dataclass(frozen=True)
 class TeamOptions:
     """A deployment's settings (`canvas-ls team serve`'s flags, or a Serve config file's `args`)."""
@@ -194,7 +186,7 @@ class EngineReplica:
         self.options = TeamOptions(**options)
         device = None if self.options.device == "auto" else self.options.device
         engine = Engine.load(self.options.model, device, dtype=self.options.dtype,
-                             quantize=replica_quantize(self.options.quantize, device),
+                             quantize=self.options.quantize,
                              compile=self.options.compile)  # fmt: skip
         self.service = EngineService(engine, max_batch=self.options.max_batch)
         self.name = serve.get_replica_context().replica_id.unique_id

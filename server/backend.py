@@ -206,6 +206,7 @@ class Backend(Protocol):
     model_name: str | None
     load_seconds: float | None
     cancelled_after_steps: list[int]
+    steps: int | None  # denoising steps taken by an engine in this process (None: another's; its /health)
     adapters: bool  # whether a request may name a LoRA adapter of the model (`adapter`: its folder)
     identity: Identity | None  # which model answers, set when it has loaded (None before, and after a failure)
 
@@ -231,6 +232,10 @@ def _not_ready(state: str, error: str | None, why: Why = Why.LOAD_FAILED) -> Fai
 
 class LocalBackend:
     adapters = True
+
+    @property
+    def steps(self) -> int | None:
+        return self._engine.steps if self._engine is not None else 0
 
     def __init__(self, adapter: str | None = None, compile: str = "auto", quantize: str = "auto") -> None:
         self.adapter = adapter  # a LoRA adapter folder applied to whatever model `load` is given
@@ -352,6 +357,7 @@ class EngineClient:
         self.model_name: str | None = None
         self.load_seconds: float | None = None
         self.cancelled_after_steps: list[int] = []
+        self.steps: int | None = None  # the engine's process counts them (/health)
         self.restarts = 0
         self.identity: Identity | None = None
         self._model: str | None = None
@@ -669,6 +675,7 @@ class OpenAIBackend:
         self.model_name: str | None = model or self.url
         self.load_seconds: float | None = 0.0
         self.cancelled_after_steps: list[int] = []
+        self.steps: int | None = None  # no canvas here
         self.restarts = 0
         self.identity: Identity | None = Identity("openai", f"{self.url}|{model or ''}")
 

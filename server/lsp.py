@@ -282,7 +282,12 @@ def status(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "ms": round(outcome.elapsed_ms, 1),
     } for uri, outcome, invoked in reversed(counters.recent)]  # fmt: skip
     return {
-        "engine": {"state": ls.backend.state, "model": ls.backend.model_name, "error": ls.backend.error},
+        "engine": {
+            "state": ls.backend.state,
+            "model": ls.backend.model_name,
+            "error": ls.backend.error,
+            "steps": ls.backend.steps,
+        },
         "requests": counters.requests,
         "shown": counters.shown,
         "silent": [{"why": str(why), "count": count} for why, count in counters.silent.items()],
@@ -296,7 +301,8 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
     """`canvas/stats`: engine state and request counters (model calls, cache and typing-through hits)."""
     counters = ls.completer.stats
     return {
-        "engine": {"state": ls.backend.state, "model": ls.backend.model_name, "error": ls.backend.error},
+        "engine": {"state": ls.backend.state, "model": ls.backend.model_name, "error": ls.backend.error,
+                   "steps": ls.backend.steps},
         "requests": counters.requests,
         "modelCalls": counters.model_calls,
         "cacheHits": counters.cache_hits,

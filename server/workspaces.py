@@ -98,6 +98,10 @@ class RoutedBackend:
         return self.default.cancelled_after_steps
 
     @property
+    def steps(self) -> int | None:
+        return self.default.steps
+
+    @property
     def restarts(self) -> int:
         return getattr(self.default, "restarts", 0)
 

@@ -124,7 +124,12 @@ async def test_settings_go_over_the_initialization_options(client: LanguageClien
     for settings in ({}, {"pylsp": {"plugins": {}}}):
         client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
     stats = await request(client, "canvas/stats", {})
-    assert stats["engine"] == {"state": "ready", "model": str(writing_model_dir), "error": None}
+    assert stats["engine"] == {
+        "state": "ready",
+        "model": str(writing_model_dir),
+        "error": None,
+        "steps": None,
+    }  # the resident engine counts its steps (its /health)
     open_doc(client, "a.py", COMMENT_DOC)
     settings = {"canvas-ls": {"completion": {"min_confidence": 1.0, "show_head": False}}}
     client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
@@ -417,16 +422,37 @@ def make_fast(client: LanguageClient, writing_model_dir: Path) -> None:
     client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=settings))
 
 
+def resident_engine(writing_model_dir: Path) -> httpx.Client:
+    from canvas_ls.engine.paths import default_socket
+
+    transport = httpx.HTTPTransport(uds=str(default_socket(str(writing_model_dir), "cpu")))
+    return httpx.Client(transport=transport, base_url="http://engine")
+
+
+async def steps_taken(client: LanguageClient, writing_model_dir: Path) -> int:
+    """The denoising steps the session's engine has taken: the server's (local backend) or the engine's /health."""
+    if client.backend == "local":
+        return (await request(client, "canvas/stats", {}))["engine"]["steps"]
+    with resident_engine(writing_model_dir) as engine:
+        return engine.get("/health").json()["steps"]
+
+
+async def denoising(client: LanguageClient, writing_model_dir: Path, before: int) -> None:
+    """Returns once the engine has taken a step past `before`: the request just sent is denoising."""
+    for _ in range(1200):
+        if await steps_taken(client, writing_model_dir) > before:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the request never reached the engine")
+
+
 async def cancellations(client: LanguageClient, writing_model_dir: Path) -> tuple[int, float]:
     """How many requests were cancelled mid-denoising and their steps in all: from the server (local backend), or
     from the engine's /metrics (resident: the server only drops the connection; the engine sees it and stops)."""
     if client.backend == "local":
         steps = (await request(client, "canvas/stats", {}))["cancelledAfterSteps"]
         return len(steps), sum(steps)
-    from canvas_ls.engine.paths import default_socket
-
-    transport = httpx.HTTPTransport(uds=str(default_socket(str(writing_model_dir), "cpu")))
-    with httpx.Client(transport=transport, base_url="http://engine") as engine:
+    with resident_engine(writing_model_dir) as engine:
         metrics = {s.name: s.value for f in text_string_to_metric_families(engine.get("/metrics").text)
                    for s in f.samples if f.name == "canvas_cancelled_after_steps"}  # fmt: skip
     return int(metrics["canvas_cancelled_after_steps_count"]), metrics["canvas_cancelled_after_steps_sum"]
@@ -436,12 +462,13 @@ async def test_cancel_request_stops_denoising_at_the_next_step(
     slow_client: LanguageClient, writing_model_dir: Path
 ) -> None:
     count, steps = await cancellations(slow_client, writing_model_dir)
+    before = await steps_taken(slow_client, writing_model_dir)
     pending = asyncio.ensure_future(
         slow_client.protocol.send_request_async(
             "canvas/fill", {"textDocument": {"uri": uri("a.py")}, "position": {"line": 4, "character": 12}}, msg_id=9001
         )
     )
-    await asyncio.sleep(0.5)
+    await denoising(slow_client, writing_model_dir, before)
     slow_client.protocol.notify("$/cancelRequest", types.CancelParams(id=9001))
     with pytest.raises(Exception, match="cancel"):
         await asyncio.wait_for(pending, 60)
@@ -457,8 +484,9 @@ async def test_cancel_request_stops_denoising_at_the_next_step(
 
 
 async def test_newer_request_supersedes_the_older(slow_client: LanguageClient, writing_model_dir: Path) -> None:
+    before = await steps_taken(slow_client, writing_model_dir)
     older = asyncio.ensure_future(fill(slow_client, "a.py", COMMENT_POS))
-    await asyncio.sleep(0.5)
+    await denoising(slow_client, writing_model_dir, before)
     make_fast(slow_client, writing_model_dir)
     newer = await fill(slow_client, "a.py", types.Position(4, 11))
     assert (await asyncio.wait_for(older, 60))["source"] == "cancelled"
@@ -588,9 +616,10 @@ async def test_an_invoked_completion_always_writes_something(raw_client: Languag
     await raw_client.shutdown_session()
 
 
-async def test_shutdown_during_a_request(slow_client: LanguageClient) -> None:
+async def test_shutdown_during_a_request(slow_client: LanguageClient, writing_model_dir: Path) -> None:
+    before = await steps_taken(slow_client, writing_model_dir)
     pending = asyncio.ensure_future(fill(slow_client, "a.py", COMMENT_POS))
-    await asyncio.sleep(0.5)
+    await denoising(slow_client, writing_model_dir, before)
     await slow_client.shutdown_async(None)
     slow_client.exit(None)
     assert await asyncio.wait_for(slow_client._server.wait(), 60) == 0

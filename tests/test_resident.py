@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +358,14 @@ async def close(client: LanguageClient) -> None:
     client.exit(None)
 
 
+async def until_engine(path: Path, reached: Callable[[dict[str, Any]], bool], timeout: float = 60) -> None:
+    """Returns once the engine's /health satisfies `reached` (its steps, its queue)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not reached(engine_health(path)):
+        assert asyncio.get_running_loop().time() < deadline, engine_health(path)
+        await asyncio.sleep(0.02)
+
+
 def engine_health(path: Path) -> dict[str, Any]:
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine") as client:
         return client.get("/health").json()
@@ -476,9 +484,9 @@ async def test_kill_9_mid_request_answers_empty_then_recovers(tiny_model_dir: Pa
     client = await lsp_session(resident(tiny_model_dir, path, max_steps=3000, gap_tokens_single_line=32))
     try:
         await wait_ready(client)
-        victim = engine_health(path)["pid"]
+        victim, steps = engine_health(path)["pid"], engine_health(path)["steps"]
         pending = asyncio.ensure_future(fill(client))
-        await asyncio.sleep(1.0)
+        await until_engine(path, lambda health: health["steps"] > steps)  # it is denoising
         os.kill(victim, signal.SIGKILL)
         answer = await asyncio.wait_for(pending, 60)
         assert answer.edit is None  # the editor gets an empty result, said to be an error (never "cancelled")
@@ -513,10 +521,10 @@ async def test_kill_9_under_8_editors_answers_each_its_own_document(tiny_model_d
             client.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", 1,
                                                                                                  text)))  # fmt: skip
         lines = [4 * i + 1 + 4 for i in range(8)]
-        victim = engine_health(path)["pid"]
+        victim, steps = engine_health(path)["pid"], engine_health(path)["steps"]
         pending = [asyncio.ensure_future(fill_at(c, uri, line)) for c, uri, line in zip(clients, documents, lines,
                                                                                            strict=True)]  # fmt: skip
-        await asyncio.sleep(1.5)
+        await until_engine(path, lambda health: health["queue"] == 8 and health["steps"] > steps)  # all 8 in it
         os.kill(victim, signal.SIGKILL)
         answers = await asyncio.wait_for(asyncio.gather(*pending), 120)
         assert all(a.edit is None and a.source.startswith("error:") for a in answers), [a.source for a in answers]
@@ -655,12 +663,11 @@ def test_background_work_waits_for_real_requests_and_yields_to_them(unix_engine:
                     if x.startswith("canvas_background_preempted_total "))  # fmt: skip
         return float(line.split()[1])
 
-    before = preempted()
+    before, steps = preempted(), unix_engine.get("/health").json()["steps"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         background = pool.submit(post, {**BODY, "settings": endless, "priority": "background", "document": "d"})
-        while unix_engine.get("/health").json()["queue"] < 1:
+        while unix_engine.get("/health").json()["steps"] <= steps:  # until it is denoising
             time.sleep(0.01)
-        time.sleep(0.2)  # it is denoising now
         real = post(BODY)
         assert real[0] == 200 and background.result()[0] == 499
     assert preempted() == before + 1

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from canvas_ls.engine.paths import API_HEADER, API_VERSION
-from canvas_ls.engine.team import rendezvous, replica_quantize
+from canvas_ls.engine.team import rendezvous
 from canvas_ls.engine.users import RateLimit, TokenFile
 from canvas_ls.server import backend as backends
 from canvas_ls.server.backend import CancelFlag, Failed, RemoteBackend
@@ -54,13 +54,6 @@ def add_user(tokens: Path, name: str) -> str:
 
 
 # -- without a cluster -------------------------------------------------------------------------------------------
-
-
-def test_a_cpu_replica_loads_float_weights_under_auto_to_hold_workspace_adapters() -> None:
-    """`auto` would pick int8-dynamic for a large model on a CPU, whose packed weights peft cannot adapt per request;
-    a replica serves the team's adapters, so it loads float there. What is asked for explicitly is kept."""
-    assert replica_quantize("auto", "cpu") == "none"
-    assert replica_quantize("int8-dynamic", "cpu") == "int8-dynamic" and replica_quantize("int8", "cpu") == "int8"
 
 
 def test_the_token_file_holds_digests_and_a_revoked_token_is_refused(tmp_path: Path) -> None:

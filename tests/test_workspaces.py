@@ -337,6 +337,16 @@ def process_state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+async def state_of(pid: int, state: str, timeout: float = 10) -> bool:
+    """Whether the process reaches `state` (its /proc state letter) within `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while process_state(pid) != state:
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 async def test_a_learning_run_is_stopped_while_the_model_answers_and_resumed_after() -> None:
     """`Learner.hold` (a model call starts) stops every run with SIGSTOP; `release` continues them once
     `resume_after_s` has passed without another call; `interrupt` of a held run continues it so that it sees its
@@ -348,15 +358,13 @@ async def test_a_learning_run_is_stopped_while_the_model_answers_and_resumed_aft
     job = learner.jobs[Path("/repo")] = LearnJob(Path("/repo"), child)
     try:
         learner.hold()
-        await asyncio.sleep(0.1)
-        assert job.held and process_state(child.pid) == "T"
+        assert job.held and await state_of(child.pid, "T")
         learner.release()
+        held = asyncio.get_running_loop().time()
         learner.hold()  # another call within resume_after_s: still stopped
         learner.release()
-        await asyncio.sleep(0.1)
-        assert process_state(child.pid) == "T"
-        await asyncio.sleep(0.4)
-        assert not job.held and process_state(child.pid) == "S"
+        assert await state_of(child.pid, "S") and asyncio.get_running_loop().time() - held >= 0.2
+        assert not job.held
         learner.hold()
         learner.interrupt(Path("/repo"))  # stopped when interrupted: continued, so that the SIGINT ends it
         assert await asyncio.wait_for(child.wait(), 10) != 0 and job.interrupted and not job.held
