@@ -36,6 +36,7 @@ from .protocol import (
     NEXT_EDIT_METHOD,
     PREFETCH_METHOD,
     REWRITE_COMMAND,
+    AcceptedArguments,
     FillHolesArgument,
     FillParams,
     FillRegionsParams,
@@ -45,6 +46,7 @@ from .protocol import (
     RegionParams,
     RewriteArgument,
     argument,
+    positional,
 )
 from .session import CanvasServer
 from .silence import MOVED_ON, Why, sentence
@@ -167,10 +169,8 @@ def reset_threshold_command(ls: CanvasServer, *arguments: Any) -> str:
 @server.command(ACCEPTED_COMMAND)
 def accepted_command(ls: CanvasServer, *arguments: Any) -> None:
     """A shown suggestion accepted: [its id, the characters taken (a partial accept; absent: all of it)]."""
-    shown, chars = [*arguments, None, None][:2]
-    if isinstance(shown, bool) or not isinstance(shown, int) or not (chars is None or type(chars) is int):
-        raise JsonRpcInvalidParams(f"{ACCEPTED_COMMAND} takes [id, chars?]: integers, got {list(arguments)!r:.100}")
-    ls.acceptance.accepted(shown, chars)
+    given = positional(arguments, AcceptedArguments, ACCEPTED_COMMAND)
+    ls.acceptance.accepted(given.shown, given.chars)
 
 
 @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(trigger_characters=[".", "(", " "]))

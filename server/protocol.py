@@ -10,6 +10,7 @@ do not fit is answered -32602 by the dispatcher (`wire.Dispatcher`) before any h
     canvas-ls.fillHoles  FillHolesArgument  {textDocument: {uri}, position}
     canvas-ls.rewriteSelection  RewriteArgument  {textDocument: {uri}, range}
     canvas-ls.learnWorkspace  LearnArgument {folder?} (or the folder as a string)
+    canvas-ls.accepted   AcceptedArguments  [shown, chars?] (in order: what the inline item's command carries)
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ class LearnArgument:
     folder: str | None = None  # a URI or a path; None: the first workspace folder
 
 
+@attrs.define(frozen=True)
+class AcceptedArguments:
+    shown: int  # the suggestion's id (the inline item's command carries it)
+    chars: int | None = None  # the characters a partial accept took; None: all of it
+
+
 PARAMS: dict[str, type] = {
     FILL_METHOD: FillParams,
     PREFETCH_METHOD: PrefetchParams,
@@ -135,6 +142,14 @@ def argument(arguments: tuple[Any, ...], cls: type[T], command: str) -> T:
     if not isinstance(value, dict):
         raise JsonRpcInvalidParams(f"{command} takes one object argument, not {type(value).__name__}")
     return structure(value, cls, command)
+
+
+def positional(arguments: tuple[Any, ...], cls: type[T], command: str) -> T:
+    """A command's arguments given in order (`cls`'s fields, the first first), as `cls`."""
+    names = [field.name for field in attrs.fields(cls)]
+    if len(arguments) > len(names):
+        raise JsonRpcInvalidParams(f"{command} takes [{', '.join(names)}], not {len(arguments)} arguments")
+    return structure(dict(zip(names, arguments, strict=False)), cls, command)
 
 
 def _why(exc: Exception) -> list[str]:

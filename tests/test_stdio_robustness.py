@@ -179,6 +179,12 @@ def test_a_message_that_is_no_request_gets_the_error_the_spec_names(shared: RawC
         ({"jsonrpc": "2.0", "method": "workspace/executeCommand",
           "params": {"command": "canvas-ls.rewriteSelection", "arguments": [{"textDocument": {"uri": "file:///a"}}]}},
          -32602, "Invalid params for canvas-ls.rewriteSelection: required field missing @ $.range"),
+        ({"jsonrpc": "2.0", "method": "workspace/executeCommand",
+          "params": {"command": "canvas-ls.accepted", "arguments": [True, "4"]}}, -32602,
+         "Invalid params for canvas-ls.accepted: expected int, got bool @ $.shown; expected int, got str @ $.chars"),
+        ({"jsonrpc": "2.0", "method": "workspace/executeCommand",
+          "params": {"command": "canvas-ls.accepted", "arguments": [1, 2, 3]}}, -32602,
+         "canvas-ls.accepted takes [shown, chars], not 3 arguments"),
         ({"jsonrpc": "2.0", "method": "canvas/fill", "params": {"position": {"line": "x"}}}, -32602,
          "Invalid params for canvas/fill: required field missing @ $.textDocument; expected int, got str @ "
          "$.position.line; required field missing @ $.position.character"),
