@@ -9,10 +9,18 @@ live in the same database). At most
 is locked or on a disk that refuses writes loses that event; either way the user is told once and completion goes
 on.
 
-How the server learns what became of a suggestion: the inline completion item it shows carries a command
-(`ACCEPTED_COMMAND`, the LSP 3.18 item's `command`, which the editor runs when the user accepts it, with the
-characters taken for a partial accept); a shown suggestion that the next request for the document finds neither
-accepted nor being typed through was dismissed (typed over, or the cursor went elsewhere).
+How the server learns what became of a suggestion, per kind:
+  completion  the inline completion item carries a command (`ACCEPTED_COMMAND`, the LSP 3.18 item's `command`,
+              which the editor runs when the user accepts it, with the characters taken for a partial accept); one
+              that the next request for the document finds neither accepted nor being typed through was dismissed
+              (typed over, or the cursor went elsewhere);
+  next edit   the edit the next-edit key would accept (the first one shown): accepted when the next request for the
+              document (a completion or a next edit) finds its new text there, followed by the text that followed
+              the range it replaces; else dismissed;
+  fill, rewrite
+              applied by the user's command: kept when the next request finds the filled span (and what follows it)
+              still there, dismissed when it was undone or typed over.
+A document's close settles all of its suggestions by the same rules, on its last text.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,8 @@ ACCEPTED_COMMAND = "canvas-ls.accepted"
 MAX_EVENTS = 100_000
 PRUNE_EVERY = 1_000  # inserts between two looks at the bound
 EVENTS = ("shown", "accepted", "partial", "dismissed")
+COMPLETION, NEXT_EDIT, FILL, REWRITE = "completion", "next edit", "fill", "rewrite"  # the kinds of suggestion
+AFTER_CHARS = 20  # what follows an edit that must still follow it for the edit to count as kept
 SCHEMA = """CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY, at REAL NOT NULL, event TEXT NOT NULL, kind TEXT NOT NULL, language TEXT NOT NULL,
     workspace TEXT NOT NULL, model TEXT NOT NULL, chars INTEGER NOT NULL, latency_ms REAL, shown_id INTEGER,
@@ -52,12 +62,18 @@ class Pending:
     shown_id: int
     offset: int  # where it was inserted
     text: str
-    kind: str
+    kind: str  # COMPLETION, NEXT_EDIT, FILL or REWRITE
     language: str
     workspace: str
     model: str
     score: float | None = None  # its confidence score (None: not judged)
     calibrated: float | None = None  # the model's own threshold for it (`personal.py` starts there)
+    after: str = ""  # the text that followed it when shown (edits: held with it when kept)
+
+    def held(self, text: str) -> bool:
+        """Whether the document `text` holds it where it was shown (an edit: with what followed it)."""
+        whole = self.text + self.after
+        return text[self.offset : self.offset + len(whole)] == whole
 
 
 class Recorder:
@@ -69,7 +85,7 @@ class Recorder:
         self.path = path or default_path()
         self.enabled = enabled
         self.notify = notify or (lambda message: log.warning("%s", message))
-        self.pending: dict[str, Pending] = {}  # uri -> its last shown suggestion
+        self.pending: dict[str, dict[str, Pending]] = {}  # uri -> kind -> its last shown suggestion of that kind
         self.on_settled: Callable[[Pending], None] | None = None  # told each accept or dismissal (`personal.py`)
         self._db: sqlite3.Connection | None = None
         self._inserts = 0
@@ -78,50 +94,53 @@ class Recorder:
     # -- what the server calls -------------------------------------------------------------------------------
 
     def shown(self, uri: str, offset: int, text: str, kind: str, language: str, workspace: str, model: str,
-              latency_ms: float, score: float | None = None,
-              calibrated: float | None = None) -> int | None:  # fmt: skip
-        """A suggestion shown (with its confidence `score` and the model's own threshold for it, where judged): its
-        id (for the accept command), or None when nothing is recorded."""
-        self.settle(uri, None)
+              latency_ms: float, score: float | None = None, calibrated: float | None = None,
+              after: str = "") -> int | None:  # fmt: skip
+        """A suggestion shown (with its confidence `score` and the model's own threshold for it, where judged; an
+        edit with the text `after` it): its id (for the accept command), or None when nothing is recorded. The
+        document's previous suggestion of the kind, if still unsettled, was dismissed."""
+        previous = self.pending.get(uri, {}).pop(kind, None)
+        if previous is not None:
+            self._fate(previous, "dismissed", 0)
         shown_id = self._insert("shown", kind, language, workspace, model, len(text), latency_ms, score=score,
                                 calibrated=calibrated)  # fmt: skip
         if shown_id is not None:
-            self.pending[uri] = Pending(shown_id, offset, text, kind, language, workspace, model, score, calibrated)
+            self.pending.setdefault(uri, {})[kind] = Pending(shown_id, offset, text, kind, language, workspace, model,
+                                                             score, calibrated, after[:AFTER_CHARS])  # fmt: skip
         return shown_id
 
     def still_shown(self, uri: str) -> int | None:
-        """The id of the suggestion the user is typing through in `uri` (its rest is shown again), if any."""
-        pending = self.pending.get(uri)
+        """The id of the completion the user is typing through in `uri` (its rest is shown again), if any."""
+        pending = self.pending.get(uri, {}).get(COMPLETION)
         return None if pending is None else pending.shown_id
 
     def accepted(self, shown_id: int, chars: int | None = None) -> None:
         """The editor ran the accept command: the whole suggestion, or `chars` of it (a partial accept)."""
-        for uri, pending in list(self.pending.items()):
-            if pending.shown_id == shown_id:
-                whole = chars is None or chars >= len(pending.text)
-                if whole:
-                    del self.pending[uri]
-                self._fate(pending, "accepted" if whole else "partial",
-                           len(pending.text) if whole else max(0, chars or 0))  # fmt: skip
-                return
+        for kinds in self.pending.values():
+            for kind, pending in list(kinds.items()):
+                if pending.shown_id == shown_id:
+                    whole = chars is None or chars >= len(pending.text)
+                    if whole:
+                        del kinds[kind]
+                    self._fate(pending, "accepted" if whole else "partial",
+                               len(pending.text) if whole else max(0, chars or 0))  # fmt: skip
+                    return
 
     def settle(self, uri: str, text: str | None, cursor: int | None = None) -> None:
-        """The document's next request, at offset `cursor` (or its close: `text` None): its last suggestion was
-        dismissed unless the document now holds it whole where it was shown (accepted, or typed through to its end)
-        or the text from there to the cursor is a start of it (being typed through: still pending)."""
-        pending = self.pending.get(uri)
-        if pending is None:
-            return
-        if text is not None:
-            if text[pending.offset : pending.offset + len(pending.text)] == pending.text:
-                del self.pending[uri]
-                self._fate(pending, "accepted", len(pending.text))
-                return
-            typed = text[pending.offset : cursor] if cursor is not None else ""
-            if typed and pending.text.startswith(typed):
-                return
-        del self.pending[uri]
-        self._fate(pending, "dismissed", 0)
+        """The document's next request, at offset `cursor` (or its close: `text` None): each of its suggestions
+        was dismissed unless the document now holds it where it was shown (accepted or kept; a completion typed
+        through to its end) or, for a completion, the text from there to the cursor is a start of it (being typed
+        through: still pending)."""
+        for kind, pending in list(self.pending.get(uri, {}).items()):
+            if text is not None and pending.held(text):
+                self._fate(self.pending[uri].pop(kind), "accepted", len(pending.text))
+                continue
+            typed = text[pending.offset : cursor] if text is not None and cursor is not None else ""
+            if kind == COMPLETION and typed and pending.text.startswith(typed):
+                continue
+            self._fate(self.pending[uri].pop(kind), "dismissed", 0)
+        if not self.pending.get(uri, True):
+            del self.pending[uri]
 
     def _fate(self, pending: Pending, event: str, chars: int) -> None:
         """What became of a shown suggestion (accepted, partial, dismissed): recorded, and told to `on_settled`."""
@@ -245,6 +264,50 @@ def prune(db: sqlite3.Connection, keep: int) -> None:
         with db:
             db.execute("DELETE FROM events WHERE id IN (SELECT id FROM events ORDER BY id LIMIT ?)",
                        (count - keep + keep // 10,))  # fmt: skip
+
+
+class StatisticsCollector:
+    """The statistics' counts for a Prometheus scrape: the resident engine's /metrics on the user's own socket
+    (`canvas-ls engine`; never an engine that serves others over TCP). Read from the database at each scrape (read
+    only, 0.2 s at most), by event, kind and language: counts and characters, never code. Gauges: the database is
+    bounded, its oldest events go."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or default_path()
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        events = GaugeMetricFamily(
+            "canvas_suggestions",
+            "Suggestions in the local statistics database (canvas-ls stats), by event, kind and language",
+            labels=["event", "kind", "language"],
+        )
+        chars = GaugeMetricFamily(
+            "canvas_suggestion_chars_accepted",
+            "Characters accepted (whole or in part), by kind and language",
+            labels=["kind", "language"],
+        )
+        for event, kind, language, count, accepted in self._rows():
+            events.add_metric([event, kind, language], count)
+            if event in ("accepted", "partial"):
+                chars.add_metric([kind, language], accepted)
+        yield events
+        yield chars
+
+    def _rows(self) -> list[tuple[str, str, str, int, int]]:
+        if not self.path.exists():
+            return []
+        try:
+            db = sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True, timeout=0.2)
+            try:
+                return db.execute("SELECT event, kind, language, count(*), sum(chars) FROM events GROUP BY event, "
+                                  "kind, language ORDER BY event, kind, language").fetchall()  # fmt: skip
+            finally:
+                db.close()
+        except sqlite3.DatabaseError as exc:
+            log.warning("the statistics database cannot be read for /metrics: %s", exc)
+            return []
 
 
 # -- canvas-ls stats -----------------------------------------------------------------------------------------------

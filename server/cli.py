@@ -326,6 +326,10 @@ def _engine(args: argparse.Namespace) -> int:
         raise
     engine.early_compiler = early
     service = EngineService(engine, token if args.tcp else None, args.max_body, args.idle_exit or None, args.max_batch)
+    if not args.tcp:  # the user's own engine: its /metrics also counts their suggestions' fates (`acceptance.py`)
+        from .acceptance import StatisticsCollector
+
+        service.registry.register(StatisticsCollector())
     where = f"{engine.name} on {engine.loaded.device} ({engine.dtype})"
     if engine.threads is not None:  # a change later is in the log (`engine/threads.py`) and /health
         where += f", threads {engine.threads.describe()}"

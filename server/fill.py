@@ -57,6 +57,21 @@ class FillOutcome:
     elapsed_ms: float = 0.0
     context: list[str] = field(default_factory=list)  # "path:line" of each snippet of another file the model saw
 
+    def kept(self, text: str) -> tuple[int, str, str] | None:
+        """Where its edits, applied to `text` (the text it read), leave the filled span: its start, its text and
+        what follows it, in the text as edited (what the statistics check later: `acceptance.Pending`); None when
+        nothing was filled."""
+        edits = sorted((answer.edit for answer in self.answers if answer.edit is not None), key=lambda e: e.start)
+        if not edits:
+            return None
+        edited, cursor, end = [], 0, 0
+        for edit in edits:
+            edited += [text[cursor : edit.start], edit.text]
+            cursor = edit.end
+            end = sum(map(len, edited))
+        whole = "".join([*edited, text[cursor:]])
+        return edits[0].start, whole[edits[0].start : end], whole[end:]
+
     def summary(self) -> str:
         """One line for the user: what was filled and why the rest was not."""
         if self.error is not None:

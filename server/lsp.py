@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ from ..engine.confidence import HIDDEN
 from ..engine.paths import document_repository
 from ..engine.regions import Region
 from ..engine.workspaces import WORKSPACE_MINUTES, repository_root
-from .acceptance import ACCEPTED_COMMAND
-from .backend import CancelFlag
+from .acceptance import ACCEPTED_COMMAND, AFTER_CHARS, COMPLETION, FILL, NEXT_EDIT, REWRITE
+from .backend import CancelFlag, Identity
 from .completion import PREFETCH_READY, Outcome, Source
 from .config import layered
 from .documents import Document
@@ -105,7 +106,8 @@ def did_change(ls: CanvasServer, params: types.DidChangeTextDocumentParams) -> N
 
 @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
 def did_close(ls: CanvasServer, params: types.DidCloseTextDocumentParams) -> None:
-    ls.acceptance.settle(params.text_document.uri, None)
+    closing = ls.documents.get(params.text_document.uri)  # its suggestions: kept or accepted as it closes, or not
+    ls.acceptance.settle(params.text_document.uri, closing.text if closing is not None else None)
     ls.completer.forget(params.text_document.uri)
     ls.next_edits.forget(params.text_document.uri)
     ls.documents.close(params.text_document.uri)
@@ -146,10 +148,8 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
     if outcome.source is Source.TYPING:  # the rest of the suggestion being typed through: still the one shown
         shown = ls.acceptance.still_shown(uri)
     else:
-        model = outcome.identity.model if outcome.identity is not None else ""
-        shown = ls.acceptance.shown(uri, outcome.edit.start, outcome.edit.text, "completion", document.language,
-                                    document_repository(uri) or "", model, outcome.elapsed_ms, outcome.score,
-                                    outcome.calibrated)  # fmt: skip
+        shown = _shown(ls, document, outcome.edit.start, outcome.edit.text, COMPLETION, outcome.elapsed_ms,
+                       score=outcome.score, calibrated=outcome.calibrated, identity=outcome.identity)  # fmt: skip
     # the editor runs the item's command when the user accepts it: the statistics learn it (whole, or the
     # characters a partial accept took)
     command = None
@@ -157,6 +157,16 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
         command = types.Command(title="canvas-ls: accepted", command=ACCEPTED_COMMAND, arguments=[shown])
     item = types.InlineCompletionItem(insert_text=outcome.edit.text, range=span, command=command)
     return types.InlineCompletionList(items=[item])
+
+
+def _shown(ls: CanvasServer, document: Document, offset: int, text: str, kind: str, elapsed_ms: float,
+           after: str = "", score: float | None = None, calibrated: float | None = None,
+           identity: Identity | None = None) -> int | None:  # fmt: skip
+    """A suggestion shown in `document` recorded in the statistics (`acceptance.py`): its id, or None."""
+    identity = identity or ls.backend.resolve(document.uri).identity
+    return ls.acceptance.shown(document.uri, offset, text, kind, document.language,
+                               document_repository(document.uri) or "", identity.model if identity else "",
+                               elapsed_ms, score, calibrated, after)  # fmt: skip
 
 
 @server.command(RESET_THRESHOLD_COMMAND)
@@ -245,12 +255,19 @@ async def next_edit(ls: CanvasServer, params: NextEditParams) -> dict[str, Any]:
         offset = document.index.offset(params.position.line, params.position.character)
     except PositionError:
         raise JsonRpcInvalidParams(f"{NEXT_EDIT_METHOD}: the position is past the end of the document") from None
+    ls.acceptance.settle(uri, document.text)  # the edit shown before: accepted (applied by the key) or not
     options = ls.config.next_edit
     others = [] if options.max_documents == 0 else ls.documents.others(document)
+    started = time.perf_counter()
     outcome = await ls.next_edits.suggest(document, offset, [d for d in others if ls.documents.get(d.uri)],
                                           ls.backend, options, ls.config.completion.prefix_tokens)  # fmt: skip
     if outcome.failed:
         ls.show_error_once(outcome.reason or "the model failed")
+    first = outcome.suggestions[0] if outcome.suggestions else None
+    shown_in = ls.documents.get(first.uri) if first is not None else None
+    if first is not None and shown_in is not None:  # the edit the next-edit key accepts (`acceptance.py`)
+        _shown(ls, shown_in, first.start, first.text, NEXT_EDIT, (time.perf_counter() - started) * 1000,
+               shown_in.text[first.end : first.end + AFTER_CHARS])  # fmt: skip
     edits = []
     for suggestion in outcome.suggestions:
         index = (ls.documents.get(suggestion.uri) or document).index
@@ -431,9 +448,13 @@ async def _fill_request(ls: CanvasServer, params: FillRegionsParams) -> dict[str
     stale = current is not document or document.version != outcome.version
     edit = None if stale else _workspace_edit(document, outcome)
     applied = False
+    kept = outcome.kept(document.text) if edit is not None else None  # before the editor's change comes in
     if edit is not None and apply:
         response = await ls.workspace_apply_edit_async(types.ApplyWorkspaceEditParams(edit, label="canvas-ls fill"))
         applied = response.applied
+    if kept is not None and applied:  # the statistics learn later whether the user kept it or undid it
+        rewrite = all(a.region.strength < 1 for a in outcome.answers if a.edit is not None)
+        _shown(ls, document, kept[0], kept[1], REWRITE if rewrite else FILL, outcome.elapsed_ms, kept[2])
     message = "the document changed while the fill ran: nothing applied" if stale else outcome.summary()
     left_out = stale or outcome.cancelled or any(answer.edit is None for answer in outcome.answers)
     kind = (

@@ -20,7 +20,8 @@ from pytest_lsp import ClientServerConfig, LanguageClient
 from canvas_ls.server import acceptance
 from canvas_ls.server.acceptance import ACCEPTED_COMMAND, Recorder, clear, default_path
 from tests.test_identity import AFTER_RETURN, DOC
-from tests.test_lsp import SERVE, inline, open_doc, uri, wait_ready
+from tests.test_lsp import SERVE, inline, open_doc, request, uri, wait_ready
+from tests.test_lsp_fill import span
 
 INVOKED = types.InlineCompletionTriggerKind.Invoked
 
@@ -106,6 +107,71 @@ async def test_a_suggestion_typed_through_stays_one_shown_suggestion(
     }  # fmt: skip
 
 
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+async def editing(lsp_client: LanguageClient, ending_model_dir: Path, private_state_dir: Path):
+    """A client that applies the workspace edits the server asks for, as an editor does (each a didChange back), on
+    the model that writes one word ("code") and ends."""
+    versions: dict[str, int] = {}
+
+    @lsp_client.feature(types.WORKSPACE_APPLY_EDIT)
+    def apply_edit(params: types.ApplyWorkspaceEditParams) -> types.ApplyWorkspaceEditResult:
+        for change in params.edit.document_changes or []:
+            name = change.text_document.uri.rsplit("/", 1)[1]
+            versions[name] = versions.get(name, 1) + 1
+            lsp_client.text_document_did_change(types.DidChangeTextDocumentParams(
+                types.VersionedTextDocumentIdentifier(version=versions[name], uri=change.text_document.uri),
+                [types.TextDocumentContentChangePartial(range=e.range, text=e.new_text)
+                 for e in reversed(change.edits)]))  # fmt: skip
+        return types.ApplyWorkspaceEditResult(applied=True)
+
+    lsp_client.versions = versions
+    clear(default_path())
+    await start(lsp_client, ending_model_dir, completion={"speculate": False, "workspace_cache": 0})
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def test_next_edits_fills_and_rewrites_are_recorded_by_what_the_document_keeps(editing: LanguageClient) -> None:
+    """Next edits: the edit the key accepts, accepted when the next request finds it applied (the client applies it
+    and asks again), dismissed when the document closes without it. A fill kept until the document closes is
+    accepted; a rewrite the user undid, dismissed. Each by its kind, none of the text in the database."""
+    from tests.test_next_edit import SOURCE, change, next_edit
+
+    open_doc(editing, "mean.py", SOURCE)
+    for version, (start, end, text) in enumerate([(4, 9, "a"), (5, 5, "c"), (6, 6, "c")], 2):  # "total" -> "acc"
+        change(editing, "mean.py", version, 1, start, end, text)
+    first = (await next_edit(editing, "mean.py", 1, 7, version=4))["edits"][0]
+    assert (first["range"]["start"]["line"], first["newText"]) == (3, "acc")
+    change(editing, "mean.py", 5, 3, 8, 13, "acc")  # the key accepts it: the editor applies it, then asks again
+    second = (await next_edit(editing, "mean.py", 3, 8, version=5))["edits"][0]
+    assert (second["range"]["start"]["line"], second["newText"]) == (5, "acc")
+    editing.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri("mean.py"))))
+
+    open_doc(editing, "notes.txt", "first line\nsecond line\nthird line\nfourth line\n", language="plaintext")
+    filled = await request(editing, "canvas/fillRegions", {"textDocument": {"uri": uri("notes.txt")}, "apply": True,
+                                                           "regions": [{"range": span(1, 0, 1, 6)}]})  # fmt: skip
+    assert filled["applied"] is True and [r["text"] for r in filled["regions"]] == ["code"]
+    await wait_ready(editing)  # the edit's didChange is in
+    await editing.workspace_execute_command_async(
+        types.ExecuteCommandParams(
+            "canvas-ls.rewriteSelection", [{"textDocument": {"uri": uri("notes.txt")}, "range": span(3, 0, 3, 6)}]
+        )
+    )
+    await wait_ready(editing)
+    change(editing, "notes.txt", 4, 3, 0, 4, "fourth")  # undone: "code line" back to "fourth line"
+    editing.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri("notes.txt"))))
+    await wait_ready(editing)
+    kinds = {kind: {key: row[key] for key in ("shown", "accepted", "dismissed", "chars_accepted")}
+             for kind, row in stats()["by_kind"].items()}  # fmt: skip
+    assert kinds == {
+        "fill": {"shown": 1, "accepted": 1, "dismissed": 0, "chars_accepted": 4},
+        "next edit": {"shown": 2, "accepted": 1, "dismissed": 1, "chars_accepted": 3},
+        "rewrite": {"shown": 1, "accepted": 0, "dismissed": 1, "chars_accepted": 0},
+    }
+    stored = b"".join(p.read_bytes() for p in default_path().parent.glob("stats.sqlite3*"))
+    assert [word for word in (b"code", b"third line", b"print", b"+= v") if word in stored] == []  # answers, contexts
+
+
 async def test_a_corrupt_database_is_moved_aside_and_completion_goes_on(
     client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
 ) -> None:
@@ -163,3 +229,39 @@ def test_stats_clear_and_a_bad_since(tmp_path: Path) -> None:
     assert (bad.returncode, bad.stderr.strip()) == (2, "canvas-ls: error: --since wants days or hours such as 7d or "
                                                        "12h, got 'a week'")  # fmt: skip
     assert run("--clear").returncode == 0 and json.loads(run("--json").stdout)["events"] == 0
+
+
+def test_the_user_engine_metrics_count_suggestions_by_fate_kind_and_language(
+    tiny_model_dir: Path, private_state_dir: Path, tmp_path: Path
+) -> None:
+    """The resident engine on the user's socket exposes the statistics' counts on /metrics (read at the scrape),
+    counts only."""
+    import httpx
+
+    from tests.test_resident import ENGINE, wait_health
+
+    clear(default_path())
+    recorder = Recorder()
+    for number, (kind, language) in enumerate((("completion", "python"), ("completion", "python"),
+                                               ("next edit", "go"))):  # fmt: skip
+        recorder.shown(f"file:///{number}", 0, "value", kind, language, "", "m", 10.0)
+    recorder.accepted(1, 3)  # 3 characters of the first
+    recorder.settle("file:///2", "value and more")  # the next edit is there: accepted
+    path = tmp_path / "run" / "engine.sock"
+    process = subprocess.Popen([*ENGINE, "--model", str(tiny_model_dir), "--socket", str(path)],
+                               stdin=subprocess.DEVNULL)  # fmt: skip
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine", timeout=60) as c:
+            wait_health(c)
+            lines = [line for line in c.get("/metrics").text.splitlines() if line.startswith("canvas_suggestion")]
+    finally:
+        process.kill()
+        process.wait()
+    assert lines == [
+        'canvas_suggestions{event="accepted",kind="next edit",language="go"} 1.0',
+        'canvas_suggestions{event="partial",kind="completion",language="python"} 1.0',
+        'canvas_suggestions{event="shown",kind="completion",language="python"} 2.0',
+        'canvas_suggestions{event="shown",kind="next edit",language="go"} 1.0',
+        'canvas_suggestion_chars_accepted{kind="next edit",language="go"} 5.0',
+        'canvas_suggestion_chars_accepted{kind="completion",language="python"} 3.0',
+    ]
