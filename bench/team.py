@@ -168,7 +168,7 @@ def _clients(name: str, backend_of: Callable[[str], Any], clients: int, seconds:
 async def _typing(name: str, backend_of: Callable[[str], Any], clients: int, seconds: float, model: str | None,
                   documents: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
     from ..engine.results import InfillResult
-    from ..server.backend import Answer, CancelFlag, Failed
+    from ..server.backend import Answer, CancelFlag, CompletionRequest, Failed, Settings
 
     filler = filler_code()
     backends = [backend_of(f"editor{i}") for i in range(clients)]
@@ -197,8 +197,8 @@ async def _typing(name: str, backend_of: Callable[[str], Any], clients: int, sec
             prefix = bases[number] + TYPED[: typed[number] % len(TYPED) + 1]
             typed[number] += 1
             started = time.perf_counter()
-            reply = await backends[index].infill(prefix, "\n", {"max_new_tokens": 16}, CancelFlag(),
-                                                 f"file:///team/{index}/{number}.py")  # fmt: skip
+            asked = CompletionRequest(prefix, "\n", Settings(max_new_tokens=16), f"file:///team/{index}/{number}.py")
+            reply = await backends[index].infill(asked, CancelFlag())
             ms = (time.perf_counter() - started) * 1000
             row = {"system": name, "user": index, "ms": ms, "ok": isinstance(reply, Answer),
                    "failed": reply.reason if isinstance(reply, Failed) else None}  # fmt: skip

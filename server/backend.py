@@ -24,13 +24,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
 from ..engine.paths import API_HEADER, API_VERSION, CANCELLED_STATUS, IDLE_EXIT_S
+from ..engine.regions import Hole
 from ..engine.results import GapResult, InfillResult
 from .silence import Why
 
@@ -71,6 +72,54 @@ class CancelFlag(threading.Event):
 def _resolve(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The engine settings a request asks for, by `engine/settings.py`'s names; None: the model's own."""
+
+    gap_tokens: int | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    max_prefix_tokens: int | None = None
+    max_suffix_tokens: int | None = None
+    max_steps: int | None = None
+    entropy_bound: float | None = None
+    single_line: bool | None = None
+    workspace_cache: float | None = None
+    max_holes: int | None = None
+    fill_tokens: int | None = None
+    max_canvas_tokens: int | None = None
+
+    def asked(self) -> dict[str, Any]:
+        """The settings this request sets, as the engine takes them (its `settings` object)."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """One model call for a completion: the text either side of the gap, its settings, and its place: the document
+    (the engine lets a newer request of the same document supersede it), whether it is work computed ahead
+    (`background`: run only when no real request waits, dropped when one comes), and the workspace's LoRA adapter
+    that answers it (a folder; the router sets it, `workspaces.RoutedBackend`)."""
+
+    prefix: str
+    suffix: str
+    settings: Settings = Settings()
+    document: str | None = None
+    background: bool = False
+    adapter: str | None = None
+
+
+@dataclass(frozen=True)
+class FillRequest:
+    """Several holes in one canvas: the text and holes in document order (`engine.regions`' parts), as the engine
+    takes them; JSON only where it crosses to another process (`EngineClient`)."""
+
+    parts: tuple[str | Hole, ...]
+    settings: Settings = Settings()
+    document: str | None = None
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -198,8 +247,7 @@ def engine_mismatch(health: Mapping[str, Any], model: str | None, adapter: str |
 
 class Backend(Protocol):
     """What the server asks of where the model runs. `infill` and `fill` end in one `Reply` and raise nothing: an
-    engine that refused the request, failed or went away is a `Failed` with the reason. `background`: work computed
-    ahead, which the engine may drop for real requests."""
+    engine that refused the request, failed or went away is a `Failed` with the reason."""
 
     state: str  # "idle", "loading", "ready" or "failed"
     error: str | None
@@ -212,12 +260,9 @@ class Backend(Protocol):
 
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None: ...
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> Reply: ...  # fmt: skip
+    async def infill(self, request: CompletionRequest, cancel: CancelFlag) -> Reply: ...
 
-    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> Reply: ...  # fmt: skip
+    async def fill(self, request: FillRequest, cancel: CancelFlag) -> Reply: ...
 
     def shutdown(self) -> None: ...
 
@@ -278,27 +323,26 @@ class LocalBackend:
 
         self._executor.submit(work)
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> Reply:  # fmt: skip
-        """`background`: work computed ahead (the server cancels it when a real request comes; one worker here)."""
+    async def infill(self, request: CompletionRequest, cancel: CancelFlag) -> Reply:
+        """A `background` request is work computed ahead: the server cancels it when a real request comes (one
+        worker here)."""
         from ..engine.paths import document_repository
 
-        workspace = document_repository(document)  # its token cache (`engine.token_cache`), once built
-        return await self._call(cancel, lambda engine: engine.infill(prefix, suffix, overrides, cancel=cancel,
-                                                                     adapter=adapter, workspace=workspace,
-                                                                     score=False))  # fmt: skip
+        workspace = document_repository(request.document)  # its token cache (`engine.token_cache`), once built
+        return await self._call(cancel, lambda engine: engine.infill(
+            request.prefix, request.suffix, request.settings.asked(), cancel=cancel, adapter=request.adapter,
+            workspace=workspace, score=False))  # fmt: skip
 
-    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
-        """Several holes in one canvas (`/v1/fill` segments); Failed for a fill the engine cannot lay out."""
+    async def fill(self, request: FillRequest, cancel: CancelFlag) -> Reply:
+        """Several holes in one canvas; Failed for a fill the engine cannot lay out."""
         from ..engine.paths import document_repository
-        from ..engine.regions import parts_from_json, split_parts
+        from ..engine.regions import split_parts
 
         def compute(engine: Any) -> Any:
-            prefix, middle, suffix = split_parts(parts_from_json(segments))
-            return engine.fill(prefix, middle, suffix, overrides, cancel=cancel, adapter=adapter,
-                               workspace=document_repository(document), score=False)  # fmt: skip
+            prefix, middle, suffix = split_parts(list(request.parts))
+            return engine.fill(prefix, middle, suffix, request.settings.asked(), cancel=cancel,
+                               adapter=request.adapter, workspace=document_repository(request.document),
+                               score=False)  # fmt: skip
 
         return await self._call(cancel, compute)
 
@@ -398,20 +442,21 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------------------------------
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> Reply:  # fmt: skip
-        """`background`: the engine runs it only when no real request waits, and drops it when one comes."""
-        body = {"prefix": prefix, "suffix": suffix, **({"priority": "background"} if background else {})}
-        return await self._post("/v1/infill", body, overrides, document, adapter, cancel, "completion")
+    async def infill(self, request: CompletionRequest, cancel: CancelFlag) -> Reply:
+        body = {"prefix": request.prefix, "suffix": request.suffix,
+                **({"priority": "background"} if request.background else {})}  # fmt: skip
+        return await self._post("/v1/infill", body, request.settings, request.document, request.adapter, cancel,
+                                "completion")  # fmt: skip
 
-    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+    async def fill(self, request: FillRequest, cancel: CancelFlag) -> Reply:
         """Several holes in one canvas through `/v1/fill`; Failed with the engine's reason when it refuses the fill
         or fails."""
-        return await self._post("/v1/fill", {"segments": segments}, overrides, document, adapter, cancel, "fill")
+        from ..engine.regions import parts_to_json
 
-    async def _post(self, path: str, body: dict[str, Any], overrides: dict[str, Any], document: str | None,
+        body = {"segments": parts_to_json(list(request.parts))}
+        return await self._post("/v1/fill", body, request.settings, request.document, request.adapter, cancel, "fill")
+
+    async def _post(self, path: str, body: dict[str, Any], settings: Settings, document: str | None,
                     adapter: str | None, cancel: CancelFlag, what: str) -> Reply:  # fmt: skip
         """Cancelled when `cancel` won (or the engine says the request was cancelled); Failed with the engine's
         reason when it refused the request, and when it went away (`_unreachable`)."""
@@ -419,8 +464,7 @@ class EngineClient:
         if not_ready is not None:
             return not_ready
         # "score": false: the server scores what it shows itself (`display.decide`), the engine need not
-        body = {**body, "document": document, "settings": {k: v for k, v in overrides.items() if v is not None},
-                "score": False}  # fmt: skip
+        body = {**body, "document": document, "settings": settings.asked(), "score": False}
         if adapter is not None:
             body["adapter"] = adapter
         try:
@@ -647,17 +691,17 @@ async def post_cancellable(client: httpx.AsyncClient, path: str, body: dict[str,
         stop.cancel()
 
 
-def completion_request(prefix: str, suffix: str, overrides: dict[str, Any], model: str | None, suffix_mode: str,
+def completion_request(request: CompletionRequest, model: str | None, suffix_mode: str,
                        template: str) -> dict[str, Any]:  # fmt: skip
     """An OpenAI `/v1/completions` body. Servers that take `suffix` get it as a field; for the others (vLLM and
     SGLang have not accepted it) the suffix goes into the prompt through the model's FIM template ("prompt")."""
-    body: dict[str, Any] = {"max_tokens": overrides.get("max_new_tokens") or 64, "temperature": 0, "stream": False}
+    body: dict[str, Any] = {"max_tokens": request.settings.max_new_tokens or 64, "temperature": 0, "stream": False}
     if model:
         body["model"] = model
     if suffix_mode == "field":
-        body.update(prompt=prefix, suffix=suffix)
+        body.update(prompt=request.prefix, suffix=request.suffix)
     else:
-        body["prompt"] = template.format(prefix=prefix, suffix=suffix)
+        body["prompt"] = template.format(prefix=request.prefix, suffix=request.suffix)
     return body
 
 
@@ -684,10 +728,8 @@ class OpenAIBackend:
         if on_done is not None:
             on_done(self)
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> Reply:  # fmt: skip
-        body = completion_request(prefix, suffix, overrides, self.model, self.suffix_mode, self.template)
+    async def infill(self, request: CompletionRequest, cancel: CancelFlag) -> Reply:
+        body = completion_request(request, self.model, self.suffix_mode, self.template)
         try:
             response = await post_cancellable(self._client, "/v1/completions", body, cancel)
         except httpx.HTTPError as exc:
@@ -705,8 +747,7 @@ class OpenAIBackend:
             return Failed(f"{self.url} answered a completion whose text is not a string: {text!r:.200}")
         return Answer(text, raw=data)
 
-    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+    async def fill(self, request: FillRequest, cancel: CancelFlag) -> Reply:
         return Failed("filling several holes needs canvas-ls's own engine (engine.backend local or resident)")
 
     def shutdown(self) -> None:

@@ -44,7 +44,7 @@ from ..engine.confidence import (
 from ..engine.corpus import read_repository_report
 from ..engine.settings import MODEL_SETTINGS_FILE
 from ..engine.tasks import Task, edit_similarity, load_tasks, machine, normalise, passes, typed
-from .completion import request_overrides
+from .completion import request_settings
 from .config import CompletionOptions
 from .context import Skip, build_context
 from .documents import Document
@@ -78,7 +78,7 @@ def answer_rows(engine: Engine, dataset: Path, limit: int | None, run_tests: boo
         context = build_context(document, offset, options)
         result = None
         if not isinstance(context, Skip):
-            result = engine.infill(context.prefix, context.suffix, request_overrides(context, options, False))
+            result = engine.infill(context.prefix, context.suffix, request_settings(context, options, False).asked())
         edit = None if result is None else checked_edit(document, context, result.text, options.max_lines)
         text = "" if edit is None else edit.text[offset - edit.start :]  # from the cursor on
         token_texts, confidence, found, support = [], [], dict.fromkeys(SCORES, 1.0), 1.0

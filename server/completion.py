@@ -36,7 +36,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..engine.supersession import Supersession
-from .backend import Answer, CancelFlag, Cancelled, Failed, Identity
+from .backend import Answer, CancelFlag, Cancelled, CompletionRequest, Failed, Identity, Settings
 from .config import CompletionOptions, ServerConfig
 from .context import CompletionContext, Skip, build_context
 from .crossfile import Block, CrossFile
@@ -74,19 +74,19 @@ class Source(StrEnum):
 PREFETCH_READY = frozenset({Source.PREFETCHED, Source.CACHE, Source.TYPING})
 
 
-def request_overrides(context: CompletionContext, options: CompletionOptions, invoked: bool) -> dict[str, Any]:
+def request_settings(context: CompletionContext, options: CompletionOptions, invoked: bool) -> Settings:
     """The engine settings of a completion request at `context` (`bench calibrate` asks the same)."""
-    return {
-        "min_new_tokens": 1 if invoked else None,  # None: the model's own setting
-        "gap_tokens": context.gap_tokens,
-        "max_new_tokens": context.max_new_tokens,
-        "max_prefix_tokens": options.prefix_tokens + context.lead_tokens,
-        "max_suffix_tokens": options.suffix_tokens,
-        "max_steps": options.max_steps,
-        "entropy_bound": options.entropy_bound,
-        "single_line": context.mode == "single_line",
-        "workspace_cache": options.workspace_cache,
-    }
+    return Settings(
+        min_new_tokens=1 if invoked else None,  # None: the model's own setting
+        gap_tokens=context.gap_tokens,
+        max_new_tokens=context.max_new_tokens,
+        max_prefix_tokens=options.prefix_tokens + context.lead_tokens,
+        max_suffix_tokens=options.suffix_tokens,
+        max_steps=options.max_steps,
+        entropy_bound=options.entropy_bound,
+        single_line=context.mode == "single_line",
+        workspace_cache=options.workspace_cache,
+    )
 
 
 @dataclass
@@ -259,9 +259,10 @@ class Completer:
         # 4. Cache, keyed on the context the model would see and on which model answers it (resolved once, from
         #    memory). The same completion already under way, started where the cursor went (a prefetch) or after an
         #    accepted suggestion (a speculation), is joined.
-        overrides = request_overrides(context, self.config.completion, invoked)
+        request = CompletionRequest(context.prefix, context.suffix, request_settings(context, self.config.completion,
+                                                                                  invoked), document.uri)  # fmt: skip
         route = self.backend.resolve(document.uri)
-        key = self._key(document, context, overrides, route.identity)
+        key = self._key(document, context, request.settings, route.identity)
         if prefetch and not self._claim_prefetch(document.uri, key):
             return nothing(Source.CACHE if key in self.cache else Source.RUNNING, None)  # answered, or being answered
         early = None if prefetch else self._early(document.uri, key)
@@ -296,8 +297,7 @@ class Completer:
             self._drop_speculations(running_only=True)  # real requests first
             self.stats.model_calls += 1
             called = time.perf_counter()
-            reply = await self.backend.infill(context.prefix, context.suffix, overrides, cancel, document.uri,
-                                              route=route)  # fmt: skip
+            reply = await self.backend.infill(request, cancel, route)
         match reply:
             case Cancelled():
                 return nothing(Source.CANCELLED, Why.CANCELLED)
@@ -369,13 +369,12 @@ class Completer:
         return block if block is not None and block.text else None
 
     @staticmethod
-    def _key(document: Document, context: CompletionContext, overrides: dict[str, Any],
-             identity: Identity | None) -> str:  # fmt: skip
+    def _key(document: Document, context: CompletionContext, settings: Settings, identity: Identity | None) -> str:
         """The cache's key: the context, the settings, and which model answers this document now (`Route.identity`:
         a switched model, a reloaded folder, a workspace model that has finished loading must never be answered for
         by what another model said). Memory only: no file system, no clock."""
         digest = hashlib.sha1()
-        for part in (document.language, context.mode, repr(overrides), str(identity), context.prefix, "\0",
+        for part in (document.language, context.mode, repr(settings), str(identity), context.prefix, "\0",
                      context.suffix):  # fmt: skip
             digest.update(part.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
@@ -430,22 +429,23 @@ class Completer:
             return  # the document moved on before the speculation started
         accepted = document.edited(edit.start, edit.end, edit.text)
         context = self._context(accepted, edit.start + len(edit.text))
-        key = overrides = None
+        key = request = None
         route = self.backend.resolve(document.uri)
         if not isinstance(context, Skip):
-            overrides = request_overrides(context, self.config.completion, invoked=False)
-            key = self._key(accepted, context, overrides, route.identity)
+            request = CompletionRequest(context.prefix, context.suffix,
+                                        request_settings(context, self.config.completion, invoked=False),
+                                        document.uri, background=True)  # fmt: skip
+            key = self._key(accepted, context, request.settings, route.identity)
         running = self.speculations.get(document.uri)
         if running is not None and running.key == key:
             return  # the same suggestion again: its speculation stands
         self._drop(document.uri)
-        if key is None or key in self.cache:
+        if key is None or request is None or key in self.cache:
             return
         ahead = _Speculation(key, document.text, edit, accepted.text, task=asyncio.current_task())
         self.speculations[document.uri] = ahead
         self.stats.speculated += 1
-        reply = await self.backend.infill(context.prefix, context.suffix, overrides, ahead.cancel, document.uri,
-                                          background=True, route=route)  # fmt: skip
+        reply = await self.backend.infill(request, ahead.cancel, route)
         if isinstance(reply, Failed):  # real requests report the engine's errors
             log.info("speculation for %s: %s", document.uri, reply.reason)
         elif isinstance(reply, Answer) and not ahead.cancel.is_set() and self._current(document.uri, route.identity):

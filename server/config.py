@@ -12,6 +12,7 @@ from cattrs.v import format_exception
 
 from ..engine.commits import RECENT_EDITS
 from ..engine.paths import IDLE_EXIT_S
+from .backend import Settings
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
@@ -146,11 +147,11 @@ class FillOptions:
         _within(self, "fill", gap_tokens=(1, TOKENS), max_new_tokens=(1, TOKENS), max_holes=(1, 64),
                 rewrite_strength=(0, 1), max_steps=(1, TOKENS))  # fmt: skip
 
-    def overrides(self, workspace_cache: float | None = None) -> dict[str, Any]:
+    def settings(self, workspace_cache: float | None = None) -> Settings:
         """The engine settings of a fill. The user asked for these regions: each answer has at least one token. The
         token cache's weight is `completion.workspace_cache` (one setting for completions and fills)."""
-        return {"gap_tokens": self.gap_tokens, "max_new_tokens": self.max_new_tokens, "max_holes": self.max_holes,
-                "max_steps": self.max_steps, "min_new_tokens": 1, "workspace_cache": workspace_cache}  # fmt: skip
+        return Settings(gap_tokens=self.gap_tokens, max_new_tokens=self.max_new_tokens, max_holes=self.max_holes,
+                        max_steps=self.max_steps, min_new_tokens=1, workspace_cache=workspace_cache)  # fmt: skip
 
 
 @dataclass

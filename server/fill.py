@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..engine.regions import FillError, Region, parts_to_json, regions_to_parts
-from .backend import Backend, CancelFlag, Cancelled, Failed, Gap
+from ..engine.regions import FillError, Region, regions_to_parts
+from .backend import Backend, CancelFlag, Cancelled, Failed, FillRequest, Gap
 from .config import FillOptions
 from .context import prefix_window
 from .crossfile import Block
@@ -96,7 +96,7 @@ async def fill_regions(document: Document, regions: list[Region], backend: Backe
                        workspace_cache: float | None = None) -> FillOutcome:  # fmt: skip
     started = time.perf_counter()
     version, text = document.version, document.text
-    overrides, context = options.overrides(workspace_cache), []
+    settings, context = options.settings(workspace_cache), []
     try:
         parts = regions_to_parts(text, regions)
         for number, region in enumerate(regions, 1):
@@ -106,9 +106,9 @@ async def fill_regions(document: Document, regions: list[Region], backend: Backe
         return FillOutcome(version, [], error=str(exc))
     if lead is not None:
         parts[0] = lead.block.text + prefix_window(document, len(parts[0]), lead.prefix_tokens)
-        overrides["max_prefix_tokens"] = lead.prefix_tokens + lead.tokens
+        settings = replace(settings, max_prefix_tokens=lead.prefix_tokens + lead.tokens)
         context = [f"{snippet.path}:{snippet.line + 1}" for snippet in lead.block.snippets]
-    reply = await backend.fill(parts_to_json(parts), overrides, cancel, document.uri)
+    reply = await backend.fill(FillRequest(tuple(parts), settings, document.uri), cancel)
     elapsed = (time.perf_counter() - started) * 1000
     if isinstance(reply, Failed):
         return FillOutcome(version, [], error=reply.reason)

@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass
 
 from ..engine.commits import recent_edits_comment
-from ..engine.regions import Hole, parts_to_json
+from ..engine.regions import Hole
 from ..engine.supersession import Supersession
-from .backend import Answer, Backend, CancelFlag, Cancelled, Failed, Gap
+from .backend import Answer, Backend, CancelFlag, Cancelled, Failed, FillRequest, Gap, Settings
 from .config import NextEditOptions
 from .context import is_word, node_at, prefix_window
 from .display import reaches
@@ -190,8 +190,8 @@ async def rewrite(document: Document, offset: int, backend: Backend, options: Ne
     for around, following in zip(ordered, [*ordered[1:], None], strict=True):
         parts.append(Hole(around.text, options.strength))
         parts.append(document.text[around.end : following.start if following else around.end + SUFFIX_CHARS])
-    overrides = {"max_steps": options.max_steps, "workspace_cache": 0.0, **CANVAS_BUDGET}
-    reply = await backend.fill(parts_to_json(parts), overrides, cancel, document.uri)
+    settings = Settings(max_steps=options.max_steps, workspace_cache=0.0, **CANVAS_BUDGET)
+    reply = await backend.fill(FillRequest(tuple(parts), settings, document.uri), cancel)
     if not isinstance(reply, Answer):
         return reply
     found: list[Suggestion] = []

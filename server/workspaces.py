@@ -27,7 +27,7 @@ from typing import Any
 
 from ..engine.paths import die_with_parent, file_path, resolved_model
 from ..engine.workspaces import WorkspaceIndex, WorkspaceModel
-from .backend import Backend, CancelFlag, Identity, Reply
+from .backend import Backend, CancelFlag, CompletionRequest, FillRequest, Identity, Reply
 
 log = logging.getLogger(__name__)
 
@@ -187,21 +187,19 @@ class RoutedBackend:
             self.notify(f"the model tuned on {entry.root} failed to load ({backend.error}); the configured model "
                         "answers there")  # fmt: skip
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False,
-                     route: Route | None = None) -> Reply:  # fmt: skip
-        """The model's answer on `route` (resolved for `document` here when not given)."""
-        route = route or self.resolve(document)
+    async def infill(self, request: CompletionRequest, cancel: CancelFlag, route: Route | None = None) -> Reply:
+        """The model's answer on `route` (resolved for the request's document here when not given), with the
+        route's adapter."""
+        route = route or self.resolve(request.document)
         self._start(route)
         with self._learning_held():
-            return await route.backend.infill(prefix, suffix, overrides, cancel, document, background, route.adapter)
+            return await route.backend.infill(replace(request, adapter=route.adapter), cancel)
 
-    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, route: Route | None = None) -> Reply:  # fmt: skip
-        route = route or self.resolve(document)
+    async def fill(self, request: FillRequest, cancel: CancelFlag, route: Route | None = None) -> Reply:
+        route = route or self.resolve(request.document)
         self._start(route)
         with self._learning_held():
-            return await route.backend.fill(segments, overrides, cancel, document, route.adapter)
+            return await route.backend.fill(replace(request, adapter=route.adapter), cancel)
 
     @contextlib.contextmanager
     def _learning_held(self) -> Iterator[None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Identity, Reply
+from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, CompletionRequest, Failed, Identity, Reply
 from canvas_ls.server.completion import Completer, Source
 from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.documents import Document
@@ -33,9 +33,7 @@ class Fixed:
 
     def load(self, model: str | None, device: str, on_done: Any = None) -> None: ...
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> Reply:  # fmt: skip
+    async def infill(self, request: CompletionRequest, cancel: CancelFlag) -> Reply:
         self.calls += 1
         return self.reply
 

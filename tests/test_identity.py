@@ -22,7 +22,16 @@ from pytest_lsp import ClientServerConfig, LanguageClient
 
 from canvas_ls.engine import workspaces
 from canvas_ls.engine.paths import default_socket, installation
-from canvas_ls.server.backend import Answer, CancelFlag, Identity, Reply, ResidentBackend, engine_health
+from canvas_ls.server.backend import (
+    Answer,
+    CancelFlag,
+    CompletionRequest,
+    Identity,
+    Reply,
+    ResidentBackend,
+    Settings,
+    engine_health,
+)
 from canvas_ls.server.completion import Completer
 from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.context import build_context
@@ -48,9 +57,7 @@ class Slow:
 
     def load(self, model: str | None, device: str, on_done: Any = None) -> None: ...
 
-    async def infill(self, prefix: str, suffix: str, overrides: dict[str, Any], cancel: CancelFlag,
-                     document: str | None = None, background: bool = False,
-                     adapter: str | None = None) -> Reply:  # fmt: skip
+    async def infill(self, request: CompletionRequest, cancel: CancelFlag) -> Reply:
         self.calls += 1
         self.started.set()
         await self.release.wait()
@@ -172,7 +179,7 @@ async def test_a_server_never_takes_answers_from_another_installations_engine(
             f"'/opt/other-venv/canvas_ls', this server's '{ours}'); stop that engine (it exits when idle) or set "
             "engine.socket to another path"
         )
-        reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+        reply = await backend.infill(CompletionRequest("def f():\n    return ", "\n"), CancelFlag())
         assert reply.reason.startswith("the model failed to load: the engine at ")  # type: ignore[union-attr]
         metrics = engine_health(socket)
         assert metrics is not None and metrics["queue"] == 0
@@ -200,7 +207,9 @@ async def test_an_engine_left_by_an_older_version_is_stopped_when_this_one_start
         assert (backend.state, backend.error) == ("ready", None)
         # the old version exited on SIGTERM (uvicorn ends its requests in flight, then re-raises the signal)
         assert (old.wait(timeout=30), other.poll()) == (-signal.SIGTERM, None)
-        reply = await backend.infill("def f():\n    return ", "\n", {"max_new_tokens": 4}, CancelFlag())
+        reply = await backend.infill(
+            CompletionRequest("def f():\n    return ", "\n", Settings(max_new_tokens=4)), CancelFlag()
+        )
         assert isinstance(reply, Answer)
     finally:
         for process in (old, other):

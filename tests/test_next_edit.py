@@ -13,7 +13,8 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pytest_lsp import ClientServerConfig, LanguageClient
 
-from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, Gap, Reply
+from canvas_ls.engine.regions import Hole
+from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, FillRequest, Gap, Reply
 from canvas_ls.server.config import NextEditOptions, parse_config
 from canvas_ls.server.documents import Document
 from canvas_ls.server.history import MAX_EDIT_CHARS, MAX_EDITS, PAUSE_S, Change, EditHistory
@@ -184,14 +185,13 @@ class Fixed:
     state = "ready"
 
     def __init__(self, reply: Any) -> None:
-        self.reply, self.segments = reply, None
+        self.reply, self.parts = reply, ()
 
-    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
-        self.segments = segments
+    async def fill(self, request: FillRequest, cancel: CancelFlag) -> Reply:
+        self.parts = request.parts
         if not callable(self.reply):
             return self.reply
-        gaps = tuple(gap(self.reply(segment["rewrite"])) for segment in segments if "rewrite" in segment)
+        gaps = tuple(gap(self.reply(part.text)) for part in request.parts if isinstance(part, Hole))
         return Answer(gaps[0].text, gaps[0].token_texts, gaps[0].confidence, gaps=gaps)
 
 
@@ -214,9 +214,9 @@ async def test_the_canvas_rewrite_becomes_one_edit_and_an_unchanged_window_none(
     assert (suggestion.predictor, suggestion.confidence, suggestion.away, outcome.reason) == ("canvas", 0.95, False,
                                                                                               None)  # fmt: skip
     assert window(document, offset, 1).text == "\nprint(area(2))\n"
-    prompt = fixed.segments[0]["text"]
+    prompt = fixed.parts[0]
     assert prompt.startswith("# recent edits, newest last:\n# 'r * r' -> '3.14 * r * r'\n")
-    assert fixed.segments[1] == {"rewrite": "\nprint(area(2))\n", "strength": 0.3}
+    assert fixed.parts[1] == Hole("\nprint(area(2))\n", 0.3)
     for reply, reason in [
         (lambda window: window, "the model left the window as it was"),
         (lambda window: "print(area(2)", "the model's rewrite adds syntax errors"),
@@ -243,10 +243,10 @@ async def test_a_changed_signature_rewrites_its_calls_in_the_same_canvas() -> No
     outcome = await NextEdits().suggest(document, offset, [], fixed, options, 256)  # type: ignore[arg-type]
     assert [(s.text, document.index.line_of(s.start), s.away) for s in outcome.suggestions] == [
         (", 3.14", 5, True), (", 3.14", 7, True)]  # fmt: skip
-    assert [segment.get("rewrite") for segment in fixed.segments] == [
+    assert [part.text if isinstance(part, Hole) else None for part in fixed.parts] == [
         None, "def area(r, pi):\n", None, "print(area(2))\n", None, "total = shapes.area(3) + 1\n", None]  # fmt: skip
-    assert fixed.segments[2] == {"text": "    return 3.14 * r * r\n\n\nlabel = 'area(1)'\n"}  # kept as it is
-    assert fixed.segments[4] == {"text": "x = 1\n"}
+    assert fixed.parts[2] == "    return 3.14 * r * r\n\n\nlabel = 'area(1)'\n"  # kept as it is
+    assert fixed.parts[4] == "x = 1\n"
     one = NextEditOptions(predictors=["canvas"], window_lines=0)  # the default: the cursor's window only
     assert (await NextEdits().suggest(document, offset, [], fixed, one, 256)).reason == (  # type: ignore[arg-type]
         "the model left the window as it was")  # fmt: skip
@@ -278,8 +278,7 @@ class Waiting:
     def __init__(self) -> None:
         self.started = asyncio.Event()
 
-    async def fill(self, segments: list[dict[str, Any]], overrides: dict[str, Any], cancel: CancelFlag,
-                   document: str | None = None, adapter: str | None = None) -> Reply:  # fmt: skip
+    async def fill(self, request: FillRequest, cancel: CancelFlag) -> Reply:
         self.started.set()
         await cancel.until_set()
         return Cancelled()

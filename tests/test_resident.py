@@ -554,13 +554,13 @@ async def fill_at(client: LanguageClient, uri: str, line: int, character: int = 
 
 
 def test_completion_request_places_the_suffix_as_the_server_takes_it() -> None:
-    from canvas_ls.server.backend import completion_request
+    from canvas_ls.server.backend import CompletionRequest, Settings, completion_request
 
     template = "<PRE>{prefix}<SUF>{suffix}<MID>"
-    as_field = completion_request("a = ", "\nb", {"max_new_tokens": 9}, "m", "field", template)
+    as_field = completion_request(CompletionRequest("a = ", "\nb", Settings(max_new_tokens=9)), "m", "field", template)
     assert as_field == {"max_tokens": 9, "temperature": 0, "stream": False, "model": "m", "prompt": "a = ",
                         "suffix": "\nb"}  # fmt: skip
-    in_prompt = completion_request("a = ", "\nb", {}, None, "prompt", template)
+    in_prompt = completion_request(CompletionRequest("a = ", "\nb"), None, "prompt", template)
     assert in_prompt["prompt"] == "<PRE>a = <SUF>\nb<MID>" and "suffix" not in in_prompt
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from canvas_ls.server.backend import Answer, CancelFlag, Failed, LocalBackend
+from canvas_ls.server.backend import Answer, CancelFlag, CompletionRequest, Failed, LocalBackend, Settings
 from canvas_ls.server.silence import Why
 from tests.test_wire import captured
 
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n"
-QUICK = {"max_new_tokens": 4, "max_steps": 2}
+QUICK = CompletionRequest(PREFIX, SUFFIX, Settings(max_new_tokens=4, max_steps=2))
 
 
 async def loaded(backend: LocalBackend, model: Path) -> None:
@@ -35,11 +35,11 @@ async def test_a_broken_local_engine_is_reloaded_and_the_next_request_answered(t
         raise RuntimeError("device lost")
 
     broken.infill = dies  # the engine breaks mid-request
-    failed = await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
+    failed = await backend.infill(QUICK, CancelFlag())
     assert failed == Failed("the engine failed (RuntimeError: device lost); it is reloading")
     assert backend.restarts == 1
     for _ in range(600):  # requests meanwhile are told the model is loading, not failed
-        reply = await backend.infill(PREFIX, SUFFIX, QUICK, CancelFlag())
+        reply = await backend.infill(QUICK, CancelFlag())
         if not isinstance(reply, Failed):
             break
         assert reply == Failed("the model is still loading", loading=True, why=Why.LOADING)

@@ -31,7 +31,7 @@ from canvas_ls.engine.paths import API_HEADER, API_VERSION
 from canvas_ls.engine.team import rendezvous
 from canvas_ls.engine.users import RateLimit, TokenFile
 from canvas_ls.server import backend as backends
-from canvas_ls.server.backend import CancelFlag, Failed, RemoteBackend
+from canvas_ls.server.backend import CancelFlag, CompletionRequest, Failed, RemoteBackend
 from canvas_ls.server.cli import main
 from canvas_ls.server.silence import Why
 from tests.test_identity import AFTER_RETURN, DOC, loaded, wait_model
@@ -162,7 +162,7 @@ async def test_a_deployment_of_another_api_version_gets_no_request() -> None:
     ) as fake:
         backend = RemoteBackend(f"http://127.0.0.1:{fake.port}", "t")
         await loaded(backend)
-        reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+        reply = await backend.infill(CompletionRequest("def f():\n    return ", "\n"), CancelFlag())
     assert (backend.state, backend.why, fake.infills) == ("failed", Why.ENGINE_MISMATCH, 0)
     expected = (f"the team engine at http://127.0.0.1:{fake.port} speaks API version {API_VERSION + 1} (canvas-ls "
                 f"9.0), this canvas-ls {API_VERSION}: upgrade the one that is older")  # fmt: skip
@@ -177,7 +177,7 @@ async def test_an_answer_without_this_api_version_is_not_read() -> None:
         backend = RemoteBackend(f"http://127.0.0.1:{fake.port}", "t")
         await loaded(backend)
         assert backend.state == "ready"
-        reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+        reply = await backend.infill(CompletionRequest("def f():\n    return ", "\n"), CancelFlag())
     assert (reply, fake.infills) == (
         Failed(
             f"the engine answered in API version unknown, this canvas-ls speaks {API_VERSION}; its answer was not read",
@@ -196,7 +196,7 @@ async def test_a_deployment_that_does_not_answer_fails_at_once_and_is_asked_agai
     backend = RemoteBackend(f"http://127.0.0.1:{port}", "t")
     started = time.monotonic()
     await loaded(backend)
-    reply = await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+    reply = await backend.infill(CompletionRequest("def f():\n    return ", "\n"), CancelFlag())
     assert time.monotonic() - started < backends.CONNECT_TIMEOUT_S
     assert reply == Failed(f"the team engine at http://127.0.0.1:{port} is unreachable ([Errno 111] Connection "
                            f"refused); asked again every 0 s", True, Why.UNREACHABLE)  # fmt: skip
@@ -205,7 +205,7 @@ async def test_a_deployment_that_does_not_answer_fails_at_once_and_is_asked_agai
         deadline = time.monotonic() + 30
         while fake.infills == 0:  # each request asks /health again while it fails; it answers now
             assert time.monotonic() < deadline, backend.error
-            await backend.infill("def f():\n    return ", "\n", {}, CancelFlag())
+            await backend.infill(CompletionRequest("def f():\n    return ", "\n"), CancelFlag())
             await asyncio.sleep(0.05)
     assert (backend.state, backend.model_name) == ("ready", "team-model")
     assert str(backend.identity) == "remote|team-model|f|cpu|float32|none|"
