@@ -49,6 +49,19 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS events (
     score REAL, calibrated REAL)"""
 
 
+# Requests asked, per day, kind, language, model and why nothing was shown ("": something was): the shown rate and
+# the latency of every request, not only of those that showed something. Counted in memory, written every
+# `FLUSH_EVERY` requests, at a document's close and when the server shuts down.
+REQUESTS_SCHEMA = """CREATE TABLE IF NOT EXISTS requests (
+    day TEXT NOT NULL, kind TEXT NOT NULL, language TEXT NOT NULL, model TEXT NOT NULL, why TEXT NOT NULL,
+    count INTEGER NOT NULL, latency_ms REAL NOT NULL, PRIMARY KEY (day, kind, language, model, why))"""
+UPSERT_REQUESTS = (
+    "INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (day, kind, language, model, why) "
+    "DO UPDATE SET count = count + excluded.count, latency_ms = latency_ms + excluded.latency_ms"
+)
+FLUSH_EVERY = 50
+
+
 def default_path() -> Path:
     """The user's state folder ($XDG_STATE_HOME, else ~/.local/state) / canvas-ls / stats.sqlite3."""
     base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
@@ -90,6 +103,7 @@ class Recorder:
         self._db: sqlite3.Connection | None = None
         self._inserts = 0
         self._said: set[str] = set()
+        self._requests: dict[tuple[str, str, str, str, str], tuple[int, float]] = {}  # not yet written
 
     # -- what the server calls -------------------------------------------------------------------------------
 
@@ -108,6 +122,28 @@ class Recorder:
             self.pending.setdefault(uri, {})[kind] = Pending(shown_id, offset, text, kind, language, workspace, model,
                                                              score, calibrated, after[:AFTER_CHARS])  # fmt: skip
         return shown_id
+
+    def requested(self, kind: str, language: str, model: str, why: str, latency_ms: float) -> None:
+        """A request answered: `why` nothing was shown ("": something was), in `latency_ms`."""
+        if not self.enabled:
+            return
+        key = (time.strftime("%Y-%m-%d"), kind, language, model, why)
+        count, total = self._requests.get(key, (0, 0.0))
+        self._requests[key] = (count + 1, total + latency_ms)
+        if sum(count for count, _ in self._requests.values()) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """The requests counted since the last flush, written."""
+        counted, self._requests = self._requests, {}
+        db = self._open() if counted and self.enabled else None
+        if db is None:
+            return
+        try:
+            with db:
+                db.executemany(UPSERT_REQUESTS, [(*key, count, total) for key, (count, total) in counted.items()])
+        except sqlite3.DatabaseError as exc:
+            self._failed(exc)
 
     def still_shown(self, uri: str) -> int | None:
         """The id of the completion the user is typing through in `uri` (its rest is shown again), if any."""
@@ -234,6 +270,7 @@ def connect(path: Path) -> sqlite3.Connection:
             db.execute(f"ALTER TABLE events ADD COLUMN {column} REAL")
     db.execute("CREATE INDEX IF NOT EXISTS events_shown_id ON events (shown_id)")
     db.execute(personal.SCHEMA)
+    db.execute(REQUESTS_SCHEMA)
     db.execute("SELECT count(*) FROM events").fetchone()
     return db
 
@@ -324,36 +361,47 @@ def summary(path: Path, since_s: float | None = None) -> dict[str, Any]:
         since = time.time() - since_s if since_s else 0.0
         rows = db.execute("SELECT event, kind, language, model, chars, latency_ms, at FROM events WHERE at >= ?",
                           (since,)).fetchall()  # fmt: skip
+        asked = db.execute("SELECT day, kind, language, model, why, count, latency_ms FROM requests WHERE day >= ?",
+                           (time.strftime("%Y-%m-%d", time.localtime(since)),)).fetchall()  # fmt: skip
         learned = personal.latest(db)
         history = [move for move in personal.history(db) if move["at"] >= since]
     finally:
         db.close()
-    report: dict[str, Any] = {"path": str(path), "events": len(rows), "total": _rates(_count(rows))}
+    report: dict[str, Any] = {"path": str(path), "events": len(rows), "total": _rates(_count(rows), asked)}
     report["thresholds"] = {
         "learned": [{"language": language, "model": model, "start": start, "value": value}
                     for (language, model, start), value in sorted(learned.items())],
         "history": history,
     }  # fmt: skip
-    report["days"] = _days(rows)
+    report["days"] = _days(rows, asked)
     for name, column in (("by_language", 2), ("by_kind", 1), ("by_model", 3)):
         groups: dict[str, list[tuple[Any, ...]]] = {}
         for row in rows:
             groups.setdefault(row[column], []).append(row)
-        report[name] = {key: _rates(_count(group)) for key, group in sorted(groups.items())}
+        ones: dict[str, list[tuple[Any, ...]]] = {}
+        for row in asked:
+            ones.setdefault(row[column], []).append(row)
+        report[name] = {key: _rates(_count(groups.get(key, [])), ones.get(key, []))
+                        for key in sorted(groups.keys() | ones.keys())}  # fmt: skip
     return report
 
 
-def _days(rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    """Shown, accepted (whole or in part) and the acceptance rate per day (local time), oldest first."""
-    days: dict[str, dict[str, Any]] = {}
-    for event, *_, at in rows:
-        day = days.setdefault(time.strftime("%Y-%m-%d", time.localtime(at)), {"shown": 0, "accepted": 0})
-        if event == "shown":
-            day["shown"] += 1
-        elif event in ("accepted", "partial"):
-            day["accepted"] += 1
-    return [{"day": day, **counts, "acceptance_rate": counts["accepted"] / counts["shown"] if counts["shown"] else None}
-            for day, counts in sorted(days.items())]  # fmt: skip
+def _days(rows: list[tuple[Any, ...]], asked: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Per day (local time), oldest first: shown, accepted (whole or in part), the acceptance rate, the latency of
+    what was shown (p50), and the requests, the share that showed something and their mean latency."""
+    events: dict[str, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        events.setdefault(time.strftime("%Y-%m-%d", time.localtime(row[6])), []).append(row)
+    requests: dict[str, list[tuple[Any, ...]]] = {}
+    for row in asked:
+        requests.setdefault(row[0], []).append(row)
+    days = []
+    for day in sorted(events.keys() | requests.keys()):
+        rates = _rates(_count(events.get(day, [])), requests.get(day, []))
+        days.append({"day": day, "shown": rates["shown"], "accepted": rates["accepted"] + rates["partial"],
+                     **{key: rates[key] for key in ("acceptance_rate", "latency_p50_ms", "requests", "shown_rate",
+                                                    "latency_mean_ms")}})  # fmt: skip
+    return days
 
 
 def _count(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
@@ -366,23 +414,30 @@ def _count(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
     return counts
 
 
-def _rates(counts: dict[str, Any]) -> dict[str, Any]:
+def _rates(counts: dict[str, Any], asked: list[tuple[Any, ...]] | None = None) -> dict[str, Any]:
+    """The counts with their rates, and of the requests `asked` (rows of the requests table): how many, the share
+    that showed something, their mean latency."""
     counts = {**{event: 0 for event in EVENTS}, "chars_accepted": 0, "latency_p50_ms": None, **counts}
     shown = counts["shown"]
     counts["acceptance_rate"] = (counts["accepted"] + counts["partial"]) / shown if shown else None
+    requests = sum(row[5] for row in asked or [])
+    counts["requests"] = requests
+    counts["shown_rate"] = sum(row[5] for row in asked or [] if row[4] == "") / requests if requests else None
+    counts["latency_mean_ms"] = sum(row[6] for row in asked or []) / requests if requests else None
     return counts
 
 
 def format_summary(report: dict[str, Any]) -> str:
     lines = [f"statistics: {report['path']} ({report['events']} events; local only, no code)", "",
-             f"{'':<22}{'shown':>7}{'accepted':>10}{'partial':>9}{'dismissed':>11}{'rate':>7}{'chars':>8}"
-             f"{'p50 ms':>8}"]  # fmt: skip
+             f"{'':<22}{'asked':>7}{'shown%':>7}{'shown':>7}{'accepted':>10}{'partial':>9}{'dismissed':>11}"
+             f"{'rate':>7}{'chars':>8}{'p50 ms':>8}"]  # fmt: skip
 
     def line(name: str, row: dict[str, Any]) -> str:
         rate = f"{row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else "-"
+        shown_rate = f"{row['shown_rate']:.0%}" if row["shown_rate"] is not None else "-"
         p50 = f"{row['latency_p50_ms']:.0f}" if row["latency_p50_ms"] is not None else "-"
-        return (f"{name[:22]:<22}{row['shown']:>7}{row['accepted']:>10}{row['partial']:>9}{row['dismissed']:>11}"
-                f"{rate:>7}{row['chars_accepted']:>8}{p50:>8}")  # fmt: skip
+        return (f"{name[:22]:<22}{row['requests']:>7}{shown_rate:>7}{row['shown']:>7}{row['accepted']:>10}"
+                f"{row['partial']:>9}{row['dismissed']:>11}{rate:>7}{row['chars_accepted']:>8}{p50:>8}")  # fmt: skip
 
     lines.append(line("all", report["total"]))
     for title, key in (("language", "by_language"), ("kind", "by_kind"), ("model", "by_model")):
@@ -407,16 +462,24 @@ def plot_summary(report: dict[str, Any], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (days, thresholds) = plt.subplots(2, 1, figsize=(8, 6))
+    figure, (days, latency, thresholds) = plt.subplots(3, 1, figsize=(8, 9))
     names = [day["day"] for day in report["days"]]
     days.bar(names, [day["shown"] for day in report["days"]], color="lightgray", label="shown")
     days.set_ylabel("shown")
     rate = days.twinx()
-    rate.plot(names, [day["acceptance_rate"] for day in report["days"]], marker="o", label="acceptance rate")
+    rate.plot(names, [day["acceptance_rate"] for day in report["days"]], marker="o", label="accepted / shown")
+    rate.plot(names, [day["shown_rate"] for day in report["days"]], marker="s", label="shown / asked")
     rate.set_ylim(0, 1)
-    rate.set_ylabel("accepted / shown")
+    rate.set_ylabel("share")
+    rate.legend(fontsize=8)
     days.set_title("suggestions shown and accepted, per day")
     days.tick_params(axis="x", rotation=30)
+    latency.plot(names, [day["latency_p50_ms"] for day in report["days"]], marker="o", label="shown (p50)")
+    latency.plot(names, [day["latency_mean_ms"] for day in report["days"]], marker="s", label="every request (mean)")
+    latency.set_ylabel("ms")
+    latency.set_title("latency, per day")
+    latency.legend(fontsize=8)
+    latency.tick_params(axis="x", rotation=30)
     series: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for move in report["thresholds"]["history"]:
         if move["value"] is not None:

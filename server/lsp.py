@@ -108,6 +108,7 @@ def did_change(ls: CanvasServer, params: types.DidChangeTextDocumentParams) -> N
 def did_close(ls: CanvasServer, params: types.DidCloseTextDocumentParams) -> None:
     closing = ls.documents.get(params.text_document.uri)  # its suggestions: kept or accepted as it closes, or not
     ls.acceptance.settle(params.text_document.uri, closing.text if closing is not None else None)
+    ls.acceptance.flush()
     ls.completer.forget(params.text_document.uri)
     ls.next_edits.forget(params.text_document.uri)
     ls.documents.close(params.text_document.uri)
@@ -143,6 +144,10 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
             cursor = None
         ls.acceptance.settle(uri, document.text, cursor)
     outcome, span = await _complete(ls, uri, params.position, invoked)
+    if document is not None:  # every request, for the shown rate and the latency (`acceptance.py`)
+        why = "" if outcome.edit is not None and span is not None else str(outcome.why or Why.NOTHING_TO_ADD)
+        model = outcome.identity.model if outcome.identity is not None else ""
+        ls.acceptance.requested(COMPLETION, document.language, model, why, outcome.elapsed_ms)
     if outcome.edit is None or span is None or document is None:
         return types.InlineCompletionList(items=[])
     if outcome.source is Source.TYPING:  # the rest of the suggestion being typed through: still the one shown
@@ -639,6 +644,7 @@ def _shown_while_typing(display: dict[str, Any] | None) -> str:
 
 @server.feature(types.SHUTDOWN)
 def shutdown(ls: CanvasServer, params: None) -> None:
+    ls.acceptance.flush()  # the requests counted since the last write
     ls.completer.reset()  # every model call and speculation in flight stops
     ls.learner.interrupt_all()  # a run in progress keeps what it learnt and installs it
     ls.backend.shutdown()

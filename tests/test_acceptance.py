@@ -85,6 +85,28 @@ async def test_shown_accepted_partly_accepted_and_typed_over_are_each_recorded_w
     assert b"Nonecode" not in stored and b"return" not in stored  # counts and lengths, never code
 
 
+async def test_every_request_counts_toward_the_shown_rate_and_the_latency(
+    client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
+) -> None:
+    """Requests that show nothing are counted too, by why (for the shown rate and the latency of every request,
+    per day): written when the document closes."""
+    clear(default_path())
+    await start(client, fixed_model_dir)
+    open_doc(client, "size.py", DOC)
+    assert len(await inline(client, "size.py", AFTER_RETURN, INVOKED)) == 1
+    assert await inline(client, "size.py", types.Position(0, 6)) == []  # inside "size": nothing asked
+    client.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri("size.py"))))
+    await wait_ready(client)
+    report = stats()
+    total, (day,) = report["total"], report["days"]
+    assert (total["requests"], total["shown_rate"], day["requests"], day["shown_rate"]) == (2, 0.5, 2, 0.5)
+    assert day["latency_mean_ms"] > 0 and day["latency_p50_ms"] > 0
+    assert report["by_language"]["python"]["requests"] == 2
+    with sqlite3.connect(default_path()) as db:
+        reasons = db.execute("SELECT why, count FROM requests ORDER BY why").fetchall()
+    assert reasons == [("", 1), ("inside a word", 1)]
+
+
 async def test_a_suggestion_typed_through_stays_one_shown_suggestion(
     client: LanguageClient, fixed_model_dir: Path, private_state_dir: Path
 ) -> None:
