@@ -310,14 +310,32 @@ def test_a_documents_requests_go_to_one_replica_and_are_counted_by_user(deployme
 def test_a_workspace_adapter_is_answered_by_the_replica_that_holds_it(
     deployment: Deployment, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Requests naming a workspace's LoRA adapter (a folder the replicas can read) are answered with it (Serve's
-    multiplexing records which replica holds it); a folder that is no adapter is that request's 400."""
+    """Requests naming a workspace's LoRA adapter (a folder the replicas can read) are answered with it, by the
+    replica that holds it (Serve's multiplexing), even for documents whose own home (rendezvous of the user and the
+    document) is the other replica, where the same documents go without the adapter; a folder that is no adapter is
+    that request's 400."""
     from tests.conftest import random_adapter
 
     adapter = random_adapter(deployment.model, tmp_path_factory.mktemp("team-adapter"))
+    with deployment.client("adapter-plain") as client:  # the two replicas' names, from where plain requests went
+        replicas: set[str] = set()
+        for number in range(32):
+            replicas.add(infill(client, f"file:///team/plain{number}.py").headers["x-canvas-replica"])
+            if len(replicas) == 2:
+                break
+            if number >= BURST - 1:
+                time.sleep(1 / RATE)  # within the user's rate
     with deployment.client("adapter-user") as client:
-        answers = [infill(client, f"file:///team/adapter{i}.py", adapter=str(adapter)) for i in range(4)]
-        assert [(a.status_code, a.json()["adapter"]) for a in answers] == [(200, str(adapter))] * 4
+        first = infill(client, "file:///team/adapter0.py", adapter=str(adapter))
+        holder = first.headers["x-canvas-replica"]
+        documents = [f"file:///team/away{number}.py" for number in range(64)]
+        away = [d for d in documents if max(replicas, key=lambda r: rendezvous(f"adapter-user\0{d}", r)) != holder]
+        answers = [infill(client, document, adapter=str(adapter)) for document in away[:4]]
+        without = [infill(client, document) for document in away[:4]]
+    assert [(a.status_code, a.json()["adapter"]) for a in [first, *answers]] == [(200, str(adapter))] * 5
+    assert [a.headers["x-canvas-replica"] for a in answers] == [holder] * 4
+    assert {a.headers["x-canvas-replica"] for a in without} == replicas - {holder}  # their home, without it
+    with deployment.client("adapter-wrong") as client:
         wrong = infill(client, "file:///team/adapter.py", adapter=str(tmp_path_factory.getbasetemp()))
     assert wrong.status_code == 400 and "is not a peft adapter folder" in wrong.json()["error"]
 
