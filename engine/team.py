@@ -30,11 +30,15 @@ import json
 import logging
 import math
 import os
+import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+import ray
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from ray import serve
 from ray.exceptions import RayActorError
@@ -46,6 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .adapter_files import ADAPTER_PREFIX, MAX_ADAPTER_BYTES, AdapterArchiveError, check, name_of, unpack
 from .paths import API_HEADER, API_VERSION, MAX_BATCH, MAX_BODY_BYTES
 from .users import RateLimit, TokenFile
 
@@ -55,6 +60,7 @@ log = logging.getLogger("canvas_ls.team")
 APP_NAME = "canvas-ls"
 RETRIES = 2  # a request whose replica died before answering is sent again, to another replica, this many times
 ADAPTERS_PER_REPLICA = 4  # workspace adapters a replica holds beside its model (the engine's `AdapterSet` limit)
+ADAPTERS_UPLOADED = 32  # uploaded adapters the gateway keeps in Ray's object store (the least recently used go)
 
 
 @dataclass(frozen=True)
@@ -190,20 +196,35 @@ class EngineReplica:
                              compile=self.options.compile)  # fmt: skip
         self.service = EngineService(engine, max_batch=self.options.max_batch)
         self.name = serve.get_replica_context().replica_id.unique_id
+        self.uploads = Path(tempfile.mkdtemp(prefix="canvas-ls-adapters-"))  # uploaded adapters, unpacked
+        self.uploaded: dict[str, Any] = {}  # an uploaded adapter's name -> its bytes' reference (the gateway's)
 
     @serve.multiplexed(max_num_models_per_replica=ADAPTERS_PER_REPLICA)
-    async def adapter(self, folder: str) -> str:
+    async def adapter(self, name: str) -> str:
         """Serve's record of the workspace adapters this replica holds, so that its router sends an adapter's requests
-        where it is held. The engine loads the adapter with the first request that names it (`AdapterSet`, as many
-        held); a folder that is not an adapter of this model is that request's 400."""
-        return folder
+        where it is held: the folder the engine loads it from (`AdapterSet`, as many held), with the first request
+        that names it. A folder the replicas can read is itself; an uploaded adapter (`sha256:...`) is unpacked
+        from the gateway's object store into this replica's folder. A folder that is not an adapter of this model
+        is that request's 400."""
+        if not name.startswith(ADAPTER_PREFIX):
+            return name
+        folder = self.uploads / name.removeprefix(ADAPTER_PREFIX)
+        if not folder.is_dir():
+            unpack(await self.uploaded[name], folder)
+        return str(folder)
 
-    async def call(self, method: str, path: str, body: bytes,
-                   route_key: str | None = None) -> AsyncIterator[tuple[int, dict[str, str]] | bytes]:  # fmt: skip
+    async def call(self, method: str, path: str, body: bytes, route_key: str | None = None,
+                   uploaded: list[Any] | None = None) -> AsyncIterator[tuple[int, dict[str, str]] | bytes]:  # fmt: skip
         """The request through this replica's engine service: (status, headers) first, then the body's chunks.
-        `route_key` is for the router (`AffinityRouter`) only."""
-        if serve.get_multiplexed_model_id():
-            await self.adapter(serve.get_multiplexed_model_id())
+        `route_key` is for the router (`AffinityRouter`) only; `uploaded`: the reference to an uploaded adapter's
+        bytes, in a list (Ray leaves it unresolved: only a replica that does not hold it yet reads it)."""
+        name = serve.get_multiplexed_model_id()
+        if name:
+            if uploaded:
+                self.uploaded[name] = uploaded[0]
+            folder = await self.adapter(name)
+            if folder != name:  # the engine reads the adapter from where this replica unpacked it
+                body = json.dumps({**json.loads(body), "adapter": folder}).encode()
         async for item in asgi_request(self.service.app, method, path, body, {"content-type": "application/json"}):
             if isinstance(item, tuple):
                 item = (item[0], {**item[1], "x-canvas-replica": self.name})
@@ -250,12 +271,14 @@ class Gateway:
         self.m_prefix = Counter("canvas_team_prefix_tokens", "Prefix tokens of answered requests", registry=registry)
         self.m_retries = Counter("canvas_team_retries", "Requests sent again after their replica died",
                                  registry=registry)  # fmt: skip
+        self.uploads: OrderedDict[str, Any] = OrderedDict()  # an uploaded adapter's name -> its bytes in Ray's store
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             *(Route(path, self.forward, methods=["POST"]) for path in ("/v1/infill", "/v1/fill", "/v1/completions")),
+            Route("/v1/adapters/{digest}", self.upload, methods=["PUT"]),
         ])  # fmt: skip
 
     def _user(self, request: Request, endpoint: str) -> str:
@@ -286,6 +309,28 @@ class Gateway:
             return _refusal(exc)
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def upload(self, request: Request) -> Response:
+        """`PUT /v1/adapters/{sha256}`: a workspace's LoRA adapter (`adapter_files.pack`'s archive), kept in Ray's
+        object store for the replicas (the newest `ADAPTERS_UPLOADED`); requests then name it `sha256:{digest}`."""
+        try:
+            user = self._user(request, "adapters")
+            data = await _body(request, MAX_ADAPTER_BYTES)
+            name = ADAPTER_PREFIX + request.path_params["digest"]
+            if name_of(data) != name:
+                raise _Refused(400, "the archive's SHA-256 is not the digest in the path")
+            check(data)
+        except AdapterArchiveError as exc:
+            self.m_requests.labels(user, "adapters", "400").inc()
+            return _refusal(_Refused(400, f"not an adapter: {exc}"))
+        except _Refused as exc:
+            return _refusal(exc)
+        self.uploads[name] = ray.put(data)
+        self.uploads.move_to_end(name)
+        while len(self.uploads) > ADAPTERS_UPLOADED:
+            self.uploads.popitem(last=False)
+        self.m_requests.labels(user, "adapters", "201").inc()
+        return JSONResponse({"adapter": name, "bytes": len(data)}, 201)
+
     async def forward(self, request: Request) -> Response:
         endpoint = request.url.path.rsplit("/", 1)[-1]
         started = time.perf_counter()
@@ -300,7 +345,15 @@ class Gateway:
         except _Refused as exc:
             return _refusal(exc)
         document, adapter = _routing(body)
-        first, rest = await self._send(request, endpoint, body, f"{user}\0{document}", adapter)
+        uploaded = None
+        if adapter.startswith(ADAPTER_PREFIX):  # an uploaded adapter: its bytes go along, for a replica without it
+            if adapter not in self.uploads:
+                self.m_requests.labels(user, endpoint, "404").inc()
+                upload = f"/v1/adapters/{adapter.removeprefix(ADAPTER_PREFIX)}"
+                return JSONResponse({"error": f"adapter {adapter} is not uploaded here", "upload": upload}, 404)
+            self.uploads.move_to_end(adapter)
+            uploaded = [self.uploads[adapter]]
+        first, rest = await self._send(request, endpoint, body, f"{user}\0{document}", adapter, uploaded)
         if first is None:
             self.m_requests.labels(user, endpoint, "499").inc()
             return Response(status_code=499)
@@ -314,14 +367,14 @@ class Gateway:
         self._count(user, headers.get("x-canvas-replica", ""), status, content)
         return Response(content, status, media_type=headers.get("content-type"), headers=passed)
 
-    async def _send(self, request: Request, endpoint: str, body: bytes, route_key: str,
-                    adapter: str) -> tuple[tuple[int, dict[str, str]] | None, Any]:  # fmt: skip
+    async def _send(self, request: Request, endpoint: str, body: bytes, route_key: str, adapter: str,
+                    uploaded: list[Any] | None = None) -> tuple[tuple[int, dict[str, str]] | None, Any]:  # fmt: skip
         """The replica's first answer (status, headers) and the stream of the rest; (None, None) when the client
         left first (the Serve call is cancelled: the replica's engine stops the work). A replica that died before
         answering: the request goes again, to another replica, up to RETRIES times."""
         for attempt in range(RETRIES + 1):
             engines = self.engines.options(stream=True, multiplexed_model_id=adapter)
-            stream = engines.call.remote("POST", request.url.path, body, route_key=route_key)
+            stream = engines.call.remote("POST", request.url.path, body, route_key=route_key, uploaded=uploaded)
             first = asyncio.ensure_future(stream.__anext__())
             gone = asyncio.ensure_future(_disconnected(request))
             try:
@@ -379,15 +432,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _body(request: Request) -> bytes:
+async def _body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
-        raise _Refused(413, f"request body of {declared} bytes is over the limit of {MAX_BODY_BYTES}")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise _Refused(413, f"request body of {declared} bytes is over the limit of {limit}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _Refused(413, f"request body over the limit of {MAX_BODY_BYTES} bytes")
+        if size > limit:
+            raise _Refused(413, f"request body over the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 

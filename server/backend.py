@@ -465,12 +465,18 @@ class EngineClient:
             return not_ready
         # "score": false: the server scores what it shows itself (`display.decide`), the engine need not
         body = {**body, "document": document, "settings": settings.asked(), "score": False}
-        if adapter is not None:
-            body["adapter"] = adapter
-        try:
-            response = await post_cancellable(self._client, path, body, cancel)
-        except httpx.HTTPError as exc:
-            return self._unreachable(exc, what)
+        for attempt in range(2):  # a deployment that lost an uploaded adapter (restarted) gets it again, once
+            if adapter is not None:
+                named = await self._adapter_name(adapter, again=attempt > 0)
+                if isinstance(named, Failed):
+                    return named
+                body["adapter"] = named
+            try:
+                response = await post_cancellable(self._client, path, body, cancel)
+            except httpx.HTTPError as exc:
+                return self._unreachable(exc, what)
+            if adapter is None or response is None or response.status_code != 404 or "upload" not in response.text:
+                break
         if response is None or response.status_code == CANCELLED_STATUS:
             return Cancelled()
         theirs = response.headers.get(API_HEADER)
@@ -484,6 +490,11 @@ class EngineClient:
             return Answer.of(InfillResult.from_dict(response.json()))
         except (ValueError, TypeError) as exc:  # the same API version: a bug of ours
             return Failed(f"the engine answered something that is not a result ({exc})")
+
+    async def _adapter_name(self, folder: str, again: bool = False) -> str | Failed:
+        """What the engine knows the adapter `folder` by: the folder itself (a local engine reads this machine's
+        files); a team deployment, its upload (`RemoteBackend`)."""
+        return folder
 
     def shutdown(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
@@ -596,6 +607,8 @@ class RemoteBackend(EngineClient):
         client = httpx.AsyncClient(base_url=self.url, headers=self.headers,
                                    timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))  # fmt: skip
         super().__init__(client, adapter)
+        self._packed: dict[str, tuple[tuple[Any, ...], str]] = {}  # adapter folder -> (its files' stamp, its name)
+        self._uploaded: set[str] = set()  # the adapters' names this deployment has been sent
 
     def _connect(self) -> dict[str, Any]:
         self.checked, self.why = time.monotonic(), Why.UNREACHABLE
@@ -631,6 +644,32 @@ class RemoteBackend(EngineClient):
         if time.monotonic() - self.checked > RECHECK_S:
             self.load(self._model, self._device)  # asked again in the background; this request fails at once
         return failed
+
+    async def _adapter_name(self, folder: str, again: bool = False) -> str | Failed:
+        """A workspace adapter is sent to the deployment (`PUT /v1/adapters/{sha256}`: the replicas cannot read this
+        machine's files) once per content, and again when the deployment says it lacks it (`again`: restarted, or
+        the upload pushed out by newer ones); requests name it by its digest. Packed again when its files change."""
+        from ..engine.adapter_files import ADAPTER_PREFIX, name_of, pack
+
+        source = Path(folder)
+        try:
+            stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(source.iterdir()))
+            known = self._packed.get(folder)
+            if known is not None and known[0] == stamp and known[1] in self._uploaded and not again:
+                return known[1]
+            data = await asyncio.to_thread(pack, source)
+            name = name_of(data)
+            self._packed[folder] = (stamp, name)
+            if name not in self._uploaded or again:
+                response = await self._client.put(f"/v1/adapters/{name.removeprefix(ADAPTER_PREFIX)}", content=data)
+                if response.status_code != 201:
+                    return Failed(f"the team engine refused the workspace adapter {folder}: {_error_text(response)}")
+                self._uploaded.add(name)
+        except OSError as exc:
+            return Failed(f"the workspace adapter {folder} cannot be read: {exc}")
+        except httpx.HTTPError as exc:
+            return self._unreachable(exc, "adapter upload")
+        return name
 
     def _unreachable(self, exc: httpx.HTTPError, what: str) -> Failed:
         log.warning("team engine at %s unreachable during a %s: %s", self.url, what, exc)

@@ -31,7 +31,7 @@ from canvas_ls.engine.paths import API_HEADER, API_VERSION
 from canvas_ls.engine.team import rendezvous
 from canvas_ls.engine.users import RateLimit, TokenFile
 from canvas_ls.server import backend as backends
-from canvas_ls.server.backend import CancelFlag, CompletionRequest, Failed, RemoteBackend
+from canvas_ls.server.backend import Answer, CancelFlag, CompletionRequest, Failed, RemoteBackend, Settings
 from canvas_ls.server.cli import main
 from canvas_ls.server.silence import Why
 from tests.test_identity import AFTER_RETURN, DOC, loaded, wait_model
@@ -54,6 +54,39 @@ def add_user(tokens: Path, name: str) -> str:
 
 
 # -- without a cluster -------------------------------------------------------------------------------------------
+
+
+def test_an_adapter_archive_is_the_same_bytes_every_time_and_holds_only_the_adapter(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    from canvas_ls.engine.adapter_files import AdapterArchiveError, check, name_of, pack, unpack
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"r": 4}')
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+    (folder / "README.md").write_text("not sent")
+    data = pack(folder)
+    os.utime(folder / "adapter_config.json", (1, 1))  # another time, the same bytes
+    assert pack(folder) == data and name_of(data).startswith("sha256:") and len(name_of(data)) == 7 + 64
+    assert (unpack(data, tmp_path / "out") / "adapter_config.json").read_text() == '{"r": 4}'
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    def archive(*members: tarfile.TarInfo) -> bytes:
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            for member in members:
+                tar.addfile(member, io.BytesIO(b"x" * member.size) if member.isfile() else None)
+        return out.getvalue()
+
+    link = tarfile.TarInfo("adapter_model.safetensors")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    for bad in (archive(tarfile.TarInfo("adapter_config.json"), link),
+                archive(tarfile.TarInfo("adapter_config.json"), tarfile.TarInfo("adapter_model.safetensors"),
+                        tarfile.TarInfo("../escape"))):  # fmt: skip
+        with pytest.raises(AdapterArchiveError, match=r"holds adapter_config\.json and adapter_model\.safetensors"):
+            check(bad)
 
 
 def test_the_token_file_holds_digests_and_a_revoked_token_is_refused(tmp_path: Path) -> None:
@@ -338,6 +371,52 @@ def test_a_workspace_adapter_is_answered_by_the_replica_that_holds_it(
     with deployment.client("adapter-wrong") as client:
         wrong = infill(client, "file:///team/adapter.py", adapter=str(tmp_path_factory.getbasetemp()))
     assert wrong.status_code == 400 and "is not a peft adapter folder" in wrong.json()["error"]
+
+
+async def test_a_workspace_adapter_on_this_machine_is_sent_to_the_deployment_once(
+    deployment: Deployment, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The language server's remote backend sends a workspace's adapter (a folder on this machine, which no replica
+    can read) to the deployment once (`PUT /v1/adapters/{sha256}`) and names it by its digest; the answers are the
+    answers of a request naming the same adapter by a folder the replicas read. A deployment that lost it (a new
+    gateway) gets it again. Bytes that are not an adapter, or whose digest is not the path's, are refused."""
+    from canvas_ls.engine.adapter_files import name_of, pack
+    from tests.conftest import random_adapter
+
+    folder = random_adapter(deployment.model, tmp_path_factory.mktemp("local-adapter"), seed=5)
+    name = name_of(pack(folder))
+    with deployment.client("upload-direct") as client:  # the same adapter by a folder the replicas can read
+        direct = infill(client, "file:///team/upload.py", adapter=str(folder)).json()["text"]
+        lost = infill(client, "file:///team/upload.py", adapter="sha256:" + "0" * 64)
+        refused = client.put(f"/v1/adapters/{'0' * 64}", content=pack(folder))
+        not_one = b"not a tar"
+        junk = client.put(f"/v1/adapters/{name_of(not_one).split(':')[1]}", content=not_one)
+    assert (lost.status_code, lost.json()) == (404, {"error": f"adapter sha256:{'0' * 64} is not uploaded here",
+                                                     "upload": f"/v1/adapters/{'0' * 64}"})  # fmt: skip
+    assert (refused.status_code, refused.json()) == (400, {"error": "the archive's SHA-256 is not the digest in the "
+                                                                    "path"})  # fmt: skip
+    assert junk.status_code == 400 and junk.json()["error"].startswith("not an adapter: not a tar archive")
+
+    with deployment.client("upload-user") as client:
+        token = client.headers["Authorization"].split()[1]
+    backend = RemoteBackend(deployment.url, token)
+    await loaded(backend)
+    asked = CompletionRequest(DOC[: DOC.index("return ") + 7], "\n", Settings(max_new_tokens=4), "file:///team/upload.py",
+                              adapter=str(folder))  # fmt: skip
+    replies = [await backend.infill(asked, CancelFlag()) for _ in range(2)]
+    assert [reply.text for reply in replies] == [direct, direct] and backend._uploaded == {name}  # type: ignore[union-attr]
+    metrics = httpx.get(deployment.url + "/metrics", headers={"Authorization": f"Bearer {token}"}).text
+    assert 'canvas_team_requests_total{endpoint="adapters",status="201",user="upload-user"} 1.0' in metrics
+    assert 'canvas_team_requests_total{endpoint="infill",status="404",user="upload-user"}' not in metrics
+
+    # The gateway lost an upload (restarted, or pushed out by newer ones): the backend believes it sent it
+    lost = "sha256:" + "1" * 64
+    backend._uploaded.add(lost)
+    backend._packed[str(folder)] = (backend._packed[str(folder)][0], lost)
+    again = await backend.infill(asked, CancelFlag())
+    assert isinstance(again, Answer) and again.text == direct  # told 404 "upload": packed, sent again, asked again
+    metrics = httpx.get(deployment.url + "/metrics", headers={"Authorization": f"Bearer {token}"}).text
+    assert 'canvas_team_requests_total{endpoint="infill",status="404",user="upload-user"} 1.0' in metrics
 
 
 def test_a_user_over_the_rate_limit_is_told_when_to_come_back(deployment: Deployment) -> None:
