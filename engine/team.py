@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 import time
 from collections import OrderedDict
@@ -197,7 +198,7 @@ class EngineReplica:
         self.service = EngineService(engine, max_batch=self.options.max_batch)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.uploads = Path(tempfile.mkdtemp(prefix="canvas-ls-adapters-"))  # uploaded adapters, unpacked
-        self.uploaded: dict[str, Any] = {}  # an uploaded adapter's name -> its bytes' reference (the gateway's)
+        self.uploaded: dict[str, Any] = {}  # an uploaded adapter's name -> its bytes' reference, while it loads
 
     @serve.multiplexed(max_num_models_per_replica=ADAPTERS_PER_REPLICA)
     async def adapter(self, name: str) -> str:
@@ -222,13 +223,19 @@ class EngineReplica:
         if name:
             if uploaded:
                 self.uploaded[name] = uploaded[0]
-            folder = await self.adapter(name)
+            try:
+                folder = await self.adapter(name)
+            finally:  # unpacked or not needed: the gateway's object goes when the gateway lets it go
+                self.uploaded.pop(name, None)
             if folder != name:  # the engine reads the adapter from where this replica unpacked it
                 body = json.dumps({**json.loads(body), "adapter": folder}).encode()
         async for item in asgi_request(self.service.app, method, path, body, {"content-type": "application/json"}):
             if isinstance(item, tuple):
                 item = (item[0], {**item[1], "x-canvas-replica": self.name})
             yield item
+
+    def __del__(self) -> None:  # Serve stops the replica: the adapters it unpacked go with it
+        shutil.rmtree(getattr(self, "uploads", ""), ignore_errors=True)
 
     async def health(self) -> dict[str, Any]:
         response = await self.service.health(None)  # type: ignore[arg-type]  # it reads nothing of the request
