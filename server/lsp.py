@@ -287,6 +287,12 @@ async def next_edit(ls: CanvasServer, params: NextEditParams) -> dict[str, Any]:
     return {"version": outcome.version, "edits": edits, "reason": outcome.reason}
 
 
+def _engine_state(ls: CanvasServer) -> dict[str, Any]:
+    """The engine as `canvas/status` and `canvas/stats` report it (steps: an in-process engine's; None otherwise)."""
+    backend = ls.backend
+    return {"state": backend.state, "model": backend.model_name, "error": backend.error, "steps": backend.steps}
+
+
 @server.feature(STATUS_METHOD)
 def status(ls: CanvasServer, params: Any) -> dict[str, Any]:
     """`canvas/status`: the engine's state, the last requests' outcomes (newest first) and how many requests showed
@@ -304,12 +310,7 @@ def status(ls: CanvasServer, params: Any) -> dict[str, Any]:
         "ms": round(outcome.elapsed_ms, 1),
     } for uri, outcome, invoked in reversed(counters.recent)]  # fmt: skip
     return {
-        "engine": {
-            "state": ls.backend.state,
-            "model": ls.backend.model_name,
-            "error": ls.backend.error,
-            "steps": ls.backend.steps,
-        },
+        "engine": _engine_state(ls),
         "requests": counters.requests,
         "shown": counters.shown,
         "silent": [{"why": str(why), "count": count} for why, count in counters.silent.items()],
@@ -323,8 +324,7 @@ def stats(ls: CanvasServer, params: Any) -> dict[str, Any]:
     """`canvas/stats`: engine state and request counters (model calls, cache and typing-through hits)."""
     counters = ls.completer.stats
     return {
-        "engine": {"state": ls.backend.state, "model": ls.backend.model_name, "error": ls.backend.error,
-                   "steps": ls.backend.steps},
+        "engine": _engine_state(ls),
         "requests": counters.requests,
         "modelCalls": counters.model_calls,
         "cacheHits": counters.cache_hits,
