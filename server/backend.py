@@ -24,9 +24,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -120,6 +120,9 @@ class FillRequest:
     settings: Settings = Settings()
     document: str | None = None
     adapter: str | None = None
+
+
+RequestT = TypeVar("RequestT", CompletionRequest, FillRequest)
 
 
 @dataclass(frozen=True)
@@ -645,8 +648,19 @@ class RemoteBackend(EngineClient):
             self.load(self._model, self._device)  # asked again in the background; this request fails at once
         return failed
 
+    async def infill(self, request: CompletionRequest, cancel: CancelFlag) -> Reply:
+        return await super().infill(self._adapted(request), cancel)
+
+    async def fill(self, request: FillRequest, cancel: CancelFlag) -> Reply:
+        return await super().fill(self._adapted(request), cancel)
+
+    def _adapted(self, request: RequestT) -> RequestT:
+        """The configured adapter (`engine.adapter`) goes with every request that names none: the deployment holds
+        it beside its model for this user (sent once, `_adapter_name`), where a local engine merges it at start."""
+        return request if request.adapter or not self.adapter else replace(request, adapter=self.adapter)
+
     async def _adapter_name(self, folder: str, again: bool = False) -> str | Failed:
-        """A workspace adapter is sent to the deployment (`PUT /v1/adapters/{sha256}`: the replicas cannot read this
+        """An adapter is sent to the deployment (`PUT /v1/adapters/{sha256}`: the replicas cannot read this
         machine's files) once per content, and again when the deployment says it lacks it (`again`: restarted, or
         the upload pushed out by newer ones); requests name it by its digest. Packed again when its files change."""
         from ..engine.adapter_files import ADAPTER_PREFIX, name_of, pack

@@ -37,7 +37,8 @@ class EngineOptions:
     model: str | None = None
     # "auto" takes CUDA when there is a GPU, else the CPU.
     device: str = "auto"
-    # A LoRA adapter folder (`canvas-ls train --lora`) applied to the model; None: the model as it is.
+    # A LoRA adapter folder (`canvas-ls train --lora`) applied to the model (with backend "remote": sent to the
+    # deployment once and named in every request, `RemoteBackend._adapter_name`); None: the model as it is.
     adapter: str | None = None
     # The layers' weights: "auto" (on a GPU, the first of none / int8 / int4 that leaves room in its free memory, so
     # that DiffusionGemma 26B-A4B runs on a 24 or 48 GB card; on a CPU none), "none", "int8" (CPU or GPU) or "int4"

@@ -471,3 +471,28 @@ async def test_the_language_server_completes_through_the_team_deployment(
         "model", "Nonecodecodecode", str(deployment.model)
     )  # fmt: skip
     assert json.loads(json.dumps(answer["result"]["gaps"]))[0]["text"] == "Nonecodecodecode"
+
+
+async def test_the_configured_adapter_goes_to_the_deployment_with_every_request(
+    client: LanguageClient, deployment: Deployment, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`engine.adapter` (a folder on this machine) with `engine.backend: "remote"`: the language server sends it to
+    the deployment once and every request names it; the replica answers with it (from the folder it unpacked)."""
+    from canvas_ls.engine.adapter_files import name_of, pack
+    from tests.conftest import random_adapter
+
+    folder = random_adapter(deployment.model, tmp_path_factory.mktemp("configured-adapter"), seed=7)
+    token = add_user(deployment.tokens, "adapted-editor")
+    init = {"engine": {"backend": "remote", "url": deployment.url, "api_key": token, "adapter": str(folder)},
+            "completion": {"speculate": False, "max_new_tokens_single_line": 4}}  # fmt: skip
+    capabilities = pytest_lsp.client_capabilities("neovim")
+    await client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    await wait_model(client, deployment.model)
+    answers = []
+    for name in ("size.py", "area.py"):  # two documents: two model calls, each naming the adapter
+        open_doc(client, name, DOC)
+        answers.append(await fill(client, name, AFTER_RETURN))
+    digest = name_of(pack(folder)).split(":")[1]
+    assert [(answer["source"], Path(answer["result"]["adapter"]).name) for answer in answers] == [("model", digest)] * 2
+    metrics = httpx.get(deployment.url + "/metrics", headers={"Authorization": f"Bearer {token}"}).text
+    assert 'canvas_team_requests_total{endpoint="adapters",status="201",user="adapted-editor"} 1.0' in metrics
