@@ -478,7 +478,7 @@ class EngineClient:
                 response = await post_cancellable(self._client, path, body, cancel)
             except httpx.HTTPError as exc:
                 return self._unreachable(exc, what)
-            if adapter is None or response is None or response.status_code != 404 or "upload" not in response.text:
+            if adapter is None or response is None or not _asks_upload(response):
                 break
         if response is None or response.status_code == CANCELLED_STATUS:
             return Cancelled()
@@ -716,6 +716,16 @@ def retire_older_engines(keep: Path) -> list[int]:
                      ours["version"])  # fmt: skip
             stopped.append(pid)
     return stopped
+
+
+def _asks_upload(response: httpx.Response) -> bool:
+    """A team gateway's answer that it does not hold the adapter a request named (404 with where to upload it)."""
+    if response.status_code != 404:
+        return False
+    try:
+        return "upload" in response.json()
+    except ValueError:
+        return False
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any
 
 from ..engine.regions import FillError, Region, regions_to_parts
@@ -64,13 +65,9 @@ class FillOutcome:
         edits = sorted((answer.edit for answer in self.answers if answer.edit is not None), key=lambda e: e.start)
         if not edits:
             return None
-        edited, cursor, end = [], 0, 0
-        for edit in edits:
-            edited += [text[cursor : edit.start], edit.text]
-            cursor = edit.end
-            end = sum(map(len, edited))
-        whole = "".join([*edited, text[cursor:]])
-        return edits[0].start, whole[edits[0].start : end], whole[end:]
+        start = edits[0].start
+        span = "".join(text[left.end : right.start] + right.text for left, right in pairwise(edits))
+        return start, edits[0].text + span, text[edits[-1].end :]
 
     def summary(self) -> str:
         """One line for the user: what was filled and why the rest was not."""

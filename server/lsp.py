@@ -20,7 +20,7 @@ from ..engine.confidence import HIDDEN
 from ..engine.paths import document_repository
 from ..engine.regions import Region
 from ..engine.workspaces import WORKSPACE_MINUTES, repository_root
-from .acceptance import ACCEPTED_COMMAND, AFTER_CHARS, COMPLETION, FILL, NEXT_EDIT, REWRITE
+from .acceptance import ACCEPTED_COMMAND, COMPLETION, FILL, NEXT_EDIT, REWRITE
 from .backend import CancelFlag, Identity
 from .completion import PREFETCH_READY, Outcome, Source
 from .config import layered
@@ -272,7 +272,7 @@ async def next_edit(ls: CanvasServer, params: NextEditParams) -> dict[str, Any]:
     shown_in = ls.documents.get(first.uri) if first is not None else None
     if first is not None and shown_in is not None:  # the edit the next-edit key accepts (`acceptance.py`)
         _shown(ls, shown_in, first.start, first.text, NEXT_EDIT, (time.perf_counter() - started) * 1000,
-               shown_in.text[first.end : first.end + AFTER_CHARS])  # fmt: skip
+               shown_in.text[first.end :])  # fmt: skip
     edits = []
     for suggestion in outcome.suggestions:
         index = (ls.documents.get(suggestion.uri) or document).index
@@ -453,7 +453,7 @@ async def _fill_request(ls: CanvasServer, params: FillRegionsParams) -> dict[str
     stale = current is not document or document.version != outcome.version
     edit = None if stale else _workspace_edit(document, outcome)
     applied = False
-    kept = outcome.kept(document.text) if edit is not None else None  # before the editor's change comes in
+    kept = outcome.kept(document.text) if edit is not None and apply else None  # before the editor's change
     if edit is not None and apply:
         response = await ls.workspace_apply_edit_async(types.ApplyWorkspaceEditParams(edit, label="canvas-ls fill"))
         applied = response.applied

@@ -44,12 +44,19 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS thresholds (
     value REAL, rate REAL, samples INTEGER NOT NULL)"""
 
 
+def accepted_share(samples: list[tuple[float, bool]], threshold: float) -> tuple[float | None, int]:
+    """Of the `samples` (score, accepted?) a `threshold` would show: the share accepted (None: none shown), and
+    how many."""
+    kept = [taken for score, taken in samples if score >= threshold]
+    return (sum(kept) / len(kept) if kept else None), len(kept)
+
+
 def proposal(samples: list[tuple[float, bool]], current: float, target: float) -> float:
     """Where the threshold should go, from `samples` (score, accepted?) of settled suggestions (see the module)."""
 
     def rate(threshold: float) -> tuple[float, int]:
-        kept = [taken for score, taken in samples if score >= threshold]
-        return (sum(kept) / len(kept) if kept else 0.0), len(kept)
+        share, count = accepted_share(samples, threshold)
+        return share or 0.0, count
 
     share, count = rate(current)
     if count < MIN_SHOWN:
@@ -127,8 +134,7 @@ class Thresholds:
             samples = [(score, bool(taken)) for score, taken in rows]
             value = moved(current, start, proposal(samples, current, self.target))
             if value != current:
-                kept = [taken for score, taken in samples if score >= current]
-                share = sum(kept) / len(kept) if kept else None  # accepted of those the old threshold showed
+                share = accepted_share(samples, current)[0]  # accepted of those the old threshold showed
                 with db:
                     db.execute("INSERT INTO thresholds (at, language, model, start, value, rate, samples)"
                                " VALUES (?, ?, ?, ?, ?, ?, ?)",
