@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from .compile_child import CompilerProcess, compile_mode
+from .elementwise import eager_logits
 from .loading import decoder_experts
 from .paths import cache_dir, die_with_parent
 from .threads import full_threads
@@ -122,7 +123,7 @@ class CompiledDecoder:
                 self.steps["compiled"] += 1
                 return logits
         self.steps["eager"] += 1
-        return self.model(**inputs).logits
+        return eager_logits(self.model, inputs)
 
     def _run_in_place(self, inputs: dict[str, Any]) -> torch.Tensor | None:
         """torch.compile's logits (the GPU's CUDA graphs), or None after a compiler failure (then eager)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .elementwise import cheaper_activations
 from .errors import ModelLoadError
 from .paths import DEFAULT_MODEL_DIR, fingerprint, installation
 
@@ -206,8 +207,9 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
                 "load it with --quantize none, or tune one without --lora-experts"
             )
         model = apply_adapter(model, adapter, merge_adapter and (quantized == "none" or cpu_int8))
-    if cpu_int8:
+    if cpu_int8:  # eager on the CPU: the packed projections, and the GELU on `exp` (`elementwise.py`)
         quantization.cpu_int8(model)
+        cheaper_activations(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

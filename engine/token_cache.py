@@ -176,34 +176,43 @@ def mix_cache(rows: torch.Tensor, found: Sequence[Found], weight: float, barred_
     """Mix `lookups` into gap logits `rows` [G, V] in place, per slot: the model's probability of `stop_ids` (the
     answer ends here: code holds no answers' ends, so that is the model's to say) stays, and the rest of the mass is
     (1 - lam) p_model + lam (1 - p_stop) p_cache, lam = weight x n / (n + PRIOR); logits at or below `barred_below`
-    stay barred. Returns how many slots it changed."""
+    stay barred (probability 0). Returns how many slots it changed.
+
+    A mixed slot's logits become its log-probabilities, computed sparsely: over the whole vocabulary one
+    log-sum-exp and one shift (log(1 - lam) - lse: the tokens the cache does not hold, (1 - lam) p_model), then the
+    few cached and stop tokens set exactly. Dense over [slots, V] this was ten passes, 7 ms of a 0.5B model's
+    300 ms step on 2 cores; the answers are the same (softmax does not see a row's shift; a barred logit, shifted,
+    is still far below `barred_below`)."""
     if not found:
         return 0
-    strength, at_row, at_id, count = [], [], [], []
-    for row, (_, ids, counts) in enumerate(found):
-        total = float(counts.sum())
-        at_row.append(np.full(len(ids), row))
-        at_id.append(ids)
-        count.append(counts)
-        strength.append(weight * total / (total + PRIOR))
-    index = torch.tensor([slot for slot, _, _ in found], device=rows.device)
-    logits = rows[index].float()
-    cached = torch.zeros_like(logits)
-    where = (torch.from_numpy(np.concatenate(at_row)).to(rows.device),
-             torch.from_numpy(np.concatenate(at_id).astype(np.int64)).to(rows.device))  # fmt: skip
-    cached.index_put_(where, torch.from_numpy(np.concatenate(count).astype(np.float32)).to(rows.device))
-    cached.masked_fill_(logits <= barred_below, 0.0)
-    cached[:, stop_ids] = 0.0
-    mass = cached.sum(dim=-1, keepdim=True)
-    lam = torch.tensor(strength, device=rows.device)[:, None]
-    probabilities = torch.softmax(logits, dim=-1)
-    stop = probabilities[:, stop_ids].sum(dim=-1, keepdim=True)
-    mixed = (1 - lam) * probabilities + lam * (1 - stop) * cached / mass.clamp_min(1e-9)
-    mixed[:, stop_ids] = probabilities[:, stop_ids]
-    mixed = torch.where(logits <= barred_below, logits, mixed.clamp_min(1e-30).log())
-    hit = mass[:, 0] > 0  # a slot whose every cached token is barred keeps its logits
+    device = rows.device
+    index = torch.tensor([slot for slot, _, _ in found], device=device)
+    at_row = torch.from_numpy(np.concatenate([np.full(len(ids), row) for row, (_, ids, _) in enumerate(found)]))
+    at_id = torch.from_numpy(np.concatenate([ids for _, ids, _ in found]).astype(np.int64))
+    at_row, at_id = at_row.to(device), at_id.to(device)
+    count = torch.from_numpy(np.concatenate([counts for _, _, counts in found]).astype(np.float32)).to(device)
+    lam = torch.tensor([_strength(counts, weight) for _, _, counts in found], device=device)  # [n]
+    logits = rows[index].float()  # [n, V], a copy
+    lse = torch.logsumexp(logits, dim=-1)  # [n]
+    raw, raw_stop = logits[at_row, at_id], logits[:, stop_ids]  # the few logits set exactly below
+    cached = count.masked_fill((raw <= barred_below) | torch.isin(at_id, stop_ids), 0.0)
+    mass = torch.zeros(len(found), device=device).index_add_(0, at_row, cached)  # [n]
+    stop = (raw_stop - lse[:, None]).exp().sum(dim=-1)  # [n] the model's probability of ending here
+    # every token: log((1 - lam) p_model), one pass in place; then the cached tokens and the ends, exactly
+    mixed = logits.add_(((1 - lam).clamp_min(1e-30).log() - lse)[:, None])
+    share = lam[at_row] * (1 - stop[at_row]) * cached / mass[at_row].clamp_min(1e-9)
+    value = ((raw - lse[at_row]).exp() * (1 - lam[at_row]) + share).clamp_min(1e-30).log()
+    mixed[at_row, at_id] = torch.where(cached > 0, value, mixed[at_row, at_id])
+    mixed[:, stop_ids] = torch.where(raw_stop <= barred_below, mixed[:, stop_ids], raw_stop - lse[:, None])
+    hit = mass > 0  # a slot whose every cached token is barred (or an end) keeps its logits
     rows[index[hit]] = mixed[hit].to(rows.dtype)
     return int(hit.sum())
+
+
+def _strength(counts: np.ndarray, weight: float) -> float:
+    """lam: how much of a slot's mass the cache moves, for a context seen counts.sum() times."""
+    total = float(counts.sum())
+    return weight * total / (total + PRIOR)
 
 
 class WorkspaceCaches:

@@ -13,7 +13,11 @@ How the server learns what became of a suggestion, per kind:
   completion  the inline completion item carries a command (`ACCEPTED_COMMAND`, the LSP 3.18 item's `command`,
               which the editor runs when the user accepts it, with the characters taken for a partial accept); one
               that the next request for the document finds neither accepted nor being typed through was dismissed
-              (typed over, or the cursor went elsewhere);
+              (typed over, or the cursor went elsewhere), after a partial accept of the part it finds kept where
+              it was shown, followed by the rest of the line that followed it then (VS Code runs no command on a
+              partial accept: its accept next word / line are seen this way; a part ending inside a word, or
+              followed by other text on its line, is not counted);
+              characters counted by a partial accept are not counted again when the rest is accepted;
   next edit   the edit the next-edit key would accept (the first one shown): accepted when the next request for the
               document (a completion or a next edit) finds its new text there, followed by the text that followed
               the range it replaces; else dismissed;
@@ -82,11 +86,36 @@ class Pending:
     score: float | None = None  # its confidence score (None: not judged)
     calibrated: float | None = None  # the model's own threshold for it (`personal.py` starts there)
     after: str = ""  # the text that followed it when shown (edits: held with it when kept)
+    taken: int = 0  # characters already counted as taken by partial accepts (the accept command's)
 
     def held(self, text: str) -> bool:
-        """Whether the document `text` holds it where it was shown (an edit: with what followed it)."""
-        whole = self.text + self.after
+        """Whether the document `text` holds it where it was shown (an edit: with what followed it; a completion
+        accepted is often typed after at once)."""
+        whole = self.text + (self.after if self.kind != COMPLETION else "")
         return text[self.offset : self.offset + len(whole)] == whole
+
+    def kept(self, text: str) -> int:
+        """The characters of a completion's start that the document `text` holds where it was shown, followed by
+        the rest of the line that followed it then: a partial accept that ran no command (VS Code's accept next
+        word or line) seen afterwards, the user gone on (a new line typed, the cursor elsewhere). 0 when none is
+        kept, when other text was typed after the part on its line, or when the part ends inside one of the
+        suggestion's words (its first letters typed by hand, then left)."""
+        start = text[self.offset : self.offset + len(self.text)]
+        common = next((i for i, (a, b) in enumerate(zip(start, self.text, strict=False)) if a != b), len(start))
+        line = _line(self.after, 0)
+        for k in range(min(common, len(self.text) - 1), 0, -1):
+            if _line(text, self.offset + k) == line and not (_word(self.text[k - 1]) and _word(self.text[k])):
+                return k
+        return 0
+
+
+def _line(text: str, start: int) -> str:
+    """The rest of the line from `start`, at most `AFTER_CHARS` of it."""
+    return text[start : start + AFTER_CHARS].partition("\n")[0]
+
+
+def _word(char: str) -> bool:
+    return char.isalnum() or char == "_"
 
 
 class Recorder:
@@ -155,11 +184,14 @@ class Recorder:
         for kinds in self.pending.values():
             for kind, pending in list(kinds.items()):
                 if pending.shown_id == shown_id:
-                    whole = chars is None or chars >= len(pending.text)
+                    whole = chars is None or pending.taken + chars >= len(pending.text)
                     if whole:
                         del kinds[kind]
-                    self._fate(pending, "accepted" if whole else "partial",
-                               len(pending.text) if whole else max(0, chars or 0))  # fmt: skip
+                        self._fate(pending, "accepted", len(pending.text) - pending.taken)
+                    else:
+                        taken = max(0, chars or 0)
+                        pending.taken += taken
+                        self._fate(pending, "partial", taken)
                     return
 
     def settle(self, uri: str, text: str | None, cursor: int | None = None) -> None:
@@ -169,11 +201,14 @@ class Recorder:
         through: still pending)."""
         for kind, pending in list(self.pending.get(uri, {}).items()):
             if text is not None and pending.held(text):
-                self._fate(self.pending[uri].pop(kind), "accepted", len(pending.text))
+                self._fate(self.pending[uri].pop(kind), "accepted", len(pending.text) - pending.taken)
                 continue
             typed = text[pending.offset : cursor] if text is not None and cursor is not None else ""
             if kind == COMPLETION and typed and pending.text.startswith(typed):
                 continue
+            kept = pending.kept(text) if kind == COMPLETION and text is not None else 0
+            if kept > pending.taken:  # a part taken without the accept command (VS Code's accept next word/line)
+                self._fate(pending, "partial", kept - pending.taken)
             self._fate(self.pending[uri].pop(kind), "dismissed", 0)
         if not self.pending.get(uri, True):
             del self.pending[uri]

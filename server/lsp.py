@@ -20,7 +20,7 @@ from ..engine.confidence import HIDDEN
 from ..engine.paths import document_repository
 from ..engine.regions import Region
 from ..engine.workspaces import WORKSPACE_MINUTES, repository_root
-from .acceptance import ACCEPTED_COMMAND, COMPLETION, FILL, NEXT_EDIT, REWRITE
+from .acceptance import ACCEPTED_COMMAND, AFTER_CHARS, COMPLETION, FILL, NEXT_EDIT, REWRITE
 from .backend import CancelFlag, Identity
 from .completion import PREFETCH_READY, Outcome, Source
 from .config import layered
@@ -153,7 +153,8 @@ async def inline_completion(ls: CanvasServer, params: types.InlineCompletionPara
     if outcome.source is Source.TYPING:  # the rest of the suggestion being typed through: still the one shown
         shown = ls.acceptance.still_shown(uri)
     else:
-        shown = _shown(ls, document, outcome.edit.start, outcome.edit.text, COMPLETION, outcome.elapsed_ms,
+        after = document.text[outcome.edit.end : outcome.edit.end + AFTER_CHARS]  # what a partial accept leaves
+        shown = _shown(ls, document, outcome.edit.start, outcome.edit.text, COMPLETION, outcome.elapsed_ms, after,
                        score=outcome.score, calibrated=outcome.calibrated, identity=outcome.identity)  # fmt: skip
     # the editor runs the item's command when the user accepts it: the statistics learn it (whole, or the
     # characters a partial accept took)

@@ -43,10 +43,13 @@ def make_backend(config: ServerConfig, learner: Learner | None = None, notify: C
         remote = OpenAIBackend(options.url or "http://127.0.0.1:8000", key, options.remote_model, options.suffix_mode,
                                options.fim_template)  # fmt: skip
         return RoutedBackend(remote, lambda model, adapter: remote, options.model, False, notify, learner, paths)
-    if options.backend == "remote":  # the deployment's model answers; workspace models are tuned where it runs
+    if options.backend == "remote":  # the deployment's model answers, with a workspace's adapter sent to it
         token = options.api_key or os.environ.get("CANVAS_LS_TOKEN")
         team = RemoteBackend(options.url or "http://127.0.0.1:8000", token, options.adapter)
-        return RoutedBackend(team, lambda model, adapter: team, options.model, False, notify, learner, paths)
+        # `engine.model` names the deployment's model as the workspace adapters name their base (train's --from)
+        enabled = options.workspace_models and not options.adapter
+        return RoutedBackend(team, lambda model, adapter: team, options.model, enabled, notify, learner, paths,
+                             adapters_only=True)  # fmt: skip
 
     def make(model: str | None, adapter: str | None, socket: str | None = None) -> Backend:
         if options.backend == "resident":

@@ -17,8 +17,10 @@ import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
+from canvas_ls.engine.architecture import build_tiny_model
 from canvas_ls.server import acceptance
 from canvas_ls.server.acceptance import ACCEPTED_COMMAND, Recorder, clear, default_path
+from tests.conftest import tokenizer_texts
 from tests.test_identity import AFTER_RETURN, DOC
 from tests.test_lsp import SERVE, inline, open_doc, request, uri, wait_ready
 from tests.test_lsp_fill import span
@@ -83,6 +85,30 @@ async def test_shown_accepted_partly_accepted_and_typed_over_are_each_recorded_w
     assert list(report["by_model"]) == [str(fixed_model_dir)]
     stored = b"".join(p.read_bytes() for p in default_path().parent.glob("stats.sqlite3*"))
     assert b"Nonecode" not in stored and b"return" not in stored  # counts and lengths, never code
+
+
+async def test_a_word_taken_without_the_accept_command_counts_as_a_partial_accept(
+    client: LanguageClient, tmp_path: Path, private_state_dir: Path
+) -> None:
+    """VS Code runs no command when its "Accept Next Word" takes a part of the ghost text: the server finds the word
+    kept where the suggestion was shown, followed by what followed it then, when the document's suggestion is
+    settled (here its close; the user may have gone on to a new line): a partial accept of those characters, then
+    the rest dismissed. A start typed by hand that ends inside one of the suggestion's words is no partial accept."""
+    clear(default_path())
+    infill = {"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 4}
+    model = build_tiny_model(tmp_path / "words", tokenizer_texts(), infill=infill, writes=(" None",))
+    await start(client, model)
+    for name, taken in (("word.py", "None"), ("next_line.py", "None\nw = 3"), ("letters.py", "No")):
+        open_doc(client, name, "x = 1  # \ny = 2\n")
+        shown = await inline(client, name, types.Position(0, 9), INVOKED)
+        assert [item.insert_text for item in shown] == ["None None None None"]
+        type_at(client, name, 2, 0, 9, taken)  # accept next word's edit; typed by hand
+        client.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri(name))))
+    await wait_ready(client)
+    total = stats()["total"]
+    assert {key: total[key] for key in ("shown", "accepted", "partial", "dismissed", "chars_accepted")} == {
+        "shown": 3, "accepted": 0, "partial": 2, "dismissed": 3, "chars_accepted": 8
+    }  # fmt: skip
 
 
 async def test_every_request_counts_toward_the_shown_rate_and_the_latency(

@@ -53,6 +53,7 @@ def test_int8_dynamic_packs_the_projections_and_keeps_the_answers(fixed_model_di
 
     from canvas_ls.engine.canvas import DenoisingBatch
     from canvas_ls.engine.conditioning import SparseSelfConditioning
+    from canvas_ls.engine.elementwise import SigmoidGELUTanh
     from canvas_ls.engine.quantize import held_bytes, quantized_kind
 
     loaded = load_model(str(fixed_model_dir), "cpu", quantize="int8-dynamic")
@@ -68,6 +69,7 @@ def test_int8_dynamic_packs_the_projections_and_keeps_the_answers(fixed_model_di
     for packed in (layer.self_attn.q_proj, layer.mlp.down_proj, model.lm_head, block.up_proj):
         assert isinstance(packed, DynamicLinear)
     assert type(layer.router.proj) is torch.nn.Linear and layer.experts.gate_up_proj.dtype == torch.float32
+    assert type(layer.mlp.act_fn) is SigmoidGELUTanh  # eager: the GELU on exp (`elementwise.py`)
     assert model.model.decoder.embed_tokens.weight.dtype == torch.float32 and quantized_kind(model) == "int8-dynamic"
     plain = Engine.load(str(fixed_model_dir), "cpu", quantize="none")
     assert held_bytes(model) < held_bytes(plain.loaded.model) + model.model.decoder.embed_tokens.weight.numel()

@@ -496,3 +496,46 @@ async def test_the_configured_adapter_goes_to_the_deployment_with_every_request(
     assert [(answer["source"], Path(answer["result"]["adapter"]).name) for answer in answers] == [("model", digest)] * 2
     metrics = httpx.get(deployment.url + "/metrics", headers={"Authorization": f"Bearer {token}"}).text
     assert 'canvas_team_requests_total{endpoint="adapters",status="201",user="adapted-editor"} 1.0' in metrics
+
+
+async def test_a_repositorys_adapter_goes_to_the_deployment_with_its_documents(
+    client: LanguageClient, deployment: Deployment, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A repository tuned as a LoRA adapter of the deployment's model ("Learn this workspace", `engine.model` naming
+    that base): its documents are answered by the deployment with the adapter, sent from this machine; a document
+    elsewhere without it. A repository tuned as a whole model cannot run there: the deployment's model answers its
+    documents, and the user is told once."""
+    import shutil
+
+    from canvas_ls.engine import workspaces
+    from canvas_ls.engine.adapter_files import name_of, pack
+    from tests.conftest import random_adapter
+    from tests.test_workspaces import AFTER_RETURN as RETURN_END
+    from tests.test_workspaces import RETURN_DOC, fill_at, open_file
+
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("lora-repo", "whole-repo", "elsewhere", "runs")}
+    random_adapter(deployment.model, folders["runs"] / "lora" / "adapter", seed=11)
+    entry = workspaces.install(folders["lora-repo"], folders["runs"] / "lora", str(deployment.model), {},
+                               {"name": "lora", "lora_rank": 4})  # fmt: skip
+    shutil.copytree(deployment.model, folders["runs"] / "whole" / "model")
+    workspaces.install(folders["whole-repo"], folders["runs"] / "whole", str(deployment.model), {}, {"name": "full"})
+    token = add_user(deployment.tokens, "workspace-editor")
+    init = {"engine": {"backend": "remote", "url": deployment.url, "api_key": token, "model": str(deployment.model)},
+            "completion": {"speculate": False, "max_new_tokens_single_line": 4}}  # fmt: skip
+    capabilities = pytest_lsp.client_capabilities("neovim")
+    await client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+    await wait_model(client, deployment.model)
+    answers = {}
+    for number, name in enumerate(("lora-repo", "whole-repo", "elsewhere")):  # texts of their own: no cached answer
+        text = RETURN_DOC.replace("def f(", f"def f{number}(")
+        answers[name] = await fill_at(client, open_file(client, folders[name] / "a.py", text), RETURN_END)
+    assert {answer["source"] for answer in answers.values()} == {"model"}
+    digest = name_of(pack(workspaces.read(entry).weights)).split(":")[1]
+    adapters = {name: answer["result"]["adapter"] for name, answer in answers.items()}
+    assert adapters["lora-repo"] is not None and Path(adapters["lora-repo"]).name == digest
+    assert (adapters["whole-repo"], adapters["elsewhere"]) == (None, None)
+    assert {answer["result"]["model"] for answer in answers.values()} == {str(deployment.model)}
+    told = [m.message for m in client.log_messages if "whole model" in m.message]
+    assert told == [f"canvas-ls: the model tuned on {folders['whole-repo'].resolve()} is a whole model, which the "
+                    "team deployment cannot run (it holds LoRA adapters of its model): its documents answer with the "
+                    "deployment's model"]  # fmt: skip

@@ -51,13 +51,15 @@ def test_mixing_moves_the_mass_where_the_code_went_but_leaves_the_end_of_the_ans
     cache = TokenCache(np.array([1, 2, 3] * 10), orders=(2,))  # after (1, 2) always 3; after (2, 3) always 1
     rows = torch.zeros(3, 6)
     rows[1, 1] = -1e4  # barred (token healing)
+    rows[0, 4] = -1e4  # barred in a slot the cache moves: still never drawn
     found = [(0, *cache.following([1, 2])), (1, *cache.following([2, 3]))]
     changed = mix_cache(rows, found, weight=1.0, barred_below=-5e3, stop_ids=torch.tensor([5]))
     probabilities = torch.softmax(rows, dim=-1)
     assert changed == 1  # slot 1's only cached token is barred: its logits stay as they were
     lam = 10 / 11  # a context seen 10 times
-    assert torch.isclose(probabilities[0, 3], torch.tensor((1 - lam) / 6 + lam * 5 / 6))
-    assert torch.isclose(probabilities[0, 5], torch.tensor(1 / 6))  # the model's to say whether the answer ends
+    assert torch.isclose(probabilities[0, 3], torch.tensor((1 - lam) / 5 + lam * 4 / 5))
+    assert torch.isclose(probabilities[0, 5], torch.tensor(1 / 5))  # the model's to say whether the answer ends
+    assert probabilities[0, 4] == 0 and rows[0, 4] < -5e3
     assert torch.allclose(rows[2], torch.zeros(6))
     assert rows[1, 1] == -1e4 and torch.allclose(rows[1, [0, 2, 3, 4, 5]], torch.zeros(5))
 
