@@ -6,11 +6,12 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
 
-from canvas_ls.engine import Engine, InfillCancelled
+from canvas_ls.engine import Engine, InfillCancelled, compiled
 from canvas_ls.engine.canvas import StepView
 
 PREFIX = "def mean(values):\n    total = sum(values)\n"  # ends at a token boundary: nothing to heal
@@ -19,24 +20,32 @@ EOS = 1
 
 
 @contextmanager
-def patched_logits(engine: Engine, logits_at: Callable[[int], torch.Tensor]) -> Iterator[None]:
-    """Patch the model so that the canvas slot at position p gets the logits `logits_at(p)` ([V]), and nothing else
-    moves them (the token cache of the document is off)."""
-    model = engine.loaded.model
-    real_forward, settings = model.forward, engine.settings
-    engine.settings = replace(settings, workspace_cache=0.0)
-
-    def forward(*args, **kwargs):
-        out = real_forward(*args, **kwargs)
-        positions = kwargs["decoder_position_ids"]  # [B, L]: every row of a batched forward
-        out.logits = torch.stack([torch.stack([logits_at(int(p)) for p in row]) for row in positions]).to(out.logits)
-        return out
-
-    model.forward = forward
+def decoder_forwards(wrap: Callable[[dict[str, Any], torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Every eager decoder forward's logits (`compiled.eager_logits`, what a step reads) passed through
+    `wrap(inputs, logits)`: what the tests see of, or script into, each forward."""
+    real = compiled.eager_logits
+    compiled.eager_logits = lambda model, inputs: wrap(inputs, real(model, inputs))
     try:
         yield
     finally:
-        del model.forward
+        compiled.eager_logits = real
+
+
+@contextmanager
+def patched_logits(engine: Engine, logits_at: Callable[[int], torch.Tensor]) -> Iterator[None]:
+    """Patch the decoder so that the canvas slot at position p gets the logits `logits_at(p)` ([V]), and nothing
+    else moves them (the token cache of the document is off)."""
+    settings = engine.settings
+    engine.settings = replace(settings, workspace_cache=0.0)
+
+    def scripted(inputs: dict[str, Any], logits: torch.Tensor) -> torch.Tensor:
+        positions = inputs["decoder_position_ids"]  # [B, L]: every row of a batched forward
+        return torch.stack([torch.stack([logits_at(int(p)) for p in row]) for row in positions]).to(logits)
+
+    try:
+        with decoder_forwards(scripted):
+            yield
+    finally:
         engine.settings = settings
 
 
@@ -62,19 +71,10 @@ def test_suffix_head_is_clamped_after_every_step(tiny_engine: Engine) -> None:
     """What the model is given at every forward: the gap slots, then the suffix head's own tokens, unchanged."""
     gap = 8
     head = tiny_engine.tokenizer.encode(SUFFIX, add_special_tokens=False)[:12]
-    model = tiny_engine.loaded.model
-    real_forward, inputs = model.forward, []
-
-    def forward(*args, **kwargs):
-        inputs.append(kwargs["decoder_input_ids"].clone())
-        return real_forward(*args, **kwargs)
-
-    model.forward = forward
-    try:
+    inputs: list[torch.Tensor] = []
+    with decoder_forwards(lambda given, logits: inputs.append(given["decoder_input_ids"].clone()) or logits):
         result = tiny_engine.infill(PREFIX, SUFFIX, {"gap_tokens": gap, "suffix_head_tokens": 12, "max_steps": 6,
                                                      "max_new_tokens": 16})  # fmt: skip
-    finally:
-        del model.forward
     assert result.suffix_head_tokens == 12
     assert len(inputs) == result.forward_passes > 1
     for given in inputs:
@@ -276,21 +276,16 @@ def test_streamed_drafts_leave_the_healed_text_out(tiny_engine: Engine) -> None:
 def test_self_conditioning_reads_the_processed_or_the_raw_logits(tiny_engine_fp32: Engine, mode: str) -> None:
     """Step 2 reads step 1's logits: temperature-scaled (transformers' sampler) or as the model gave them (what
     `canvas-ls train` feeds its no-grad pass); or none, every step run as the first."""
-    model = tiny_engine_fp32.loaded.model
-    real_forward, seen = model.forward, []
+    seen: list[tuple[torch.Tensor | None, torch.Tensor]] = []
 
-    def forward(*args, **kwargs):
-        out = real_forward(*args, **kwargs)
-        given = kwargs.get("self_conditioning_logits")  # the batch's buffer: the next step writes over it
-        seen.append((None if given is None else given.clone(), out.logits.clone()))
-        return out
+    def record(inputs: dict[str, Any], logits: torch.Tensor) -> torch.Tensor:
+        given = inputs.get("self_conditioning_logits")  # the batch's buffer: the next step writes over it
+        seen.append((None if given is None else given.clone(), logits.clone()))
+        return logits
 
-    model.forward = forward
     settings = {"gap_tokens": 8, "max_steps": 4, "t_min": 0.2, "t_max": 0.6, "stability_threshold": 3}
-    try:
+    with decoder_forwards(record):
         tiny_engine_fp32.infill(PREFIX, SUFFIX, {**settings, "self_condition": mode})
-    finally:
-        del model.forward
     assert seen[0][0] is None and len(seen) >= 2
     if mode == "off":
         assert all(given is None for given, _ in seen)
