@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicCache
 from ..engine.architecture import full_width_config, random_model
 from ..engine.canvas import BatchedKV
 from ..engine.compiled import compile_model
+from ..engine.elementwise import eager_logits
 from ..engine.encoding import encode
 from ..engine.sampling import step_stats_rows
 from .core import synchronize, timed
@@ -79,8 +80,8 @@ class StepCase:
             decoder_position_ids=start + torch.arange(canvas, device=device)[None, :].expand(rows, -1),
         )
 
-    def forward(self, model: Any) -> torch.Tensor:
-        return model(**self.kwargs).logits
+    def forward(self, runner: Callable[[dict[str, Any]], torch.Tensor]) -> torch.Tensor:
+        return runner(self.kwargs)
 
     def statistics(self, logits: torch.Tensor) -> None:
         step_stats_rows(logits, [1.0] * self.rows, self.generators, [self.canvas] * self.rows)
@@ -100,7 +101,7 @@ class _Forward:
         device = next(self.model.parameters()).device
         before = _allocated(device)
         with torch.profiler.record_function(FORWARD):
-            logits = self.model(**inputs).logits
+            logits = eager_logits(self.model, inputs)  # the engine's eager forward
         self.allocated += _allocated(device) - before
         return logits
 
@@ -263,14 +264,19 @@ def run_step_bench(
     compiled = compile_model(model, device, dynamic=False) if compile_canvases else None
     peak = report["peak"]["tflops"] * 1e12
     cases = {(canvas, count): StepCase(model, prefix, canvas, count) for canvas in canvases for count in rows}
-    eager_logits: dict[tuple[int, int], torch.Tensor] = {}
+
+    def eager(inputs: dict[str, Any]) -> torch.Tensor:  # the engine's eager forward
+        return eager_logits(model, inputs)
+
+    eager_answers: dict[tuple[int, int], torch.Tensor] = {}
     for (canvas, count), case in cases.items():
         report["cases"].append({"canvas": canvas, "rows": count,
-                                "gflop": _gflop(flops_of(lambda case=case: case.forward(model)))})  # fmt: skip
+                                "gflop": _gflop(flops_of(lambda case=case: case.forward(eager)))})  # fmt: skip
     # Every eager figure first: a compilation that overruns the caller's time limit leaves them measured.
-    passes = [("eager", model, list(cases))]
+    passes = [("eager", eager, list(cases))]
     if compiled is not None:
-        passes.append(("compiled", compiled, [key for key in cases if key[0] in compile_canvases]))
+        passes.append(("compiled", lambda inputs: compiled(**inputs).logits,
+                       [key for key in cases if key[0] in compile_canvases]))  # fmt: skip
     for label, runner, keys in passes:
         for key in keys:
             case, row = cases[key], report["cases"][list(cases).index(key)]
@@ -292,9 +298,9 @@ def run_step_bench(
                 rate = row["gflop"] * 1e9 / (forward_ms / 1000)
                 row[label].update(gflops=round(rate / 1e9, 1), share_of_peak=round(rate / peak, 4))
             if label == "eager":
-                eager_logits[key] = logits
+                eager_answers[key] = logits
             else:
-                row[label]["max_abs_diff_vs_eager"] = float((logits.float() - eager_logits[key].float()).abs().max())
+                row[label]["max_abs_diff_vs_eager"] = float((logits.float() - eager_answers[key].float()).abs().max())
             progress(f"{name}: canvas {key[0]} x{key[1]} {label}: forward {forward_ms:.2f} ms, step {step_ms:.2f} ms")
             checkpoint(report)
     report["floor_ms"] = round(report["step_weight_bytes"] / (report["bandwidth"]["gb_per_s"] * 1e9) * 1000, 3)
@@ -304,7 +310,7 @@ def run_step_bench(
         progress(f"{name}: engine step x{count}: {report['engine_steps'][-1]['step_ms']} ms")
         checkpoint(report)
     first = StepCase(model, prefix, canvases[0], 1)
-    ops = profile_table(lambda: first.statistics(first.forward(model)), device)
+    ops = profile_table(lambda: first.statistics(first.forward(eager)), device)
     report["profile"] = {"canvas": canvases[0], "rows": 1, "ops": ops}
     return report
 
