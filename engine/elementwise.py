@@ -11,8 +11,9 @@ GELU over [tokens, intermediate] in every layer. Both have exact rewrites on `ex
 Measured on 2 Zen 2 cores (2026-12-06): the soft cap of [32, 151,936] logits 10.9 ms as transformers writes it
 (three new tensors), 9.1 in place with `tanh_`, 4.3 on `exp`; the GELU of [448, 4864] 4.0 -> 1.7 ms, of
 [32, 4864] 0.29 -> 0.14 ms. The values differ from the tanh forms by float rounding (7.6e-6 on logits of +-30,
-5e-7 on the GELU). The int8-dynamic CPU path (eager: `quantize.cpu_int8`) uses both; a compiled decoder fuses its
-own.
+5e-7 on the GELU). Every eager decoder forward caps its logits here (`eager_logits`: a float model before its graph
+is compiled, the int8-dynamic model always); the GELU is swapped in for int8-dynamic, which always runs eager
+(`quantize.cpu_int8`). A compiled decoder runs transformers' forward, fused by the compiler.
 """
 
 from __future__ import annotations
