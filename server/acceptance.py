@@ -35,6 +35,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -410,29 +411,32 @@ def summary(path: Path, since_s: float | None = None) -> dict[str, Any]:
     }  # fmt: skip
     report["days"] = _days(rows, asked)
     for name, column in (("by_language", 2), ("by_kind", 1), ("by_model", 3)):
-        groups: dict[str, list[tuple[Any, ...]]] = {}
-        for row in rows:
-            groups.setdefault(row[column], []).append(row)
-        ones: dict[str, list[tuple[Any, ...]]] = {}
-        for row in asked:
-            ones.setdefault(row[column], []).append(row)
-        report[name] = {key: _rates(_count(groups.get(key, [])), ones.get(key, []))
-                        for key in sorted(groups.keys() | ones.keys())}  # fmt: skip
+        report[name] = _grouped(rows, asked, itemgetter(column), itemgetter(column))  # the same column in both
     return report
+
+
+Row = tuple[Any, ...]
+
+
+def _grouped(rows: list[Row], asked: list[Row], event_key: Callable[[Row], str],
+             request_key: Callable[[Row], str]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The events `rows` and the requests `asked` grouped by their keys: each group's counts and rates."""
+    events: dict[str, list[Row]] = {}
+    for row in rows:
+        events.setdefault(event_key(row), []).append(row)
+    requests: dict[str, list[Row]] = {}
+    for row in asked:
+        requests.setdefault(request_key(row), []).append(row)
+    return {key: _rates(_count(events.get(key, [])), requests.get(key, []))
+            for key in sorted(events.keys() | requests.keys())}  # fmt: skip
 
 
 def _days(rows: list[tuple[Any, ...]], asked: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     """Per day (local time), oldest first: shown, accepted (whole or in part), the acceptance rate, the latency of
     what was shown (p50), and the requests, the share that showed something and their mean latency."""
-    events: dict[str, list[tuple[Any, ...]]] = {}
-    for row in rows:
-        events.setdefault(time.strftime("%Y-%m-%d", time.localtime(row[6])), []).append(row)
-    requests: dict[str, list[tuple[Any, ...]]] = {}
-    for row in asked:
-        requests.setdefault(row[0], []).append(row)
     days = []
-    for day in sorted(events.keys() | requests.keys()):
-        rates = _rates(_count(events.get(day, [])), requests.get(day, []))
+    for day, rates in _grouped(rows, asked, lambda row: time.strftime("%Y-%m-%d", time.localtime(row[6])),
+                               lambda row: row[0]).items():  # fmt: skip
         days.append({"day": day, "shown": rates["shown"], "accepted": rates["accepted"] + rates["partial"],
                      **{key: rates[key] for key in ("acceptance_rate", "latency_p50_ms", "requests", "shown_rate",
                                                     "latency_mean_ms")}})  # fmt: skip

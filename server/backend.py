@@ -24,9 +24,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import httpx
 
@@ -120,9 +120,6 @@ class FillRequest:
     settings: Settings = Settings()
     document: str | None = None
     adapter: str | None = None
-
-
-RequestT = TypeVar("RequestT", CompletionRequest, FillRequest)
 
 
 @dataclass(frozen=True)
@@ -393,6 +390,9 @@ class EngineClient:
 
     adapters = True
     kind = ""
+    # Whether requests name the configured adapter (`engine.adapter`): a team deployment holds it beside its model
+    # for this user (sent once, `RemoteBackend._adapter_name`); a resident engine merged it when it started.
+    names_adapter = False
 
     def __init__(self, client: httpx.AsyncClient, adapter: str | None = None) -> None:
         self.adapter = adapter
@@ -468,6 +468,8 @@ class EngineClient:
             return not_ready
         # "score": false: the server scores what it shows itself (`display.decide`), the engine need not
         body = {**body, "document": document, "settings": settings.asked(), "score": False}
+        if adapter is None and self.names_adapter:  # the configured one, where the engine does not merge it
+            adapter = self.adapter
         for attempt in range(2):  # a deployment that lost an uploaded adapter (restarted) gets it again, once
             if adapter is not None:
                 named = await self._adapter_name(adapter, again=attempt > 0)
@@ -602,6 +604,7 @@ class RemoteBackend(EngineClient):
     `RECHECK_S`, so completions resume when it is back; one of another API version gets no request."""
 
     kind = "remote"
+    names_adapter = True
 
     def __init__(self, url: str, token: str | None, adapter: str | None = None) -> None:
         self.url = url.rstrip("/")
@@ -648,17 +651,6 @@ class RemoteBackend(EngineClient):
             self.load(self._model, self._device)  # asked again in the background; this request fails at once
         return failed
 
-    async def infill(self, request: CompletionRequest, cancel: CancelFlag) -> Reply:
-        return await super().infill(self._adapted(request), cancel)
-
-    async def fill(self, request: FillRequest, cancel: CancelFlag) -> Reply:
-        return await super().fill(self._adapted(request), cancel)
-
-    def _adapted(self, request: RequestT) -> RequestT:
-        """The configured adapter (`engine.adapter`) goes with every request that names none: the deployment holds
-        it beside its model for this user (sent once, `_adapter_name`), where a local engine merges it at start."""
-        return request if request.adapter or not self.adapter else replace(request, adapter=self.adapter)
-
     async def _adapter_name(self, folder: str, again: bool = False) -> str | Failed:
         """An adapter is sent to the deployment (`PUT /v1/adapters/{sha256}`: the replicas cannot read this
         machine's files) once per content, and again when the deployment says it lacks it (`again`: restarted, or
@@ -667,7 +659,7 @@ class RemoteBackend(EngineClient):
 
         source = Path(folder)
         try:
-            stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(source.iterdir()))
+            stamp = tuple((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in sorted(source.iterdir()))
             known = self._packed.get(folder)
             if known is not None and known[0] == stamp and known[1] in self._uploaded and not again:
                 return known[1]
