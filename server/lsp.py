@@ -71,14 +71,14 @@ def initialize(ls: CanvasServer, params: types.InitializeParams) -> None:
 
 
 @server.feature(types.INITIALIZED)
-async def initialized(ls: CanvasServer, params: types.InitializedParams) -> None:
+def initialized(ls: CanvasServer, params: types.InitializedParams) -> None:
     ls.loop = asyncio.get_running_loop()
     ls.workspace_refresh = ls.loop.create_task(ls.refresh_workspaces())
     for message in ls.pending_messages:
         ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
         ls.log_to_client(message, types.MessageType.Warning)
     ls.pending_messages.clear()
-    await ls.load_model()
+    ls.load_model()  # before any later message is handled: from here on a request sees "loading"
 
 
 @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)

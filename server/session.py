@@ -161,7 +161,7 @@ class CanvasServer(LanguageServer):
         if changed:
             self.completer.reset()  # answers of the old model go (their keys name it, too)
         if reload and self.loop is not None:
-            self.loop.create_task(self.load_model())
+            self.load_model()
 
     async def refresh_workspaces(self, every_s: float = WORKSPACES_REFRESH_S) -> None:
         """Re-read the installed workspace models every `every_s` (on the loop: a folder listing), so that a request
@@ -185,15 +185,20 @@ class CanvasServer(LanguageServer):
             log.warning("no work-done progress: %s", exc)
             return False
 
-    async def load_model(self) -> None:
-        """Load (or reload) the model in the worker, shown as work-done progress when the client supports it."""
+    def load_model(self) -> asyncio.Task[None]:
+        """Load (or reload) the model in the worker: started here, so that from this call on the backend's state says
+        "loading" to any request (never "idle" while a load waits its turn); reported as work-done progress, when the
+        client supports it, by the task returned."""
+        assert self.loop is not None
         token = f"canvas-ls/load/{id(self)}/{self.backend.state}"
-        progress = await self.begin_progress(token, "canvas-ls", "loading the model")
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        options, backend = self.config.engine, self.backend
+        done: asyncio.Future[None] = self.loop.create_future()
+        options, backend, loop = self.config.engine, self.backend, self.loop
         self.log_to_client(f"loading model {options.model or '(default)'} on {options.device}")
         backend.load(options.model, options.device, lambda _: loop.call_soon_threadsafe(done.set_result, None))
+        return self.loop.create_task(self._report_load(token, options, backend, done))
+
+    async def _report_load(self, token: str, options: Any, backend: RoutedBackend, done: asyncio.Future[None]) -> None:
+        progress = await self.begin_progress(token, "canvas-ls", "loading the model")
         await done
         if backend is not self.backend or backend.state == "loading":  # a newer configuration's load reports
             message = f"model {options.model or '(default)'} replaced by a newer configuration"
