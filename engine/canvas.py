@@ -54,6 +54,7 @@ from .sampling import (
     LeftToRightSampler,
     SeededEntropyBoundSampler,
     StepStats,
+    logsumexp_sliced,
     make_generator,
     step_stats_rows,
 )
@@ -437,7 +438,7 @@ class CanvasJob:
         (untempered) gap logits [1, G, V]."""
         block = self.argmax[0]
         is_stop = torch.isin(block, self.stop_tensor)
-        probs = torch.softmax(gap_logits[0].float(), dim=-1).gather(-1, block[:, None])[:, 0]  # [G]
+        probs = (gap_logits[0].gather(-1, block[:, None])[:, 0].float() - logsumexp_sliced(gap_logits[0])).exp()
         answers = []
         for start, end in self.gap_bounds:
             stops = is_stop[start:end].nonzero()

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .sampling import logsumexp_sliced
+
 TOP_K = 64  # the tokens per slot `SparseSelfConditioning` weighs exactly
 
 
@@ -123,8 +125,10 @@ class SparseSelfConditioning(SelfConditioning):
     @torch.inference_mode()
     def write(self, row: int, logits: torch.Tensor, temperature: float) -> None:
         assert self.buffer is not None and row < self.buffer.shape[0] and logits.shape[0] <= self.width
-        probabilities = torch.softmax(logits.float() / temperature, dim=-1)
-        top, tokens = probabilities.topk(self.top_k, dim=-1)  # [L, k]
+        # the top k probabilities without a softmax over the vocabulary: the top k logits (T > 0 keeps the order),
+        # exp(x / T - logsumexp), the log-sum-exp read in slices (what a step allocates does not grow with V)
+        values, tokens = logits.topk(self.top_k, dim=-1)  # [L, k]
+        top = (values.float() / temperature - logsumexp_sliced(logits, 1.0 / temperature)[:, None]).exp_()
         picked = self.embed[tokens]  # [L, k, hidden]
         soft = torch.einsum("lk,lkh->lh", top.to(picked.dtype), picked)  # [L, hidden]
         rest = self.vocab_size - self.top_k

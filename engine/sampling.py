@@ -47,13 +47,80 @@ class StepStats:
         return StepStats(f(self.sample), f(self.argmax), f(self.entropy), f(self.lse))
 
 
-def step_stats_torch(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> StepStats:
-    """Reference: logits [N, V] -> StepStats, with torch ops."""
+def step_stats_torch(logits: torch.Tensor, temperature: float, generator: torch.Generator,
+                     columns: int | None = None) -> StepStats:  # fmt: skip
+    """Reference: logits [N, V] -> StepStats, with torch ops (over the vocabulary in slices of `columns`)."""
     uniform = torch.rand((*logits.shape[:-1], 1), generator=generator, device=logits.device)
-    return _torch_stats(logits.float() / temperature, uniform)
+    inverse = torch.full((1,), 1.0 / temperature, device=logits.device)  # [1]: promotes bf16 logits to fp32
+    return _torch_stats(logits, inverse, uniform, columns or COLUMNS)
 
 
-def _torch_stats(scaled: torch.Tensor, uniform: torch.Tensor) -> StepStats:
+# The CPU path's columns per pass: a vocabulary wider than this is read in slices of it, so that what a step
+# allocates beyond its logits does not grow with the vocabulary (at DiffusionGemma's 262,144 tokens the whole-row
+# passes allocated 64 MB a canvas row a step) and each slice's passes run in cache. The shipped model's 8,192 tokens
+# are one slice: its answers are those of the whole-row passes, bit for bit.
+COLUMNS = 16384
+
+
+def _torch_stats(logits: torch.Tensor, inverse: torch.Tensor, uniform: torch.Tensor,
+                 columns: int = COLUMNS) -> StepStats:  # fmt: skip
+    """logits [..., V] (any float dtype), inverse = 1 / T (broadcast to [..., 1]), one uniform draw per position
+    [..., 1] -> StepStats [...]. Over the vocabulary in slices of `columns`: per slice its max, sum of weights and
+    weighted sum, combined exactly (each rescaled to the global max); the sample's slice is found from the slices'
+    sums, then the token within it by its cumulative weights."""
+    vocab = logits.shape[-1]
+    if vocab <= columns:
+        return _slice_stats(logits * inverse, uniform)
+    tops, argmaxes, totals, weighted = [], [], [], []
+    for start in range(0, vocab, columns):
+        scaled = logits[..., start : start + columns] * inverse  # fp32 by type promotion, [..., columns]
+        top, argmax = scaled.max(dim=-1, keepdim=True)
+        weights = (scaled - top).exp_()
+        tops.append(top[..., 0])
+        argmaxes.append(argmax[..., 0] + start)
+        totals.append(weights.sum(dim=-1))
+        weighted.append(torch.linalg.vecdot(weights, scaled))
+    top_k = torch.stack(tops, dim=-1)  # [..., K]
+    top, best = top_k.max(dim=-1, keepdim=True)  # the first slice holding the max: torch's first-index argmax
+    rescale = (top_k - top).exp_()
+    mass = torch.stack(totals, dim=-1) * rescale  # [..., K] each slice's sum of exp(x - top)
+    total = mass.sum(dim=-1)
+    lse = top[..., 0] + total.log()
+    entropy = lse - (torch.stack(weighted, dim=-1) * rescale).sum(dim=-1) / total
+    argmax = torch.stack(argmaxes, dim=-1).gather(-1, best)[..., 0]
+    # The sample: the first slice whose cumulative mass passes u * Z, then the token within it (never one of
+    # probability zero: the remainder is kept below the slice's own cumulative total).
+    cumulative = mass.cumsum(dim=-1)
+    target = uniform * cumulative[..., -1:]
+    chosen = torch.searchsorted(cumulative, target, right=True).clamp_(max=mass.shape[-1] - 1)  # [..., 1]
+    remainder = target - (cumulative.gather(-1, chosen) - mass.gather(-1, chosen))
+    index = chosen * columns + torch.arange(columns, device=logits.device)  # [..., columns]
+    inside = index < vocab
+    picked = logits.gather(-1, index.clamp(max=vocab - 1)) * inverse
+    cdf = (picked - top).exp_().masked_fill_(~inside, 0.0).cumsum(dim=-1)
+    remainder = torch.minimum(remainder, torch.nextafter(cdf[..., -1:], torch.zeros_like(remainder)))
+    within = torch.searchsorted(cdf, remainder, right=True)
+    sample = (chosen * columns + within)[..., 0].clamp_(max=vocab - 1)
+    return StepStats(sample, argmax, entropy, lse)
+
+
+def logsumexp_sliced(logits: torch.Tensor, inverse: float = 1.0, rows: torch.Tensor | None = None,
+                     columns: int = COLUMNS) -> torch.Tensor:  # fmt: skip
+    """logsumexp(logits * inverse) over the last dimension in fp32, [...] (of `logits[rows]` when given), read in
+    slices of `columns`: what it allocates does not grow with the vocabulary."""
+    tops, totals = [], []
+    for start in range(0, logits.shape[-1], columns):
+        part = logits[..., start : start + columns] if rows is None else logits[rows, start : start + columns]
+        scaled = part.to(torch.float32, copy=True).mul_(inverse)
+        top = scaled.amax(dim=-1, keepdim=True)
+        tops.append(top[..., 0])
+        totals.append(scaled.sub_(top).exp_().sum(dim=-1))
+    top_k = torch.stack(tops, dim=-1)
+    top = top_k.amax(dim=-1, keepdim=True)
+    return top[..., 0] + (torch.stack(totals, dim=-1) * (top_k - top).exp_()).sum(dim=-1).log()
+
+
+def _slice_stats(scaled: torch.Tensor, uniform: torch.Tensor) -> StepStats:
     """scaled = logits / T [..., V] in fp32, one uniform draw per position [..., 1] -> StepStats [...].
 
     Five passes over the vocabulary (max with its index, subtract and exp, sum, dot, cumsum): the argmax of the
@@ -171,7 +238,7 @@ def step_stats_rows(logits: torch.Tensor, temperatures: Sequence[float], generat
     uniform = torch.full((*logits.shape[:-1], 1), 0.5, device=logits.device)
     for row, (generator, n) in enumerate(zip(generators, lengths, strict=True)):
         uniform[row, :n] = torch.rand((n, 1), generator=generator, device=logits.device)
-    stats = _torch_stats(logits * inverse, uniform)  # fp32 by type promotion, in one op
+    stats = _torch_stats(logits, inverse, uniform)
     return [stats.map(lambda t, row=row, n=n: t[row : row + 1, :n]) for row, n in enumerate(lengths)]
 
 

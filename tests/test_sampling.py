@@ -16,6 +16,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 from canvas_ls.engine.sampling import (
     EntropyStableAndConfident,
     SeededEntropyBoundSampler,
+    logsumexp_sliced,
     step_stats_fused,
     step_stats_torch,
 )
@@ -43,6 +44,55 @@ def test_fused_matches_the_torch_reference(rows: int, vocab: int, block: int, dt
     torch.testing.assert_close(fused.entropy, reference.entropy, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused.lse, reference.lse, atol=1e-4, rtol=1e-5)
     assert fused.sample.min() >= 0 and fused.sample.max() < vocab
+
+
+@pytest.mark.parametrize(
+    ("vocab", "columns", "dtype"),
+    [(5003, 1024, torch.float32), (4096, 1024, torch.bfloat16), (70000, 16384, torch.float32)],
+)
+def test_the_sliced_cpu_pass_answers_as_the_whole_row(vocab: int, columns: int, dtype: torch.dtype) -> None:
+    """A vocabulary wider than a slice is read slice by slice (the last one partial): the same argmax and the same
+    draws from the same uniforms as one pass over the whole row, its log-sum-exp and entropy within float
+    rounding; a barred token (probability zero) is never drawn, nor is a column past the vocabulary."""
+    logits = (torch.randn(24, vocab, generator=generator(vocab)) * 4).to(dtype)
+    logits[:, vocab - 1] = -1e9  # barred, and in the partial slice
+    logits[5, vocab - 2] = 60.0  # a row whose mass sits in the partial slice
+    logits[6, 10] = 60.0  # ...and one in the first
+    sliced = step_stats_torch(logits, 0.7, generator(1), columns=columns)
+    whole = step_stats_torch(logits, 0.7, generator(1), columns=vocab)
+    assert torch.equal(sliced.argmax, whole.argmax) and sliced.argmax[5] == vocab - 2 and sliced.argmax[6] == 10
+    assert torch.equal(sliced.sample, whole.sample) and sliced.sample[5] == vocab - 2 and sliced.sample[6] == 10
+    torch.testing.assert_close(sliced.lse, whole.lse, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(sliced.entropy, whole.entropy, atol=1e-4, rtol=1e-4)
+    draws = step_stats_torch(logits[:1].expand(4000, vocab), 0.7, generator(2), columns=columns).sample
+    assert draws.max() < vocab - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sliced_log_sum_exp_is_torchs(dtype: torch.dtype) -> None:
+    """What the self-conditioning and the token cache read instead of a softmax over the vocabulary: torch's
+    logsumexp of the scaled logits, of chosen rows too, with the logits left as they were."""
+    logits = (torch.randn(2, 6, 1003, generator=generator(4)) * 5).to(dtype)
+    before = logits.clone()
+    expected = torch.logsumexp(logits.float() / 0.7, dim=-1)
+    torch.testing.assert_close(logsumexp_sliced(logits, 1 / 0.7, columns=256), expected, atol=1e-5, rtol=1e-6)
+    rows = torch.tensor([4, 1])
+    flat = logits[0]
+    torch.testing.assert_close(logsumexp_sliced(flat, rows=rows, columns=100), torch.logsumexp(flat[rows].float(), -1))
+    assert torch.equal(logits, before)
+
+
+def test_sliced_samples_follow_the_softmax() -> None:
+    """The sliced pass's draws (11 tokens in slices of 4, the last of 3) from one distribution: chi-square
+    goodness-of-fit over 5,000 draws."""
+    vocab, draws, temperature = 11, 5000, 0.8
+    logits = torch.randn(vocab, generator=generator(3)) * 0.8
+    stats = step_stats_torch(logits.expand(draws, vocab), temperature, generator(11), columns=4)
+    counts = torch.bincount(stats.sample, minlength=vocab).double()
+    expected = torch.softmax(logits.double() / temperature, dim=-1) * draws
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    dof = vocab - 1
+    assert chi_square < dof + 6 * math.sqrt(2 * dof), chi_square
 
 
 def test_fused_samples_follow_the_softmax() -> None:
