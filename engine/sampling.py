@@ -72,14 +72,18 @@ def _torch_stats(logits: torch.Tensor, inverse: torch.Tensor, uniform: torch.Ten
     if vocab <= columns:
         return _slice_stats(logits * inverse, uniform)
     tops, argmaxes, totals, weighted = [], [], [], []
+    # two slice-sized buffers, written in place slice after slice: what this allocates does not grow with V
+    scratch = torch.empty((2, *logits.shape[:-1], columns), dtype=torch.float32, device=logits.device)
     for start in range(0, vocab, columns):
-        scaled = logits[..., start : start + columns] * inverse  # fp32 by type promotion, [..., columns]
+        part = logits[..., start : start + columns]
+        scaled, weights = scratch[0, ..., : part.shape[-1]], scratch[1, ..., : part.shape[-1]]
+        torch.mul(part, inverse, out=scaled)
         top, argmax = scaled.max(dim=-1, keepdim=True)
-        weights = (scaled - top).exp_()
+        torch.sub(scaled, top, out=weights).exp_()
         tops.append(top[..., 0])
         argmaxes.append(argmax[..., 0] + start)
         totals.append(weights.sum(dim=-1))
-        weighted.append(torch.linalg.vecdot(weights, scaled))
+        weighted.append(scaled.mul_(weights).sum(dim=-1))  # sum(p x) / Z, the slice's part of the entropy
     top_k = torch.stack(tops, dim=-1)  # [..., K]
     top, best = top_k.max(dim=-1, keepdim=True)  # the first slice holding the max: torch's first-index argmax
     rescale = (top_k - top).exp_()
@@ -109,9 +113,11 @@ def logsumexp_sliced(logits: torch.Tensor, inverse: float = 1.0, rows: torch.Ten
     """logsumexp(logits * inverse) over the last dimension in fp32, [...] (of `logits[rows]` when given), read in
     slices of `columns`: what it allocates does not grow with the vocabulary."""
     tops, totals = [], []
+    leading = logits.shape[:-1] if rows is None else (len(rows),)
+    scratch = torch.empty((*leading, columns), dtype=torch.float32, device=logits.device)  # one, slice after slice
     for start in range(0, logits.shape[-1], columns):
         part = logits[..., start : start + columns] if rows is None else logits[rows, start : start + columns]
-        scaled = part.to(torch.float32, copy=True).mul_(inverse)
+        scaled = scratch[..., : part.shape[-1]].copy_(part).mul_(inverse)  # in fp32 (bf16 * a float stays bf16)
         top = scaled.amax(dim=-1, keepdim=True)
         tops.append(top[..., 0])
         totals.append(scaled.sub_(top).exp_().sum(dim=-1))
