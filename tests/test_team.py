@@ -519,23 +519,27 @@ async def test_a_repositorys_adapter_goes_to_the_deployment_with_its_documents(
                                {"name": "lora", "lora_rank": 4})  # fmt: skip
     shutil.copytree(deployment.model, folders["runs"] / "whole" / "model")
     workspaces.install(folders["whole-repo"], folders["runs"] / "whole", str(deployment.model), {}, {"name": "full"})
-    token = add_user(deployment.tokens, "workspace-editor")
-    init = {"engine": {"backend": "remote", "url": deployment.url, "api_key": token, "model": str(deployment.model)},
-            "completion": {"speculate": False, "max_new_tokens_single_line": 4}}  # fmt: skip
-    capabilities = pytest_lsp.client_capabilities("neovim")
-    await client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
-    await wait_model(client, deployment.model)
-    answers = {}
-    for number, name in enumerate(("lora-repo", "whole-repo", "elsewhere")):  # texts of their own: no cached answer
-        text = RETURN_DOC.replace("def f(", f"def f{number}(")
-        answers[name] = await fill_at(client, open_file(client, folders[name] / "a.py", text), RETURN_END)
-    assert {answer["source"] for answer in answers.values()} == {"model"}
-    digest = name_of(pack(workspaces.read(entry).weights)).split(":")[1]
-    adapters = {name: answer["result"]["adapter"] for name, answer in answers.items()}
-    assert adapters["lora-repo"] is not None and Path(adapters["lora-repo"]).name == digest
-    assert (adapters["whole-repo"], adapters["elsewhere"]) == (None, None)
-    assert {answer["result"]["model"] for answer in answers.values()} == {str(deployment.model)}
-    told = [m.message for m in client.log_messages if "whole model" in m.message]
-    assert told == [f"canvas-ls: the model tuned on {folders['whole-repo'].resolve()} is a whole model, which the "
-                    "team deployment cannot run (it holds LoRA adapters of its model): its documents answer with the "
-                    "deployment's model"]  # fmt: skip
+    try:
+        token = add_user(deployment.tokens, "workspace-editor")
+        engine = {"backend": "remote", "url": deployment.url, "api_key": token, "model": str(deployment.model)}
+        init = {"engine": engine, "completion": {"speculate": False, "max_new_tokens_single_line": 4}}
+        capabilities = pytest_lsp.client_capabilities("neovim")
+        await client.initialize_session(types.InitializeParams(capabilities=capabilities, initialization_options=init))
+        await wait_model(client, deployment.model)
+        answers = {}
+        for number, name in enumerate(("lora-repo", "whole-repo", "elsewhere")):  # texts of their own: no cached answer
+            text = RETURN_DOC.replace("def f(", f"def f{number}(")
+            answers[name] = await fill_at(client, open_file(client, folders[name] / "a.py", text), RETURN_END)
+        assert {answer["source"] for answer in answers.values()} == {"model"}
+        digest = name_of(pack(workspaces.read(entry).weights)).split(":")[1]
+        adapters = {name: answer["result"]["adapter"] for name, answer in answers.items()}
+        assert adapters["lora-repo"] is not None and Path(adapters["lora-repo"]).name == digest
+        assert (adapters["whole-repo"], adapters["elsewhere"]) == (None, None)
+        assert {answer["result"]["model"] for answer in answers.values()} == {str(deployment.model)}
+        told = [m.message for m in client.log_messages if "whole model" in m.message]
+        assert told == [f"canvas-ls: the model tuned on {folders['whole-repo'].resolve()} is a whole model, which "
+                        "the team deployment cannot run (it holds LoRA adapters of its model): its documents answer "
+                        "with the deployment's model"]  # fmt: skip
+    finally:  # the user cache is the worker's: other tests list what is installed there
+        for name in ("lora-repo", "whole-repo"):
+            workspaces.remove(folders[name])
