@@ -83,7 +83,7 @@ def _torch_stats(logits: torch.Tensor, inverse: torch.Tensor, uniform: torch.Ten
         tops.append(top[..., 0])
         argmaxes.append(argmax[..., 0] + start)
         totals.append(weights.sum(dim=-1))
-        weighted.append(scaled.mul_(weights).sum(dim=-1))  # sum(p x) / Z, the slice's part of the entropy
+        weighted.append(scaled.mul_(weights).sum(dim=-1))  # sum(weight x scaled): the slice's part of Z E_p[x]
     top_k = torch.stack(tops, dim=-1)  # [..., K]
     top, best = top_k.max(dim=-1, keepdim=True)  # the first slice holding the max: torch's first-index argmax
     rescale = (top_k - top).exp_()
@@ -97,7 +97,7 @@ def _torch_stats(logits: torch.Tensor, inverse: torch.Tensor, uniform: torch.Ten
     cumulative = mass.cumsum(dim=-1)
     target = uniform * cumulative[..., -1:]
     chosen = torch.searchsorted(cumulative, target, right=True).clamp_(max=mass.shape[-1] - 1)  # [..., 1]
-    remainder = target - (cumulative.gather(-1, chosen) - mass.gather(-1, chosen))
+    remainder = (target - (cumulative.gather(-1, chosen) - mass.gather(-1, chosen))).clamp_(min=0.0)
     index = chosen * columns + torch.arange(columns, device=logits.device)  # [..., columns]
     inside = index < vocab
     picked = logits.gather(-1, index.clamp(max=vocab - 1)) * inverse
