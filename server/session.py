@@ -21,7 +21,7 @@ from pygls.lsp.server import LanguageServer
 from .acceptance import Recorder
 from .backend import Backend, LocalBackend, OpenAIBackend, RemoteBackend, ResidentBackend
 from .completion import Completer
-from .config import ServerConfig, parse_config
+from .config import EngineOptions, ServerConfig, parse_config
 from .documents import DocumentStore
 from .nextedit import NextEdits
 from .personal import Thresholds
@@ -84,6 +84,8 @@ class CanvasServer(LanguageServer):
         self.initialization_options: Any = None  # what the editor started the server with; settings go over it
         self.loop: asyncio.AbstractEventLoop | None = None
         self.workspace_refresh: asyncio.Task[None] | None = None  # `refresh_workspaces`, from `initialized` on
+        self.load_report: asyncio.Task[None] | None = None  # the last load's progress and outcome (held: a task
+        # nothing references may be collected mid-way)
         self.shown_errors: set[str] = set()  # errors already shown to the user (each is shown once)
         self.dispatcher = Dispatcher(self.protocol)
         self.initialized = False  # `initialize` handled: later options that cannot be read keep the current ones
@@ -195,9 +197,11 @@ class CanvasServer(LanguageServer):
         options, backend, loop = self.config.engine, self.backend, self.loop
         self.log_to_client(f"loading model {options.model or '(default)'} on {options.device}")
         backend.load(options.model, options.device, lambda _: loop.call_soon_threadsafe(done.set_result, None))
-        return self.loop.create_task(self._report_load(token, options, backend, done))
+        self.load_report = self.loop.create_task(self._report_load(token, options, backend, done))
+        return self.load_report
 
-    async def _report_load(self, token: str, options: Any, backend: RoutedBackend, done: asyncio.Future[None]) -> None:
+    async def _report_load(self, token: str, options: EngineOptions, backend: RoutedBackend,
+                           done: asyncio.Future[None]) -> None:  # fmt: skip
         progress = await self.begin_progress(token, "canvas-ls", "loading the model")
         await done
         if backend is not self.backend or backend.state == "loading":  # a newer configuration's load reports
