@@ -256,6 +256,8 @@ class Backend(Protocol):
     cancelled_after_steps: list[int]
     steps: int | None  # denoising steps taken by an engine in this process (None: another's; its /health)
     adapters: bool  # whether a request may name a LoRA adapter of the model (`adapter`: its folder)
+    whole_models: bool  # whether a workspace's own tuned model can get a backend of this kind (a team deployment
+    # runs its one model, with the workspaces' adapters)
     identity: Identity | None  # which model answers, set when it has loaded (None before, and after a failure)
 
     def load(self, model: str | None, device: str, on_done: Callable[[Any], None] | None = None) -> None: ...
@@ -277,6 +279,7 @@ def _not_ready(state: str, error: str | None, why: Why = Why.LOAD_FAILED) -> Fai
 
 class LocalBackend:
     adapters = True
+    whole_models = True
 
     @property
     def steps(self) -> int | None:
@@ -389,6 +392,7 @@ class EngineClient:
     (`x-canvas-api`), so a server never reads a result shaped by another version."""
 
     adapters = True
+    whole_models = True
     kind = ""
     # Whether requests name the configured adapter (`engine.adapter`): a team deployment holds it beside its model
     # for this user (sent once, `RemoteBackend._adapter_name`); a resident engine merged it when it started.
@@ -605,6 +609,7 @@ class RemoteBackend(EngineClient):
 
     kind = "remote"
     names_adapter = True
+    whole_models = False  # the deployment runs its own model; a workspace's adapter of it is sent there
 
     def __init__(self, url: str, token: str | None, adapter: str | None = None) -> None:
         self.url = url.rstrip("/")
@@ -764,6 +769,7 @@ class OpenAIBackend:
     """Any OpenAI-compatible completions server (our own engine over TCP, vLLM, SGLang...). Same methods."""
 
     adapters = False  # a workspace's adapter runs there only if that server loads it itself
+    whole_models = False
 
     def __init__(self, url: str, api_key: str | None, model: str | None, suffix_mode: str, template: str):
         self.url = url.rstrip("/")

@@ -48,8 +48,7 @@ def make_backend(config: ServerConfig, learner: Learner | None = None, notify: C
         team = RemoteBackend(options.url or "http://127.0.0.1:8000", token, options.adapter)
         # `engine.model` names the deployment's model as the workspace adapters name their base (train's --from)
         enabled = options.workspace_models and not options.adapter
-        return RoutedBackend(team, lambda model, adapter: team, options.model, enabled, notify, learner, paths,
-                             adapters_only=True)  # fmt: skip
+        return RoutedBackend(team, lambda model, adapter: team, options.model, enabled, notify, learner, paths)
 
     def make(model: str | None, adapter: str | None, socket: str | None = None) -> Backend:
         if options.backend == "resident":

@@ -60,13 +60,10 @@ class RoutedBackend:
 
     def __init__(self, default: Backend, make: Callable[[str | None, str | None], Backend], base: str | None,
                  enabled: bool = True, notify: Callable[[str], None] | None = None, learner: Learner | None = None,
-                 paths: dict[str, Path | None] | None = None, adapters_only: bool = False) -> None:  # fmt: skip
+                 paths: dict[str, Path | None] | None = None) -> None:  # fmt: skip
         self.default = default
         self.make = make  # (model, adapter) -> a new backend of the same kind as the default
         self.base = base
-        # a team deployment (`RemoteBackend`) answers with LoRA adapters of its model, sent to it; it cannot run a
-        # whole tuned model
-        self.adapters_only = adapters_only
         resolved_model(base)  # resolved now, not on a request
         self.enabled = enabled
         self.notify = notify or log.info
@@ -148,7 +145,7 @@ class RoutedBackend:
             adapter = entry.runs_as[1]
             identity = None if default.identity is None else replace(default.identity, adapter=adapter or "")
             return Route(identity, default, adapter, entry=entry)
-        if self.adapters_only:  # a whole tuned model: the deployment's own model answers (told once, `_start`)
+        if not default.whole_models:  # a tuned model a team deployment cannot run: its model answers (told once)
             return Route(default.identity, default, None, entry=entry)
         own = self.workspace_backends.get(entry.runs_as)
         if own is not None and own.state == "ready":
@@ -161,13 +158,15 @@ class RoutedBackend:
         entry = route.entry
         if entry is None:
             return
-        if route.adapter is not None or self.adapters_only:
+        if route.adapter is not None or not self.default.whole_models:
             if entry.root not in self._announced:
                 self._announced.add(entry.root)
-                self.notify(f"documents under {entry.root} answer with the adapter tuned on it" if route.adapter
-                            else f"the model tuned on {entry.root} is a whole model, which the team deployment "
-                            "cannot run (it holds LoRA adapters of its model): its documents answer with the "
-                            "deployment's model")  # fmt: skip
+                self.notify(
+                    f"documents under {entry.root} answer with the adapter tuned on it"
+                    if route.adapter
+                    else f"the model tuned on {entry.root} is a whole model, which the team deployment cannot run "
+                    "(it holds LoRA adapters of its model): its documents answer with the deployment's model"
+                )
             return
         key = entry.runs_as
         if route.pending and key not in self.workspace_backends:

@@ -25,6 +25,7 @@ class Fixed:
     """A backend that answers every request with `reply`, and counts the calls."""
 
     adapters = False
+    whole_models = True
     state, error, model_name, load_seconds = "ready", None, "fixed", 0.0
     identity = Identity("fixed", "fixed")
 

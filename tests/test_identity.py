@@ -48,6 +48,7 @@ class Slow:
     """A backend whose answer waits for `release` (a request that is denoising), then answers `reply`."""
 
     adapters = False
+    whole_models = True
     state, error, model_name, load_seconds = "ready", None, "slow", 0.0
 
     def __init__(self, reply: Reply, identity: Identity) -> None:

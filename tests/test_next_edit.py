@@ -182,6 +182,7 @@ class Fixed:
     each window of the canvas)."""
 
     adapters = False
+    whole_models = True
     state = "ready"
 
     def __init__(self, reply: Any) -> None:
