@@ -84,9 +84,7 @@ def _torch_stats(logits: torch.Tensor, inverse: torch.Tensor, uniform: torch.Ten
         argmaxes.append(argmax[..., 0] + start)
         totals.append(weights.sum(dim=-1))
         weighted.append(scaled.mul_(weights).sum(dim=-1))  # sum(weight x scaled): the slice's part of Z E_p[x]
-    top_k = torch.stack(tops, dim=-1)  # [..., K]
-    top, best = top_k.max(dim=-1, keepdim=True)  # the first slice holding the max: torch's first-index argmax
-    rescale = (top_k - top).exp_()
+    top, best, rescale = _rescaling(tops)
     mass = torch.stack(totals, dim=-1) * rescale  # [..., K] each slice's sum of exp(x - top)
     total = mass.sum(dim=-1)
     lse = top[..., 0] + total.log()
@@ -121,9 +119,16 @@ def logsumexp_sliced(logits: torch.Tensor, inverse: float = 1.0, rows: torch.Ten
         top = scaled.amax(dim=-1, keepdim=True)
         tops.append(top[..., 0])
         totals.append(scaled.sub_(top).exp_().sum(dim=-1))
+    top, _, rescale = _rescaling(tops)
+    return top[..., 0] + (torch.stack(totals, dim=-1) * rescale).sum(dim=-1).log()
+
+
+def _rescaling(tops: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slices' maxima [...] each -> the global max [..., 1], the first slice holding it [..., 1] (torch's
+    first-index argmax) and each slice's factor exp(max_k - max) [..., K], which puts its sums on the global max."""
     top_k = torch.stack(tops, dim=-1)
-    top = top_k.amax(dim=-1, keepdim=True)
-    return top[..., 0] + (torch.stack(totals, dim=-1) * (top_k - top).exp_()).sum(dim=-1).log()
+    top, best = top_k.max(dim=-1, keepdim=True)
+    return top, best, (top_k - top).exp_()
 
 
 def _slice_stats(scaled: torch.Tensor, uniform: torch.Tensor) -> StepStats:

@@ -205,7 +205,7 @@ def mix_cache(rows: torch.Tensor, found: Sequence[Found], weight: float, barred_
     ends = torch.where(raw_stop <= barred_below, raw_stop + shift[:, None], raw_stop - lse[:, None])
     hit = mass > 0  # a slot whose every cached token is barred (or an end) keeps its logits
     for row in hit.nonzero()[:, 0].tolist():
-        _shift_(rows[int(index[row])], float(shift[row]))
+        _shift_(rows[found[row][0]], float(shift[row]))
     mixed = (cached > 0) & hit[at_row]
     rows[index[at_row[mixed]], at_id[mixed]] = value[mixed].to(rows.dtype)
     rows[index[hit][:, None], stop_ids] = ends[hit].to(rows.dtype)
