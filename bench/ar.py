@@ -225,11 +225,12 @@ def canvas_model(folder: Path, shape: dict[str, int], seed: int = 0) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None) -> tuple[float, int, dict[str, float]]:
-    """One /v1/infill of a 16-slot gap (`steps` denoising steps at most; None: the model's cap): ms, tokens, and
-    the engine's own account of it."""
+def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None, refresh: int = 1
+                  ) -> tuple[float, int, dict[str, float]]:  # fmt: skip
+    """One /v1/infill of a 16-slot gap (`steps` denoising steps at most; None: the model's cap; the suffix head
+    computed every `refresh` steps): ms, tokens, and the engine's own account of it."""
     settings = {"gap_tokens": ANSWER_TOKENS, "max_new_tokens": ANSWER_TOKENS, "max_prefix_tokens": 8192,
-                **({"max_steps": steps} if steps else {})}  # fmt: skip
+                "suffix_refresh": refresh, **({"max_steps": steps} if steps else {})}  # fmt: skip
     started = time.perf_counter()
     response = client.post("/v1/infill", json={"prefix": prefix, "suffix": suffix, "settings": settings})
     ms = (time.perf_counter() - started) * 1000
@@ -247,10 +248,11 @@ def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None) -> t
 
 def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int | None, ...], threads: int,
         compile_mode: str, shape: str = "qwen2.5-coder-0.5b", quantize: tuple[str, ...] = ("auto",),
+        refresh: tuple[int, ...] = (1,),
         progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
     """The side-by-side: per document, a cold request then len(TYPED) warm ones, to each system in turn (the order
     alternating), llama-server skipped with the reason when it is missing or fails. canvas-ls runs one engine per
-    `quantize` choice (the engine's --quantize), each at every step cap."""
+    `quantize` choice (the engine's --quantize), each at every step cap and every `refresh` (`suffix_refresh`)."""
     from .core import engine_process, machine
 
     work = Path(tempfile.mkdtemp(prefix="canvas-ls-bench-ar-"))
@@ -270,11 +272,11 @@ def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int 
             report.setdefault("engines", {})[name] = {"quantize": health["quantize"], "threads": health.get("threads")}
         try:
             with _llama(llama, gguf_file, work, SHAPES[shape], threads, report, progress) as llama_client:
-                timed = _interleaved(engines, llama_client, documents(count), steps, progress)
+                timed = _interleaved(engines, llama_client, documents(count), steps, progress, refresh)
         except RuntimeError as exc:  # llama-server missing or failing: canvas-ls's rows still run
             report["llama_error"] = str(exc)
             progress(f"llama-server: {exc}; timing canvas-ls alone")
-            timed = _interleaved(engines, None, documents(count), steps, progress)
+            timed = _interleaved(engines, None, documents(count), steps, progress, refresh)
     report["requests"] = [vars(t) for t in timed]
     report["rows"] = summary(timed)
     shutil.rmtree(work, ignore_errors=True)
@@ -296,12 +298,14 @@ def _llama(binary: str | None, gguf_file: Path | None, work: Path, shape: dict[s
 
 
 def _interleaved(engines: dict[str, Any], llama: Any, docs: list[tuple[str, str]], steps: tuple[int | None, ...],
-                 progress: Callable[[str], None]) -> list[Timed]:  # fmt: skip
+                 progress: Callable[[str], None], refresh: tuple[int, ...] = (1,)) -> list[Timed]:  # fmt: skip
     systems: list[tuple[str, Callable[[str, str], tuple[float, int, dict[str, float]]]]] = [
-        (f"{name} {f'{s} steps' if s else 'default steps'}", lambda p, x, e=engine, s=s: canvas_infill(e, p, x, s))
+        (f"{name} {f'{s} steps' if s else 'default steps'}{f', suffix every {n}' if n > 1 else ''}",
+         lambda p, x, e=engine, s=s, n=n: canvas_infill(e, p, x, s, n))
         for name, engine in engines.items()
         for s in steps
-    ]
+        for n in refresh
+    ]  # fmt: skip
     if llama is not None:
         systems.insert(0, ("llama-server", lambda p, x: llama_infill(llama, p, x)))
     for name, infill in systems:  # warm-up: one request each, untimed
@@ -349,11 +353,11 @@ def format_ar(report: dict[str, Any]) -> str:
              f"{report['compile']}); {report['documents']} documents, {ANSWER_TOKENS}-token answers", ""]  # fmt: skip
     if report["llama_error"]:
         lines.append(f"llama-server not timed: {report['llama_error']}")
-    lines.append(f"{'system':<37}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13} | "
+    lines.append(f"{'system':<52}{'mode':<6}{'n':>5}{'p50 ms':>10}{'p95 ms':>10}{'p50 / llama':>13} | "
                  f"{'prompt':>7}{'reused':>7}{'encode ms':>10}{'answer ms':>10}{'steps':>6}")  # fmt: skip
     for row in report["rows"]:
         ratio = f"{row['p50_vs_llama']:.2f}" if row["p50_vs_llama"] is not None else "-"
-        lines.append(f"{row['system']:<37}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
+        lines.append(f"{row['system']:<52}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
                      f"{row['p95_ms']:>10.1f}{ratio:>13} | {row['prompt_tokens']:>7.0f}{row['reused_tokens']:>7.0f}"
                      f"{row['encode_ms']:>10.1f}{row['answer_ms']:>10.1f}{row['steps']:>6.0f}")  # fmt: skip
     lines.append("(medians; 'answer ms': llama-server's decoding, canvas-ls's denoising; 'steps': tokens decoded or "

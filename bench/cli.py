@@ -217,6 +217,9 @@ def add_parser(commands: Any) -> None:
                     help="the shape both random-weight models are built at")  # fmt: skip
     ar.add_argument("--documents", type=int, default=10, help="documents; each asked cold, then 4 times warm")
     ar.add_argument("--steps", default="4,default", help="canvas-ls's denoising-step caps ('default': the model's)")
+    ar.add_argument("--suffix-refresh", default="1", metavar="N[,M...]",
+                    help="canvas-ls's suffix_refresh, each at every step cap: 1 computes the suffix head every step, "
+                    "N every N steps and the gap alone between (e.g. 1,4: both in one run)")  # fmt: skip
     ar.add_argument("--threads", type=int, default=2, help="llama-server's -t (canvas-ls picks its own)")
     ar.add_argument("--compile", choices=("auto", "on", "off"), default="off",
                     help="canvas-ls's engine --compile (a 0.5B model's graphs take minutes to compile)")  # fmt: skip
@@ -404,13 +407,19 @@ def _bench_ar(args: argparse.Namespace) -> int:
     from .core import busy_cores
 
     steps = tuple(None if s == "default" else int(s) for s in args.steps.split(","))
+    try:
+        refresh = tuple(int(n) for n in args.suffix_refresh.split(","))
+    except ValueError:
+        refresh = (0,)
+    if min(refresh) < 1:
+        raise SystemExit(f"canvas-ls: error: --suffix-refresh {args.suffix_refresh}: positive integers, e.g. 1,4")
     quantize = tuple(args.quantize.split(","))
     unknown = [choice for choice in quantize if choice not in QUANTIZE]
     if unknown:
         raise SystemExit(f"canvas-ls: error: --quantize {','.join(unknown)}: use {', '.join(QUANTIZE)}")
     with busy_cores(args.busy_cores):
         report = bench_ar.run(args.llama_server, args.gguf, args.documents, steps, args.threads, args.compile,
-                              args.shape, quantize,
+                              args.shape, quantize, refresh,
                               progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
     report["busy_cores"] = args.busy_cores
     return _report("ar", report, bench_ar.format_ar, args.out, bench_ar.plot_ar)

@@ -59,6 +59,7 @@ from .sampling import (
     step_stats_rows,
 )
 from .settings import InfillSettings
+from .suffix_kv import ExtendedCache, clamped_slots, record_canvas_kv
 from .token_cache import ORDERS, Caches, Found, lookups, mix_cache
 
 
@@ -221,6 +222,7 @@ class CanvasJob:
         self.error: InfillCancelled | None = None  # set by DenoisingBatch.step when this job was cancelled
         # A rewrite's kept slots and their span's ids ([1, G] bool, [1, G] long), set by `_first_gap_canvas`
         self.anchor: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.recordings = 0  # how many full steps recorded their clamped slots (`keep_clamped`)
         self._lay_out()
         self._open_canvas(self._first_gap_canvas())
 
@@ -291,6 +293,9 @@ class CanvasJob:
         # `conditioning.py`); None: the next step has none (a canvas's first step, or self_condition "off")
         self.conditioning: float | None = None
         self.step = 0
+        # The clamped slots' keys and values of this canvas's last full step (`suffix_kv.py`), as the cache the
+        # gap-only steps read; None: the next step computes the whole canvas
+        self.extended: ExtendedCache | None = None
 
     def canvas(self) -> torch.Tensor:
         """[1, L]: the gap slots written into the clamped template."""
@@ -313,8 +318,35 @@ class CanvasJob:
         return InfillCancelled(self.out.steps) if self.cancel is not None and self.cancel.is_set() else None
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The canvas to denoise next ([1, L]; clamped segments written back every step) and its positions."""
+        """The canvas to denoise next ([1, L]; clamped segments written back every step) and its positions; on a
+        gap-only step ([1, G]) the gap slots and theirs."""
+        if self.gap_only():
+            return self.gap_canvas, self.positions[:, : self.gap]
         return self.canvas(), self.positions
+
+    def width(self) -> int:
+        """The slots the next step's forward computes: the canvas's, or the gap's on a gap-only step."""
+        return self.gap if self.gap_only() else self.length
+
+    def gap_only(self) -> bool:
+        """Whether the next step runs the gap slots alone, against the suffix head's recorded keys and values."""
+        return self.extended is not None and self.step % self.params.settings.suffix_refresh != 0
+
+    def records(self) -> bool:
+        """Whether the next step records its clamped slots' keys and values for the gap-only steps after it (a full
+        step of a single gap followed by clamped text, with `suffix_refresh` above 1)."""
+        refresh = self.params.settings.suffix_refresh
+        return refresh > 1 and self.continues and self.length > self.gap and not self.gap_only()
+
+    def keep_clamped(self, recording: dict[int, tuple[torch.Tensor, torch.Tensor]], row: int) -> None:
+        """The clamped slots' keys and values of the step just run (row `row` of its recording)."""
+        self.extended = ExtendedCache(self.cache, clamped_slots(recording, row, self.gap, self.length))
+        self.recordings += 1
+
+    def decoder_cache(self) -> Any:
+        """What the next step's decoder forward attends to before the canvas: the encoder cache, extended by the
+        clamped slots' recorded keys and values on a gap-only step."""
+        return self.extended if self.gap_only() else self.cache
 
     def cache_lookups(self, cache: Caches, weight: float) -> list[Found]:
         """The token cache's `lookups` for this canvas: known are the prefix and earlier canvases, the clamped code
@@ -451,8 +483,9 @@ class CanvasJob:
         self.done = True
 
 
-def step_jobs(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
-    """One step for each job from its row of a (shared) decoder forward's logits [B, Lc, V]."""
+def step_jobs(jobs: list[CanvasJob], logits: torch.Tensor, widths: list[int]) -> None:
+    """One step for each job from its row of a (shared) decoder forward's logits [B, Lc, V], of which its first
+    `widths[row]` slots are its own (`CanvasJob.width`, taken before the step)."""
     gathered = []  # [G, V] per job: a view for the single infill; a copy (written back) for several gaps
     for row, job in enumerate(jobs):
         rows = job.gap_logits(logits[row : row + 1])[0]
@@ -476,7 +509,7 @@ def step_jobs(jobs: list[CanvasJob], logits: torch.Tensor) -> None:
     stats = step_stats_rows(gap_logits, [job.temperature_now() for job in jobs], [job.generator for job in jobs],
                             [job.gap for job in jobs])  # fmt: skip
     for row, job in enumerate(jobs):
-        job.advance(logits[row : row + 1, : job.length], stats[row])
+        job.advance(logits[row : row + 1, : widths[row]], stats[row])
 
 
 class BatchedKV:
@@ -487,6 +520,8 @@ class BatchedKV:
     """
 
     is_compileable = False
+    # {layer: (keys, values)} of the canvas while a step records them (`suffix_kv.py`), else None
+    recording: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, caches: list[DynamicCache], layer_types: list[str]):
         self.layers = []
@@ -534,7 +569,8 @@ class DenoisingBatch:
         vocab = model.config.text_config.vocab_size
         self.conditioning = (SparseSelfConditioning(model) if is_cpu_int8(model)
                              else SelfConditioning(vocab, embed.dtype, embed.device))  # fmt: skip
-        self._kv: tuple[tuple[tuple[int, int], ...], BatchedKV] | None = None
+        record_canvas_kv(model)
+        self._kv: tuple[tuple[tuple[int, int, bool, int], ...], BatchedKV] | None = None
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -556,15 +592,24 @@ class DenoisingBatch:
         if not self.jobs:
             return ended
         jobs = list(self.jobs)
-        logits = self.decoder(**self.decoder_inputs())  # [B, Lc, V]
-        step_jobs(jobs, logits)
+        widths = [job.width() for job in jobs]
+        inputs = self.decoder_inputs()
+        recording = [row for row, job in enumerate(jobs) if job.records()]
+        if recording:  # the clamped slots' keys and values for the gap-only steps after this one (`suffix_kv.py`)
+            inputs["cache"].recording = {}
+        logits = self.decoder(**inputs, eager=bool(recording))  # [B, Lc, V]
+        if recording:
+            kept, inputs["cache"].recording = inputs["cache"].recording, None
+            for row in recording:
+                jobs[row].keep_clamped(kept, row)
+        step_jobs(jobs, logits, widths)
         if any(job.conditioning is not None for job in jobs):
-            self.conditioning.fit(len(jobs), logits.shape[1])
+            self.conditioning.fit(len(jobs), max(job.length for job in jobs))
         for row, job in enumerate(jobs):  # the next step's self-conditioning, written in place
             if job.conditioning is None or job.done:
                 self.conditioning.clear(row)
-            else:
-                self.conditioning.write(row, logits[row, : job.length], job.conditioning)
+            else:  # a gap-only step leaves the clamped slots' logits of the last full step
+                self.conditioning.write(row, logits[row, : widths[row]], job.conditioning)
         done = [job for job in jobs if job.done]
         self._drop(done)
         return ended + done
@@ -581,17 +626,18 @@ class DenoisingBatch:
         width = max(canvas.shape[1] for _, canvas, _ in ready)
         canvases = torch.cat([_right_pad(canvas, width, self.pad_id) for _, canvas, _ in ready])  # [B, Lc]
         positions = torch.cat([_right_pad_positions(p, width) for _, _, p in ready])  # [B, Lc]
-        # The batched cache is rebuilt only when a job joins, leaves, or extends its cache (a next canvas).
-        key = tuple((job.serial, job.cursor) for job, _, _ in ready)
+        # The batched cache is rebuilt only when a job joins, leaves, extends its cache (a next canvas) or reads the
+        # clamped slots' keys and values of another full step (or none: its next full step).
+        key = tuple((job.serial, job.cursor, job.gap_only(), job.recordings) for job, _, _ in ready)
         if self._kv is None or self._kv[0] != key:
-            self._kv = (key, BatchedKV([job.cache for job, _, _ in ready], self.layer_types))
+            self._kv = (key, BatchedKV([job.decoder_cache() for job, _, _ in ready], self.layer_types))
         kv = self._kv[1]
         self_cond = mask = None
         if isinstance(self.conditioning, SparseSelfConditioning):  # eager; the block's hook takes them
-            self.conditioning.feed(len(ready), width)
+            self.conditioning.feed(len(ready), width, max(job.length for job, _, _ in ready))
         # A compiled decoder always takes them (one graph); eager, they are left out while no row has any
         elif self.conditioning.any(len(ready)) or self.decoder.static_inputs:
-            self_cond, mask = self.conditioning.inputs(len(ready), width)
+            self_cond, mask = self.conditioning.inputs(len(ready), width, max(job.length for job, _, _ in ready))
         return dict(
             decoder_input_ids=canvases,
             cache=kv,

@@ -114,10 +114,11 @@ class CompiledDecoder:
         """Whether callers should always pass self-conditioning tensors (one graph for every step)."""
         return self.enabled
 
-    def __call__(self, **inputs: Any) -> torch.Tensor:
-        """The logits of one decoder forward: compiled once its graph is warm, eager before and after a failure."""
+    def __call__(self, eager: bool = False, **inputs: Any) -> torch.Tensor:
+        """The logits of one decoder forward: compiled once its graph is warm, eager before and after a failure, and
+        where the caller asks (a step that records the canvas's keys and values: a graph does not call back)."""
         rows = _rows(inputs)
-        if self._serves(rows):
+        if not eager and self._serves(rows):
             logits = self._run_precompiled(inputs, rows) if self._ahead else self._run_in_place(inputs)
             if logits is not None:
                 self.steps["compiled"] += 1

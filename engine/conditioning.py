@@ -47,11 +47,13 @@ class SelfConditioning:
         """Whether any of the first `rows` rows carries last step's logits."""
         return any(self.flags[:rows])
 
-    def inputs(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder's `self_conditioning_logits` [rows, width, V] and `self_conditioning_mask` [rows]."""
-        self.fit(rows, width)
+    def inputs(self, rows: int, width: int, canvas: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's `self_conditioning_logits` [rows, width, V] and `self_conditioning_mask` [rows], from a
+        buffer of the batch's `canvas` width (the forward's `width` unless a gap-only step computes fewer slots,
+        `suffix_kv.py`: the buffer keeps the clamped slots' logits for the next full step)."""
+        self.fit(rows, canvas or width)
         assert self.buffer is not None and self.mask is not None
-        return self.buffer[:rows], self.mask[:rows]
+        return self.buffer[:rows, :width], self.mask[:rows]
 
     @torch.inference_mode()
     def write(self, row: int, logits: torch.Tensor, temperature: float) -> None:
@@ -144,10 +146,10 @@ class SparseSelfConditioning(SelfConditioning):
             self.buffer[row].zero_()
             self._flag(row, False)
 
-    def feed(self, rows: int, width: int) -> None:
+    def feed(self, rows: int, width: int, canvas: int | None = None) -> None:
         """The next decoder forward's self-conditioning: these rows' soft embeddings, or none while no row has any
         (the decoder's zeros)."""
-        self.input.soft = self.inputs(rows, width)[0] if self.any(rows) else None
+        self.input.soft = self.inputs(rows, width, canvas)[0] if self.any(rows) else None
 
 
 def embedding_total(model: Any) -> torch.Tensor:

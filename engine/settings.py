@@ -45,6 +45,10 @@ class InfillSettings:
     gap_tokens: int = 32
     # How many tokens of the suffix are clamped into the canvas after the gap ("canvas" layout only).
     suffix_head_tokens: int = 16
+    # How often a step recomputes the clamped suffix head ("canvas" layout, one gap): every step (1, exact), or every
+    # N steps, the steps between computing the gap alone against the suffix head's keys and values of the last full
+    # step (`engine/suffix_kv.py`: half the arithmetic of a 16 + 16 canvas's step, answers may differ).
+    suffix_refresh: int = 1
     # Bound on the whole answer; past one canvas, the gap continues block by block up to this many tokens.
     max_new_tokens: int = 128
     # The prefix keeps its last this-many tokens (the server picks smarter windows; this is the engine's guard).
@@ -137,6 +141,7 @@ class InfillSettings:
             "max_holes",
             "fill_tokens",
             "max_canvas_tokens",
+            "suffix_refresh",
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -85,6 +85,7 @@ class Settings:
     max_suffix_tokens: int | None = None
     max_steps: int | None = None
     entropy_bound: float | None = None
+    suffix_refresh: int | None = None
     single_line: bool | None = None
     workspace_cache: float | None = None
     max_holes: int | None = None

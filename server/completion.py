@@ -84,6 +84,7 @@ def request_settings(context: CompletionContext, options: CompletionOptions, inv
         max_suffix_tokens=options.suffix_tokens,
         max_steps=options.max_steps,
         entropy_bound=options.entropy_bound,
+        suffix_refresh=options.suffix_refresh,
         single_line=context.mode == "single_line",
         workspace_cache=options.workspace_cache,
     )

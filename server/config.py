@@ -90,6 +90,9 @@ class CompletionOptions:
     # Denoising step cap and entropy bound; None keeps the model's own settings.
     max_steps: int | None = None
     entropy_bound: float | None = None
+    # Compute the clamped suffix head every N denoising steps, the gap alone between (faster, answers may differ:
+    # the engine's `suffix_refresh`); None keeps the model's own setting (1: every step).
+    suffix_refresh: int | None = None
     # Context windows around the cursor, in model tokens (estimated from characters; the engine trims exactly).
     prefix_tokens: int = 1024
     suffix_tokens: int = 256
@@ -128,8 +131,8 @@ class CompletionOptions:
                 acceptance_target=(0.01, 0.99),
                 gap_tokens_single_line=(1, TOKENS), gap_tokens_multi_line=(1, TOKENS),
                 max_new_tokens_single_line=(1, TOKENS), max_new_tokens_multi_line=(1, TOKENS), max_steps=(1, TOKENS),
-                prefix_tokens=(0, CONTEXT), suffix_tokens=(0, CONTEXT), context_tokens=(0, CONTEXT),
-                max_lines=(1, 10_000), debounce_ms=(0, 10_000))  # fmt: skip
+                suffix_refresh=(1, TOKENS), prefix_tokens=(0, CONTEXT), suffix_tokens=(0, CONTEXT),
+                context_tokens=(0, CONTEXT), max_lines=(1, 10_000), debounce_ms=(0, 10_000))  # fmt: skip
 
 
 @dataclass

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from canvas_ls.engine.supersession import Supersession
 from canvas_ls.server.backend import Answer, CancelFlag, Identity
+from canvas_ls.server.completion import request_settings
 from canvas_ls.server.config import CompletionOptions
 from canvas_ls.server.context import CompletionContext, Skip, build_context
 from canvas_ls.server.documents import Document
@@ -100,3 +103,15 @@ def test_a_newer_request_for_a_document_supersedes_the_older() -> None:
     with running.running("a.py", CancelFlag()) as third:
         running.cancel("a.py")
         assert third.is_set() and len(running) == 0
+
+
+def test_the_suffix_refresh_option_reaches_the_engine_and_is_checked() -> None:
+    """`completion.suffix_refresh` is the engine's setting, asked only when set (else the model's own)."""
+    document = open_doc(DOC)
+    context = build_context(document, document.index.offset(4, 11), OPTIONS)
+    assert isinstance(context, CompletionContext)
+    assert "suffix_refresh" not in request_settings(context, OPTIONS, invoked=False).asked()
+    asked = request_settings(context, CompletionOptions(suffix_refresh=4), invoked=False).asked()
+    assert asked["suffix_refresh"] == 4
+    with pytest.raises(ValueError, match="suffix_refresh"):
+        CompletionOptions(suffix_refresh=0)

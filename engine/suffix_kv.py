@@ -1,0 +1,69 @@
+"""The clamped suffix head's keys and values kept between steps: the steps in between run the gap alone.
+
+A canvas is [G gap slots | S suffix-head tokens, clamped]. Each step's decoder forward recomputes all G + S slots,
+yet the S clamped tokens never change: only what they attend to (the gap) does. With `suffix_refresh` N > 1, a
+step computes the whole canvas every N steps (a canvas's first step among them) and records, per layer, the keys
+and values its clamped slots produced; the steps between run the G gap slots alone, attending to the prefix's
+encoder cache and those recorded keys and values, as if they were cached context at their own positions (the keys
+carry their rotary positions already). The gap still sees the suffix head every step; the suffix head sees the gap
+as it was at the last full step. That is an approximation (the dual cache of Fast-dLLM, Wu et al. 2025, refreshed
+per block there): answers may differ from every-step forwards, so N = 1 (exact) is the default and a model's
+`canvas_ls.json` or a request may ask for more. A step of 16 gap slots instead of 32 reads the same weights and
+does half the arithmetic, which is what a CPU's compute-bound step costs.
+
+Recording happens in the decoder's attention layers, where transformers' `append_to_cache` receives each layer's
+canvas keys and values (normalised, rotated) to concatenate after the encoder cache: `record_canvas_kv` wraps it per
+layer, and a cache object carrying a `recording` dict receives them. A recording forward runs eager (a compiled
+graph does not call back into Python); the gap-only steps run as any other step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class KVLayer:
+    keys: torch.Tensor  # [1, H, L, D]
+    values: torch.Tensor
+
+
+class ExtendedCache:
+    """A job's encoder cache with its clamped slots' recorded keys and values after it: what a gap-only step reads
+    (`layers[i].keys/values`, as `BatchedKV` reads a DynamicCache)."""
+
+    def __init__(self, cache: Any, recorded: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.layers = [KVLayer(torch.cat([layer.keys, keys], dim=2), torch.cat([layer.values, values], dim=2))
+                       for layer, (keys, values) in zip(cache.layers, recorded, strict=True)]  # fmt: skip
+
+
+def record_canvas_kv(model: Any) -> None:
+    """Wrap each decoder attention layer's `append_to_cache` so that a cache with a `recording` dict (not None)
+    receives {layer index: (keys, values)} of the canvas, [B, H, Lc, D] each. Once per model."""
+    if getattr(model, "canvas_ls_records_kv", False):
+        return
+    for layer in model.model.decoder.layers:
+        attention = layer.self_attn
+        attention.append_to_cache = _recording(attention.append_to_cache, attention.layer_idx)
+    model.canvas_ls_records_kv = True
+
+
+def _recording(append: Any, index: int) -> Any:
+    def append_to_cache(cache: Any, key_states: torch.Tensor, value_states: torch.Tensor) -> Any:
+        recording = getattr(cache, "recording", None)
+        if recording is not None:
+            recording[index] = (key_states, value_states)
+        return append(cache, key_states, value_states)
+
+    return append_to_cache
+
+
+def clamped_slots(recording: dict[int, tuple[torch.Tensor, torch.Tensor]], row: int, start: int, end: int
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Row `row`'s recorded keys and values of canvas slots [start, end), per layer in order, copied out of the
+    batch's tensors (those are freed after the step)."""
+    return [(keys[row : row + 1, :, start:end].clone(), values[row : row + 1, :, start:end].clone())
+            for _, (keys, values) in sorted(recording.items())]  # fmt: skip
