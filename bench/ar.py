@@ -372,14 +372,17 @@ def plot_ar(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = list(dict.fromkeys(r["system"] for r in report["requests"]))
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
+    systems = list(dict.fromkeys(r["system"] for r in report["requests"]))[::-1]  # the first on top
+    figure, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * len(systems)), sharey=True)
     for axis, mode in zip(axes, ("cold", "warm"), strict=True):
         data = [[r["ms"] for r in report["requests"] if r["system"] == s and r["mode"] == mode] for s in systems]
-        axis.boxplot(data, tick_labels=systems)
+        if "llama-server" in systems:  # as the docs give them: over llama-server's p50 of the same run and mode
+            unit = statistics.median(data[systems.index("llama-server")])
+            data = [[ms / unit for ms in times] for times in data]
+            axis.axvline(1.0, color="grey", linewidth=0.8)
+        axis.boxplot(data, tick_labels=systems, orientation="horizontal")
         axis.set_title(f"{mode} ({ANSWER_TOKENS}-token answer)")
-        axis.set_ylabel("ms")
-        axis.tick_params(axis="x", rotation=20)
+        axis.set_xlabel("latency / llama-server's p50" if "llama-server" in systems else "ms")
     figure.suptitle(report["machine"], fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
