@@ -595,13 +595,14 @@ class DenoisingBatch:
         widths = [job.width() for job in jobs]
         inputs = self.decoder_inputs()
         recording = [row for row, job in enumerate(jobs) if job.records()]
-        if recording:  # the clamped slots' keys and values for the gap-only steps after this one (`suffix_kv.py`)
-            inputs["cache"].recording = {}
-        logits = self.decoder(**inputs, eager=bool(recording))  # [B, Lc, V]
-        if recording:
-            kept, inputs["cache"].recording = inputs["cache"].recording, None
-            for row in recording:
-                jobs[row].keep_clamped(kept, row)
+        kv = inputs["cache"]
+        kv.recording = {} if recording else None  # the clamped slots' keys and values, for the gap-only steps after
+        try:
+            logits = self.decoder(**inputs, eager=bool(recording))  # [B, Lc, V]
+        finally:
+            kept, kv.recording = kv.recording, None
+        for row in recording:
+            jobs[row].keep_clamped(kept, row)
         step_jobs(jobs, logits, widths)
         if any(job.conditioning is not None for job in jobs):
             self.conditioning.fit(len(jobs), max(job.length for job in jobs))

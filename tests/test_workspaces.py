@@ -355,9 +355,13 @@ async def test_a_learning_run_is_stopped_while_the_model_answers_and_resumed_aft
     from canvas_ls.server.workspaces import Learner, LearnJob
 
     learner = Learner(resume_after_s=0.2)
-    child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; print(flush=True); time.sleep(60)",
+                                                 stdout=asyncio.subprocess.PIPE)  # fmt: skip
     job = learner.jobs[Path("/repo")] = LearnJob(Path("/repo"), child)
     try:
+        # A run that has started, as one a completion stops has: its interpreter handles SIGINT by then (a child
+        # stopped and interrupted while it may still have been starting up once did not end within 10 s, on CI)
+        assert child.stdout is not None and await asyncio.wait_for(child.stdout.readline(), 30) == b"\n"
         learner.hold()
         assert job.held and await state_of(child.pid, "T")
         learner.release()
