@@ -40,19 +40,21 @@ def compile_mode(mode: str) -> str:
 class CompilerProcess:
     """A running compiling child: its graph lines as they come, then how it ended."""
 
-    def __init__(self, folder: str, dtype: str, backend: str = "inductor"):
-        self.folder, self.dtype, self.backend = folder, dtype, backend
+    def __init__(self, folder: str, dtype: str, backend: str = "inductor", quantize: str = "auto"):
+        # `quantize`: the engine's weights ("auto" resolves in the child as in the engine: the same model, the same
+        # machine); the child compiles the graph of the model the engine runs, not of what "auto" would load
+        self.folder, self.dtype, self.quantize, self.backend = folder, dtype, quantize, backend
         self.started = time.perf_counter()  # the warm-up's clock (`ready_seconds`) starts with the child
         self._errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the child writes it for its whole life)
         command = [sys.executable, "-m", "canvas_ls.engine.compile_worker", folder, "--dtype", dtype,
-                   "--backend", backend]  # fmt: skip
+                   "--quantize", quantize, "--backend", backend]  # fmt: skip
         self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._errors,
                                          stdin=subprocess.DEVNULL, text=True)  # fmt: skip
 
-    def serves(self, folder: str, dtype: str, backend: str) -> bool:
-        """Whether it compiles what an engine of this model folder, dtype and backend needs."""
-        same = Path(self.folder).resolve() == Path(folder).resolve()
-        return same and self.dtype in ("auto", dtype) and self.backend == backend
+    def serves(self, folder: str, dtype: str, backend: str, quantize: str) -> bool:
+        """Whether it compiles what an engine of this model folder, dtype, backend and weights needs."""
+        same = Path(self.folder).resolve() == Path(folder).resolve() and self.backend == backend
+        return same and self.dtype in ("auto", dtype) and self.quantize in ("auto", quantize)
 
     def lines(self) -> Iterator[str]:
         """Its stdout, line by line, until it exits."""
@@ -86,4 +88,4 @@ def start_early(model: str | None, device: str | None, dtype: str, compile: str,
         return None
     if device not in (None, "", "auto", "cpu") or (device != "cpu" and os.path.exists("/proc/driver/nvidia/version")):
         return None
-    return CompilerProcess(str(folder), dtype)
+    return CompilerProcess(str(folder), dtype, quantize=quantize)

@@ -17,19 +17,20 @@ from .threads import full_threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m canvas_ls.engine.compile_worker MODEL --dtype D --backend B`: compile and save the decoder graphs
-    of an engine of that model at the lowest CPU priority, one JSON line on stdout per graph saved (what
+    """`python -m canvas_ls.engine.compile_worker MODEL --dtype D --quantize Q --backend B`: compile and save the
+    decoder graphs of an engine of that model at the lowest CPU priority, one JSON line on stdout per graph saved (what
     `CompiledDecoder` runs when its graphs are not saved yet)."""
     parser = argparse.ArgumentParser(prog="python -m canvas_ls.engine.compile_worker")
     parser.add_argument("model")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantize", default="auto")
     parser.add_argument("--backend", default="inductor")
     args = parser.parse_args(argv)
     compiler_dies_with_parent()
     lowest_priority()
     keep_inductor_cache()
     warm_compiler_caches()  # on the other core while the model loads and is traced
-    engine = Engine.load(args.model, "cpu", dtype=args.dtype)
+    engine = Engine.load(args.model, "cpu", dtype=args.dtype, quantize=args.quantize)
     engine.threads = None  # compiled with every thread, whatever the load: the engine checks its guards with as many
     torch.set_num_threads(full_threads())
     decoder = CompiledDecoder(engine.loaded.model, "on", backend=args.backend)

@@ -89,10 +89,10 @@ class CompiledDecoder:
         self.uncovered_steps = 0  # precompiled: steps whose inputs no saved graph's guards accept (run eager)
         self.graphs: dict[str, str] = {}  # "1 row" / "rows" -> "loaded" | "compiled", as each comes to serve
         self.backend = backend
-        # The model folder and dtype of a process that compiles and saves the graphs the warm-up lacks
-        # (`Engine.warm_up` sets them): compiling in the engine's own process held up its requests for seconds
-        # (dynamo's tracing beside them), a child at the lowest CPU priority does not. None: compile here.
-        self.compiler: tuple[str, str] | None = None
+        # The model folder, dtype and weights (`quantized_kind`) of a process that compiles and saves the graphs the
+        # warm-up lacks (`Engine.warm_up` sets them): compiling in the engine's own process held up its requests for
+        # seconds (dynamo's tracing beside them), a child at the lowest CPU priority does not. None: compile here.
+        self.compiler: tuple[str, str, str] | None = None
         # That process, when `canvas-ls engine` started it before loading the model (`compile_child.start_early`)
         self.early: CompilerProcess | None = None
         self.child_error: str | None = None  # why the compiling process failed, when it did
@@ -253,12 +253,17 @@ class CompiledDecoder:
         """The compiling process this warm-up reads: the one started early if it compiles for this engine, else a
         new one for `compiler` when graphs are missing; None when every graph is saved (an early one is stopped)."""
         early, self.early = self.early, None
-        if early is not None and (saved or self.compiler is None or not early.serves(*self.compiler, self.backend)):
+        if self.compiler is None:
+            if early is not None:
+                early.stop()
+            return None
+        folder, dtype, quantize = self.compiler
+        if early is not None and (saved or not early.serves(folder, dtype, self.backend, quantize)):
             early.stop()
             early = None
-        if saved or early is not None or self.compiler is None:
+        if saved or early is not None:
             return early
-        return CompilerProcess(*self.compiler, self.backend)
+        return CompilerProcess(folder, dtype, self.backend, quantize)
 
     def _compile_elsewhere(self, child: CompilerProcess, started: float) -> None:
         """Read the compiling process (`python -m canvas_ls.engine.compile_worker`) and load each graph as it says it
@@ -366,11 +371,14 @@ def _serializable(entries: list[Any]) -> list[bool]:
 
 
 def graph_path(model: Any, rows: str, backend: str) -> Path:
-    """Where the graph for this model's architecture and row count is saved (under the user's cache)."""
+    """Where the graph for this model's architecture, weights and row count is saved (under the user's cache)."""
     import transformers
+
+    from .quantize import quantized_kind
 
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # the architecture only
     config["experts"] = decoder_experts(model)  # not in to_dict
+    config["weights"] = quantized_kind(model)  # a graph traced on float weights is not one of int8 weights
     versions = [torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability()]
     key = json.dumps([config, str(model.dtype), *versions, backend, rows, _code()], sort_keys=True, default=str)
     name = f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{rows.replace(' ', '-')}.pt2"

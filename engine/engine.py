@@ -249,7 +249,7 @@ class Engine:
             return found
 
         if elsewhere and self.decoder.enabled and self.loaded.folder is not None:  # the child loads the same folder
-            self.decoder.compiler = (str(self.loaded.folder), self.dtype)
+            self.decoder.compiler = (str(self.loaded.folder), self.dtype, self.loaded.quantized)
         self.decoder.early, self.early_compiler = self.early_compiler, None
         self.decoder.warm_up(examples, background)
 

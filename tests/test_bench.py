@@ -270,19 +270,23 @@ def test_bench_ar_writes_a_gguf_llama_cpp_reads_as_the_named_shape(tmp_path: Pat
 def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Path) -> None:
     out = tmp_path / "ar.json"
     done = cli("bench", "ar", "--shape", "tiny", "--llama-server", str(tmp_path / "no-llama-server"),
-               "--documents", "1", "--steps", "2", "--quantize", "none,int8-dynamic", "--out", str(out))  # fmt: skip
+               "--documents", "1", "--steps", "2", "--quantize", "none,int8-dynamic", "--suffix-refresh", "1,2",
+               "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["llama_error"] == f"no llama-server at '{tmp_path / 'no-llama-server'}' (--llama-server PATH)"
+    systems = ["canvas-ls none 2 steps", "canvas-ls none 2 steps, suffix every 2", "canvas-ls int8-dynamic 2 steps",
+               "canvas-ls int8-dynamic 2 steps, suffix every 2"]  # fmt: skip
     assert [(row["system"], row["mode"], row["requests"]) for row in report["rows"]] == [
-        ("canvas-ls none 2 steps", "cold", 1), ("canvas-ls none 2 steps", "warm", 4),
-        ("canvas-ls int8-dynamic 2 steps", "cold", 1), ("canvas-ls int8-dynamic 2 steps", "warm", 4),
-    ]  # fmt: skip
+        (system, mode, count) for system in systems for mode, count in (("cold", 1), ("warm", 4))
+    ]
     assert {name: engine["quantize"] for name, engine in report["engines"].items()} == {
         "canvas-ls none": "none", "canvas-ls int8-dynamic": "int8-dynamic"
     }  # fmt: skip
     assert all(r["detail"]["steps"] <= 2 and r["tokens"] <= 16 for r in report["requests"])
     assert "llama-server not timed: no llama-server at" in done.stdout and out.with_suffix(".png").is_file()
+    refused = cli("bench", "ar", "--suffix-refresh", "0,4")
+    assert refused.returncode != 0 and "--suffix-refresh 0,4: positive integers" in refused.stderr
 
 
 def test_bench_step_reports_the_engines_own_step_and_the_bandwidth_floor(tiny_model_dir: Path, tmp_path: Path) -> None:

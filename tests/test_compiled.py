@@ -229,6 +229,42 @@ def test_the_compiling_process_started_with_the_engine_serves_its_warm_up(
     assert late._process.returncode is not None  # stopped, not left compiling
 
 
+def test_the_compiling_process_loads_the_weights_the_engine_runs(tiny_model_dir: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The child compiles the model as the engine loaded it, not as "auto" would: a 0.5B engine asked for float
+    weights once had a child load int8-dynamic (auto's choice at that size), which runs eager, so it never compiled.
+    The saved graph's name tells the weights apart."""
+    from canvas_ls.engine.compile_child import CompilerProcess
+    from canvas_ls.engine.compiled import graph_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    engine = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", quantize="none")
+    engine.decoder = CompiledDecoder(engine.loaded.model, "on", backend="aot_eager")
+    started: list[tuple[str, ...]] = []
+    real = CompilerProcess.__init__
+
+    def recorded(self: CompilerProcess, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        started.append((self.folder, self.dtype, self.backend, self.quantize))
+
+    monkeypatch.setattr(CompilerProcess, "__init__", recorded)
+    engine.warm_up(background=False)
+    assert started == [(str(tiny_model_dir), "float32", "aot_eager", "none")]
+    assert engine.decoder.report()["state"] == "ready"
+    child = object.__new__(CompilerProcess)  # what `serves` reads, no process
+    child.folder, child.dtype, child.backend = str(tiny_model_dir), "float32", "aot_eager"
+    for started_with, engine_runs, serves in (("auto", "none", True), ("auto", "int8-dynamic", True),
+                                              ("none", "none", True), ("none", "int8-dynamic", False)):  # fmt: skip
+        child.quantize = started_with  # "auto" resolves in the child as in the engine: the same model and machine
+        assert child.serves(str(tiny_model_dir), "float32", "aot_eager", engine_runs) is serves
+    quantised = CompilerProcess(str(tiny_model_dir), "float32", "aot_eager", quantize="int8-dynamic")
+    for _ in quantised.lines():
+        pass
+    assert "int8-dynamic weights run eager" in (quantised.finish() or "")
+    int8 = Engine.load(str(tiny_model_dir), "cpu", dtype="float32", quantize="int8-dynamic")
+    assert graph_path(int8.loaded.model, "1 row", "inductor") != graph_path(engine.loaded.model, "1 row", "inductor")
+
+
 def test_a_guard_check_serves_the_steps_of_one_batch_and_is_asked_again_when_the_batch_changes(
         tiny_model_dir: Path) -> None:  # fmt: skip
     """Checking a saved graph's guards walks every input tensor (~0.6 ms a step on 2 cores): the answer is kept
