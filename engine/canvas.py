@@ -59,7 +59,7 @@ from .sampling import (
     step_stats_rows,
 )
 from .settings import InfillSettings
-from .suffix_kv import ExtendedCache, clamped_slots, record_canvas_kv
+from .suffix_kv import ExtendedCache, clamped_slots, recording_kv
 from .token_cache import ORDERS, Caches, Found, lookups, mix_cache
 
 
@@ -520,8 +520,6 @@ class BatchedKV:
     """
 
     is_compileable = False
-    # {layer: (keys, values)} of the canvas while a step records them (`suffix_kv.py`), else None
-    recording: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, caches: list[DynamicCache], layer_types: list[str]):
         self.layers = []
@@ -569,7 +567,6 @@ class DenoisingBatch:
         vocab = model.config.text_config.vocab_size
         self.conditioning = (SparseSelfConditioning(model) if is_cpu_int8(model)
                              else SelfConditioning(vocab, embed.dtype, embed.device))  # fmt: skip
-        record_canvas_kv(model)
         self._kv: tuple[tuple[tuple[int, int, bool, int], ...], BatchedKV] | None = None
 
     def __len__(self) -> int:
@@ -595,14 +592,13 @@ class DenoisingBatch:
         widths = [job.width() for job in jobs]
         inputs = self.decoder_inputs()
         recording = [row for row, job in enumerate(jobs) if job.records()]
-        kv = inputs["cache"]
-        kv.recording = {} if recording else None  # the clamped slots' keys and values, for the gap-only steps after
-        try:
-            logits = self.decoder(**inputs, eager=bool(recording))  # [B, Lc, V]
-        finally:
-            kept, kv.recording = kv.recording, None
-        for row in recording:
-            jobs[row].keep_clamped(kept, row)
+        if recording:  # the clamped slots' keys and values, for the gap-only steps after this one (`suffix_kv.py`)
+            with recording_kv(self.model) as kept:
+                logits = self.decoder(**inputs, eager=True)  # [B, Lc, V]
+            for row in recording:
+                jobs[row].keep_clamped(kept, row)
+        else:
+            logits = self.decoder(**inputs)
         step_jobs(jobs, logits, widths)
         if any(job.conditioning is not None for job in jobs):
             self.conditioning.fit(len(jobs), max(job.length for job in jobs))

@@ -12,13 +12,17 @@ per block there): answers may differ from every-step forwards, so N = 1 (exact) 
 does half the arithmetic, which is what a CPU's compute-bound step costs.
 
 Recording happens in the decoder's attention layers, where transformers' `append_to_cache` receives each layer's
-canvas keys and values (normalised, rotated) to concatenate after the encoder cache: `record_canvas_kv` wraps it per
-layer, and a cache object carrying a `recording` dict receives them. A recording forward runs eager (a compiled
-graph does not call back into Python); the gap-only steps run as any other step.
+canvas keys and values (normalised, rotated) to concatenate after the encoder cache: `recording_kv` wraps it on each
+layer for one forward, which runs eager (a compiled graph does not call back into Python), and takes the wrappers
+off after it. Only then: a graph traced with a wrapper in place guards on that very function object, which no other
+process has, so a graph saved by the compiling child would serve no step of the engine (measured: every step eager).
+The gap-only steps run as any other step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,22 +44,24 @@ class ExtendedCache:
                        for layer, (keys, values) in zip(cache.layers, recorded, strict=True)]  # fmt: skip
 
 
-def record_canvas_kv(model: Any) -> None:
-    """Wrap each decoder attention layer's `append_to_cache` so that a cache with a `recording` dict (not None)
-    receives {layer index: (keys, values)} of the canvas, [B, H, Lc, D] each. Once per model."""
-    if getattr(model, "canvas_ls_records_kv", False):
-        return
-    for layer in model.model.decoder.layers:
-        attention = layer.self_attn
-        attention.append_to_cache = _recording(attention.append_to_cache, attention.layer_idx)
-    model.canvas_ls_records_kv = True
+@contextmanager
+def recording_kv(model: Any) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Within the block, each decoder forward of `model` leaves {layer index: (keys, values)} of its canvas, [B, H,
+    Lc, D] each, in the dict it yields; after it, the layers are as they were (their class's `append_to_cache`)."""
+    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    attentions = [layer.self_attn for layer in model.model.decoder.layers]
+    for attention in attentions:
+        attention.append_to_cache = _recording(attention.append_to_cache, attention.layer_idx, recorded)
+    try:
+        yield recorded
+    finally:
+        for attention in attentions:
+            del attention.append_to_cache
 
 
-def _recording(append: Any, index: int) -> Any:
+def _recording(append: Any, index: int, recorded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
     def append_to_cache(cache: Any, key_states: torch.Tensor, value_states: torch.Tensor) -> Any:
-        recording = getattr(cache, "recording", None)
-        if recording is not None:
-            recording[index] = (key_states, value_states)
+        recorded[index] = (key_states, value_states)
         return append(cache, key_states, value_states)
 
     return append_to_cache

@@ -227,6 +227,10 @@ def test_the_compiling_process_started_with_the_engine_serves_its_warm_up(
     engine.warm_up(background=False)
     assert again.report()["graphs"] == {"1 row": "loaded", "rows": "loaded"}
     assert late._process.returncode is not None  # stopped, not left compiling
+    # and they serve: a graph traced in the child whose guards this process's model fails would leave every step
+    # eager (a per-process wrapper on the attention layers once did, for every saved graph)
+    engine.infill("def area(r):\n    return ", "\n", {"max_steps": 3, "stability_threshold": 100})
+    assert again.steps["eager"] == again.uncovered_steps == 0 < again.steps["compiled"], again.steps
 
 
 def test_the_compiling_process_loads_the_weights_the_engine_runs(tiny_model_dir: Path, tmp_path: Path,

@@ -46,6 +46,15 @@ def test_full_steps_every_n_and_the_gap_alone_between(tiny_engine_fp32: Engine) 
         assert torch.equal(layer.keys[:, :, : before.keys.shape[2]], before.keys)
 
 
+def test_the_recording_leaves_the_attention_layers_as_they_were(tiny_engine_fp32: Engine) -> None:
+    """The wrappers that record are on the layers for the recording forward only: a compiled graph traced later (the
+    compiling child's) must not meet them, nor the layers of a process that never recorded."""
+    layers = tiny_engine_fp32.loaded.model.model.decoder.layers
+    seen, _ = forwards(tiny_engine_fp32, {**NEVER_STABLE, "max_steps": 3, "suffix_refresh": 2})
+    assert [inputs["decoder_input_ids"].shape[1] for inputs, _ in seen] == [20, 8, 20]
+    assert all("append_to_cache" not in layer.self_attn.__dict__ for layer in layers)
+
+
 def test_every_step_computes_the_whole_canvas_by_default(tiny_engine_fp32: Engine) -> None:
     assert InfillSettings().suffix_refresh == 1
     seen, _ = forwards(tiny_engine_fp32, {**NEVER_STABLE, "max_steps": 4})
