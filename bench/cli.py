@@ -412,11 +412,11 @@ def _bench_ar(args: argparse.Namespace) -> int:
     except ValueError:
         refresh = (0,)
     if min(refresh) < 1:
-        raise SystemExit(f"canvas-ls: error: --suffix-refresh {args.suffix_refresh}: positive integers, e.g. 1,4")
+        raise CliError(f"bench ar: --suffix-refresh {args.suffix_refresh}: positive integers, e.g. 1,4")
     quantize = tuple(args.quantize.split(","))
     unknown = [choice for choice in quantize if choice not in QUANTIZE]
     if unknown:
-        raise SystemExit(f"canvas-ls: error: --quantize {','.join(unknown)}: use {', '.join(QUANTIZE)}")
+        raise CliError(f"bench ar: --quantize {','.join(unknown)}: use {', '.join(QUANTIZE)}")
     with busy_cores(args.busy_cores):
         report = bench_ar.run(args.llama_server, args.gguf, args.documents, steps, args.threads, args.compile,
                               args.shape, quantize, refresh,

@@ -227,7 +227,10 @@ class RoutedBackend:
 
 def _interrupted_with_parent() -> None:
     """In the training child: SIGINT when the server dies (an editor closed without a clean shutdown), as when it
-    shuts down cleanly: the run stops, installs what it learnt, and the next "Learn" resumes it (Linux only)."""
+    shuts down cleanly: the run stops, installs what it learnt, and the next "Learn" resumes it (Linux only). SIGINT
+    back to its default first: a server started in a shell's background ignores it, and a Python started ignoring it
+    keeps ignoring it (no KeyboardInterrupt), so the run would sleep through every interrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     die_with_parent(signal.SIGINT)
 
 

@@ -286,7 +286,9 @@ def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Pat
     assert all(r["detail"]["steps"] <= 2 and r["tokens"] <= 16 for r in report["requests"])
     assert "llama-server not timed: no llama-server at" in done.stdout and out.with_suffix(".png").is_file()
     refused = cli("bench", "ar", "--suffix-refresh", "0,4")
-    assert refused.returncode != 0 and "--suffix-refresh 0,4: positive integers" in refused.stderr
+    assert refused.returncode != 0 and "bench ar: --suffix-refresh 0,4: positive integers" in refused.stderr
+    refused = cli("bench", "ar", "--quantize", "int3")
+    assert refused.returncode != 0 and "bench ar: --quantize int3: use auto" in refused.stderr
 
 
 def test_bench_step_reports_the_engines_own_step_and_the_bandwidth_floor(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -351,17 +352,22 @@ async def state_of(pid: int, state: str, timeout: float = 10) -> bool:
 async def test_a_learning_run_is_stopped_while_the_model_answers_and_resumed_after() -> None:
     """`Learner.hold` (a model call starts) stops every run with SIGSTOP; `release` continues them once
     `resume_after_s` has passed without another call; `interrupt` of a held run continues it so that it sees its
-    SIGINT. The run here is a real child process (a sleeping Python)."""
-    from canvas_ls.server.workspaces import Learner, LearnJob
+    SIGINT. The run here is a real child process (a sleeping Python), started as the learner starts its runs, by a
+    server that ignores SIGINT (one started in a shell's background: a run that inherited that once slept through
+    its interrupt)."""
+    from canvas_ls.server.workspaces import Learner, LearnJob, _interrupted_with_parent
 
     learner = Learner(resume_after_s=0.2)
-    child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; print(flush=True); time.sleep(60)",
-                                                 stdout=asyncio.subprocess.PIPE)  # fmt: skip
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; print(flush=True); "
+                                                     "time.sleep(60)", stdout=asyncio.subprocess.PIPE,
+                                                     preexec_fn=_interrupted_with_parent)  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     job = learner.jobs[Path("/repo")] = LearnJob(Path("/repo"), child)
     try:
-        # A run that has started, as one a completion stops has: its interpreter handles SIGINT by then (a child
-        # stopped and interrupted while it may still have been starting up once did not end within 10 s, on CI)
-        assert child.stdout is not None and await asyncio.wait_for(child.stdout.readline(), 30) == b"\n"
+        assert child.stdout is not None and await asyncio.wait_for(child.stdout.readline(), 30) == b"\n"  # running
         learner.hold()
         assert job.held and await state_of(child.pid, "T")
         learner.release()
