@@ -46,7 +46,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 
 from .compiled import CompiledDecoder
 from .conditioning import SelfConditioning, SparseSelfConditioning
-from .encoding import EncodedPrefix, encode, encode_prefixes, left_pad
+from .encoding import EncodedPrefix, KVLayer, encode, encode_prefixes, left_pad
 from .prefix_cache import PrefixCache
 from .quantize import is_cpu_int8
 from .sampling import (
@@ -222,7 +222,6 @@ class CanvasJob:
         self.error: InfillCancelled | None = None  # set by DenoisingBatch.step when this job was cancelled
         # A rewrite's kept slots and their span's ids ([1, G] bool, [1, G] long), set by `_first_gap_canvas`
         self.anchor: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.recordings = 0  # how many full steps recorded their clamped slots (`keep_clamped`)
         self._lay_out()
         self._open_canvas(self._first_gap_canvas())
 
@@ -341,7 +340,6 @@ class CanvasJob:
     def keep_clamped(self, recording: dict[int, tuple[torch.Tensor, torch.Tensor]], row: int) -> None:
         """The clamped slots' keys and values of the step just run (row `row` of its recording)."""
         self.extended = ExtendedCache(self.cache, clamped_slots(recording, row, self.gap, self.length))
-        self.recordings += 1
 
     def decoder_cache(self) -> Any:
         """What the next step's decoder forward attends to before the canvas: the encoder cache, extended by the
@@ -528,7 +526,7 @@ class BatchedKV:
             keys = [c.layers[index].keys for c in caches]  # each [1, H, L_b, D]
             values = [c.layers[index].values for c in caches]
             width = max(k.shape[2] for k in keys)
-            self.layers.append(_PaddedLayer(left_pad(keys, width), left_pad(values, width)))
+            self.layers.append(KVLayer(left_pad(keys, width), left_pad(values, width)))
             self.lengths.setdefault(kind, torch.tensor([k.shape[2] for k in keys], device=keys[0].device))
 
     def masks(self, canvas_lengths: list[int], width: int) -> dict[str, torch.Tensor]:
@@ -546,12 +544,6 @@ class BatchedKV:
         return masks
 
 
-@dataclass
-class _PaddedLayer:
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
 class DenoisingBatch:
     """Jobs denoising together: one shared decoder forward per step. Jobs join and leave between steps
     (iteration-level scheduling), so a new request does not wait for the longest one in flight, and a finished one
@@ -567,7 +559,7 @@ class DenoisingBatch:
         vocab = model.config.text_config.vocab_size
         self.conditioning = (SparseSelfConditioning(model) if is_cpu_int8(model)
                              else SelfConditioning(vocab, embed.dtype, embed.device))  # fmt: skip
-        self._kv: tuple[tuple[tuple[int, int, bool, int], ...], BatchedKV] | None = None
+        self._kv: tuple[tuple[tuple[int, int, Any], ...], BatchedKV] | None = None
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -620,21 +612,23 @@ class DenoisingBatch:
         """The shared decoder forward's inputs for the batch's jobs: canvases right-padded to one width, their caches
         left-padded to one length (masks hide both), the rows' self-conditioning logits."""
         ready = [(job, *job.inputs()) for job in self.jobs]
-        width = max(canvas.shape[1] for _, canvas, _ in ready)
+        width = max(canvas.shape[1] for _, canvas, _ in ready)  # this forward's slots
+        canvas_width = max(job.length for job, _, _ in ready)  # the canvases' (wider where a step runs the gap alone)
         canvases = torch.cat([_right_pad(canvas, width, self.pad_id) for _, canvas, _ in ready])  # [B, Lc]
         positions = torch.cat([_right_pad_positions(p, width) for _, _, p in ready])  # [B, Lc]
         # The batched cache is rebuilt only when a job joins, leaves, extends its cache (a next canvas) or reads the
         # clamped slots' keys and values of another full step (or none: its next full step).
-        key = tuple((job.serial, job.cursor, job.gap_only(), job.recordings) for job, _, _ in ready)
+        # (the cache objects themselves: an ExtendedCache is new at each full step that records)
+        key = tuple((job.serial, job.cursor, job.decoder_cache()) for job, _, _ in ready)
         if self._kv is None or self._kv[0] != key:
             self._kv = (key, BatchedKV([job.decoder_cache() for job, _, _ in ready], self.layer_types))
         kv = self._kv[1]
         self_cond = mask = None
         if isinstance(self.conditioning, SparseSelfConditioning):  # eager; the block's hook takes them
-            self.conditioning.feed(len(ready), width, max(job.length for job, _, _ in ready))
+            self.conditioning.feed(len(ready), width, canvas_width)
         # A compiled decoder always takes them (one graph); eager, they are left out while no row has any
         elif self.conditioning.any(len(ready)) or self.decoder.static_inputs:
-            self_cond, mask = self.conditioning.inputs(len(ready), width, max(job.length for job, _, _ in ready))
+            self_cond, mask = self.conditioning.inputs(len(ready), width, canvas_width)
         return dict(
             decoder_input_ids=canvases,
             cache=kv,

@@ -153,5 +153,13 @@ class _AppendingRows:
                 cache.update(keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:], layer_idx)
 
 
+@dataclass
+class KVLayer:
+    """One layer's keys and values, [B, H, L, D] each, as the decoder reads a cache's (`cache.layers[i]`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
 def left_pad(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors], dim=0)

@@ -23,16 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass
-class KVLayer:
-    keys: torch.Tensor  # [1, H, L, D]
-    values: torch.Tensor
+from .encoding import KVLayer
 
 
 class ExtendedCache:
