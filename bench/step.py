@@ -2,13 +2,17 @@
 
 For a model (the default one, a model folder, or DiffusionGemma 26B-A4B's published geometry with random weights)
 it measures, in one run:
-  - the machine's matmul peak (a square matmul in the model's dtype), so that a step's rate reads as a share of it;
+  - the machine's matmul peak (a square matmul in the model's dtype; for int8-dynamic weights fbgemm's int8 rate
+    too), so that a step's rate reads as a share of it;
   - per-encode time of a prefix (the causal encoder into a fresh KV cache);
   - per-step time, 1 and 8 rows, at each canvas size: the decoder forward as the resident engine calls it (the
-    prefix KV read through `BatchedKV`, self-conditioning logits in) and the step statistics after it
+    prefix KV read through `BatchedKV`, self-conditioning logits in, an int8-dynamic model's sparse soft embeddings
+    instead) and the step statistics after it
     (`step_stats_rows`, the sampler's vocabulary-sized work), eager and compiled (`torch.compile`; CUDA graphs on a
     GPU), with the compiled logits compared to the eager ones;
-  - FLOPs per step counted by torch's FlopCounterMode (not estimated), hence GFLOP/s and the share of the peak;
+  - FLOPs per step counted by torch's FlopCounterMode (not estimated; a CPU's int8-dynamic projections counted by
+    their shapes, which it skips), hence GFLOP/s, the arithmetic's floor (its int8 share at the measured int8 rate,
+    the rest at the float matmul peak) beside the memory-bandwidth floor, and the share of the peak;
   - the engine's own step (`DenoisingBatch.step` on real jobs, 1 and 8 rows): ms per step and the bytes it
     allocates per step, in the decoder forward (its logits among them) and beyond it; `--vocab V` builds the
     shipped architecture at DiffusionGemma's vocabulary (262,144) and hidden size, where those bytes matter;
@@ -20,7 +24,9 @@ Figures, never pass/fail; the JSON holds every number the table prints.
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +36,10 @@ from transformers.cache_utils import DynamicCache
 from ..engine.architecture import full_width_config, random_model
 from ..engine.canvas import BatchedKV
 from ..engine.compiled import compile_model
+from ..engine.conditioning import SparseSelfConditioning
 from ..engine.elementwise import eager_logits
 from ..engine.encoding import encode
+from ..engine.quantize import is_cpu_int8
 from ..engine.sampling import step_stats_rows
 from .core import synchronize, timed
 
@@ -42,6 +50,23 @@ def memory_bandwidth(device: torch.device) -> dict[str, Any]:
     target = torch.empty_like(source)
     ms = timed(lambda: target.copy_(source), device, runs=5)
     return {"bytes": 2 * source.nbytes, "ms": round(ms, 3), "gb_per_s": round(2 * source.nbytes / (ms / 1000) / 1e9, 2)}
+
+
+def int8_peak() -> dict[str, Any]:
+    """GOP/s of the CPU's int8-dynamic projection (`quantize.PackedLinear`, fbgemm) at 1024 rows of 4096 x 4096: the
+    rate an int8-dynamic step's projections are measured against."""
+    from ..engine.quantize import PackedLinear
+
+    size = 1024
+    linear = torch.nn.Linear(size * 4, size * 4)
+    linear.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+    with warnings.catch_warnings():  # torch marks its quantised dtypes for removal in a future release
+        warnings.simplefilter("ignore")
+        packed = PackedLinear.from_float(linear)
+    rows = torch.randn(size, size * 4)
+    ms = timed(lambda: packed(rows), torch.device("cpu"), runs=3)
+    return {"rows": size, "size": size * 4, "ms": round(ms, 3),
+            "tops": round(2 * size * (size * 4) ** 2 / (ms / 1000) / 1e12, 3)}  # fmt: skip
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -69,18 +94,26 @@ class StepCase:
         self.rows, self.canvas = rows, canvas
         self.generators = [torch.Generator(device=device).manual_seed(r) for r in range(rows)]
         embed_dtype = model.get_input_embeddings().weight.dtype
+        last = torch.randn(rows, canvas, vocab, generator=generator, device=device).to(embed_dtype)
+        # A CPU's int8-dynamic model conditions on soft embeddings, computed sparsely when a step ends and handed
+        # to the decoder by a hook, as the engine does (`conditioning.SparseSelfConditioning`): no logits go in
+        self.sparse = SparseSelfConditioning(model) if is_cpu_int8(model) else None
+        if self.sparse is not None:
+            self.sparse.fit(rows, canvas)
+            for row in range(rows):
+                self.sparse.write(row, last[row], 1.0)
         self.kwargs = dict(
             decoder_input_ids=torch.randint(3, vocab, (rows, canvas), generator=generator, device=device),
             cache=kv,
-            self_conditioning_logits=torch.randn(rows, canvas, vocab, generator=generator, device=device).to(
-                embed_dtype
-            ),
-            self_conditioning_mask=torch.ones(rows, dtype=torch.bool, device=device),
+            self_conditioning_logits=last if self.sparse is None else None,
+            self_conditioning_mask=torch.ones(rows, dtype=torch.bool, device=device) if self.sparse is None else None,
             decoder_attention_mask=kv.masks([canvas] * rows, canvas),
             decoder_position_ids=start + torch.arange(canvas, device=device)[None, :].expand(rows, -1),
         )
 
     def forward(self, runner: Callable[[dict[str, Any]], torch.Tensor]) -> torch.Tensor:
+        if self.sparse is not None:
+            self.sparse.feed(self.rows, self.canvas)
         return runner(self.kwargs)
 
     def statistics(self, logits: torch.Tensor) -> None:
@@ -178,22 +211,33 @@ def vocab_model(vocab: int, layers: int, device: torch.device, dtype: torch.dtyp
     return random_model(small_config(vocab, hidden_size=FULL_WIDTH["hidden_size"], num_layers=layers), device, dtype)
 
 
-def flops_of(fn: Callable[[], Any]) -> int | None:
-    """FLOPs of one call as torch's FlopCounterMode counts them; None where it cannot (its attention formula
-    refused this shape on CUDA)."""
+def flops_of(fn: Callable[[], Any]) -> dict[str, int] | None:
+    """FLOPs of one call as torch's FlopCounterMode counts them, the CPU's int8-dynamic projections among them
+    (`quantized::linear_dynamic`, which it does not count itself): {"total": ..., "int8": those projections' share};
+    None where it cannot (its attention formula refused this shape on CUDA)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping={INT8_LINEAR: _int8_linear_flops})
     try:
         with counter:
             fn()
     except AssertionError:
         return None
-    return int(counter.get_total_flops())
+    counts = counter.get_flop_counts()["Global"]
+    int8 = sum(count for op, count in counts.items() if op in (INT8_LINEAR, INT8_LINEAR.default))
+    return {"total": int(counter.get_total_flops()), "int8": int(int8)}
 
 
-def _gflop(flops: int | None) -> float | None:
-    return None if flops is None else round(flops / 1e9, 3)
+INT8_LINEAR = torch.ops.quantized.linear_dynamic  # `quantize.cpu_int8`'s layers (fbgemm)
+
+
+def _int8_linear_flops(x_shape: torch.Size, *_: Any, out_shape: torch.Size, **__: Any) -> int:
+    """A multiply and an add per weight per row: rows x in x out x 2."""
+    return 2 * math.prod(x_shape) * out_shape[-1]
+
+
+def _gflop(flops: dict[str, int] | None, part: str = "total") -> float | None:
+    return None if flops is None else round(flops[part] / 1e9, 3)
 
 
 def profile_table(fn: Callable[[], Any], device: torch.device, top: int = 12) -> list[dict[str, Any]]:
@@ -239,6 +283,7 @@ def run_step_bench(
 
     report: dict[str, Any] = {
         "model": name,
+        "weights_bytes": held_bytes(model),
         "weights_gib": round(held_bytes(model) / 2**30, 3),
         "quantized": is_quantized(model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -247,10 +292,9 @@ def run_step_bench(
         "parameters": sum(p.numel() for p in model.parameters()),
         "prefix_tokens": prefix_tokens,
         "peak": matmul_peak(device, dtype),
+        "int8_peak": int8_peak() if is_cpu_int8(model) else None,
         "bandwidth": memory_bandwidth(device),
-        # What a step must read at least once: every weight of the text model (the decoder's layers, and the
-        # embedding, which self-conditioning multiplies whole and the tied LM head reads again); not the vision tower
-        "step_weight_bytes": sum(p.nbytes for n, p in model.named_parameters() if "vision" not in n),
+        "step_weight_bytes": step_weight_bytes(model),
         "cases": [],
     }
     prefix = torch.randint(3, vocab, (1, prefix_tokens), generator=torch.Generator().manual_seed(1)).to(device)
@@ -262,7 +306,6 @@ def run_step_bench(
     report["encode_gflop"] = _gflop(flops_of(one_encode))
     progress(f"{name}: encode {report['encode_ms']} ms")
     compiled = compile_model(model, device, dynamic=False) if compile_canvases else None
-    peak = report["peak"]["tflops"] * 1e12
     cases = {(canvas, count): StepCase(model, prefix, canvas, count) for canvas in canvases for count in rows}
 
     def eager(inputs: dict[str, Any]) -> torch.Tensor:  # the engine's eager forward
@@ -270,8 +313,10 @@ def run_step_bench(
 
     eager_answers: dict[tuple[int, int], torch.Tensor] = {}
     for (canvas, count), case in cases.items():
-        report["cases"].append({"canvas": canvas, "rows": count,
-                                "gflop": _gflop(flops_of(lambda case=case: case.forward(eager)))})  # fmt: skip
+        flops = flops_of(lambda case=case: case.forward(eager))
+        report["cases"].append({"canvas": canvas, "rows": count, "gflop": _gflop(flops),
+                                "int8_gflop": _gflop(flops, "int8"),
+                                "arithmetic_floor_ms": arithmetic_floor_ms(report, flops)})  # fmt: skip
     # Every eager figure first: a compilation that overruns the caller's time limit leaves them measured.
     passes = [("eager", eager, list(cases))]
     if compiled is not None:
@@ -294,9 +339,9 @@ def run_step_bench(
                 continue
             row[label] = {"first_call_s": round(first, 3), "forward_ms": round(forward_ms, 3),
                           "step_ms": round(step_ms, 3)}  # fmt: skip
-            if row["gflop"] is not None:
-                rate = row["gflop"] * 1e9 / (forward_ms / 1000)
-                row[label].update(gflops=round(rate / 1e9, 1), share_of_peak=round(rate / peak, 4))
+            if row["gflop"] is not None:  # the share of the peak: the arithmetic's floor over the time it took
+                row[label].update(gflops=round(row["gflop"] / (forward_ms / 1000), 1),
+                                  share_of_peak=round(row["arithmetic_floor_ms"] / forward_ms, 4))  # fmt: skip
             if label == "eager":
                 eager_answers[key] = logits
             else:
@@ -315,17 +360,49 @@ def run_step_bench(
     return report
 
 
+def step_weight_bytes(model: Any) -> int:
+    """What a step must read at least once: every weight of the text model (the decoder's layers, a CPU's
+    int8-dynamic ones as packed, and the embedding, which dense self-conditioning multiplies whole and the tied LM
+    head reads again); not the vision tower. An int8-dynamic model reads its own packed LM head and gathers a few
+    rows of the embedding (sparse self-conditioning): its embedding is not counted."""
+    from ..engine.quantize import held_bytes
+
+    total = held_bytes(model) - sum(p.nbytes for n, p in model.named_parameters() if "vision" in n)
+    return total - (model.get_input_embeddings().weight.nbytes if is_cpu_int8(model) else 0)
+
+
+def arithmetic_floor_ms(report: dict[str, Any], flops: dict[str, int] | None) -> float | None:
+    """The least time a step's arithmetic takes at the machine's measured rates: its int8-dynamic projections at
+    the int8 peak, the rest at the float matmul peak (every FLOP as fast as a large matmul: a floor)."""
+    if flops is None:
+        return None
+    int8 = report["int8_peak"]["tops"] * 1e12 if report.get("int8_peak") else None
+    rest = flops["total"] - (flops["int8"] if int8 else 0)
+    seconds = rest / (report["peak"]["tflops"] * 1e12) + (flops["int8"] / int8 if int8 else 0)
+    return round(seconds * 1000, 3)
+
+
 def _floor_lines(report: dict[str, Any]) -> list[str]:
     """The memory-bandwidth floor of a step (its weights once, at the measured copy rate) and each eager step's
     multiple of it."""
     bandwidth, weight_bytes, floor_ms = report["bandwidth"], report["step_weight_bytes"], report["floor_ms"]
     lines = [f"memory-bandwidth floor: {weight_bytes / 2**30:.2f} GiB of weights at {bandwidth['gb_per_s']} GB/s "
              f"(a 256 MiB copy) = {floor_ms:.1f} ms a step"]  # fmt: skip
+    int8 = report.get("int8_peak")
+    rates = (f"int8 at {int8['tops'] * 1000:.0f} GOP/s ({int8['rows']} x {int8['size']}^2), the rest at "
+             if int8 else "") + f"{report['peak']['tflops'] * 1000:.0f} GFLOP/s"  # fmt: skip
     for case in report["cases"]:
-        step_ms = case.get("eager", {}).get("forward_ms")
-        if step_ms:
-            lines.append(f"  canvas {case['canvas']} x{case['rows']}: eager forward {step_ms / floor_ms:.2f}x "
-                         "the floor")  # fmt: skip
+        step_ms, arithmetic = case.get("eager", {}).get("forward_ms"), case.get("arithmetic_floor_ms")
+        if not step_ms:
+            continue
+        line = f"  canvas {case['canvas']} x{case['rows']}: eager forward {step_ms / floor_ms:.2f}x the floor"
+        if arithmetic:
+            bound = "arithmetic" if arithmetic > floor_ms else "memory"
+            line += (
+                f"; its arithmetic ({case['gflop']:.2f} GFLOP, {case['int8_gflop']:.2f} of them int8) at "
+                f"{rates} takes {arithmetic:.1f} ms: {bound}-bound, forward {step_ms / arithmetic:.2f}x that"
+            )
+        lines.append(line)
     return lines
 
 

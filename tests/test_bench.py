@@ -292,6 +292,8 @@ def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Pat
 
 
 def test_bench_step_reports_the_engines_own_step_and_the_bandwidth_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from canvas_ls.engine.loading import load_model
+
     out = tmp_path / "step.json"
     done = cli("bench", "step", "--model", str(tiny_model_dir), "--no-compile", "--runs", "1", "--canvases", "8",
                "--rows", "1,2", "--prefix", "32", "--out", str(out))  # fmt: skip
@@ -304,5 +306,35 @@ def test_bench_step_reports_the_engines_own_step_and_the_bandwidth_floor(tiny_mo
     assert all(s["bytes_per_step"]["total"] == s["bytes_per_step"]["forward"] + s["bytes_per_step"]["step_own"]
                for s in steps)  # fmt: skip
     weights = report["step_weight_bytes"]
-    assert 0 < weights < report["weights_gib"] * 2**30 + 1 and report["bandwidth"]["gb_per_s"] > 0
+    model = load_model(str(tiny_model_dir), "cpu").model  # a float model: all its text weights (not the vision tower's)
+    assert weights == sum(p.nbytes for n, p in model.named_parameters() if "vision" not in n) > 0
+    assert report["bandwidth"]["gb_per_s"] > 0
     assert "memory-bandwidth floor: " in done.stdout and "the engine's step (DenoisingBatch.step" in done.stdout
+
+
+def test_bench_step_counts_the_int8_projections_and_the_arithmetic_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An int8-dynamic model's projections (`quantized::linear_dynamic`, which torch's FLOP counter skips) are counted,
+    2 x slots x in x out for each packed layer the decoder forward runs, and its step held against the int8 rate."""
+    from canvas_ls.engine.loading import load_model
+    from canvas_ls.engine.quantize import PackedLinear
+
+    out = tmp_path / "step.json"
+    done = cli("bench", "step", "--model", str(tiny_model_dir), "--quantize", "int8-dynamic", "--no-compile", "--runs",
+               "1", "--canvases", "8", "--rows", "1,2", "--prefix", "32", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    model = load_model(str(tiny_model_dir), "cpu", quantize="int8-dynamic").model
+    # the decoder's layers run the encoder's (shared) projections, then the self-conditioning block and the LM head
+    packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    per_slot = sum(2 * m.in_features * m.out_features for m in packed)
+    assert [(c["rows"], c["int8_gflop"]) for c in report["cases"]] == [
+        (1, round(8 * per_slot / 1e9, 3)),
+        (2, round(16 * per_slot / 1e9, 3)),
+    ]
+    assert all(c["gflop"] > c["int8_gflop"] > 0 and c["arithmetic_floor_ms"] > 0 for c in report["cases"])
+    assert report["int8_peak"]["tops"] > 0 and report["peak"]["tflops"] > 0
+    assert "int8 at " in done.stdout and "-bound, forward " in done.stdout
+    # the packed weights count toward what a step reads; the embedding (gathered, not read whole) does not
+    embedding = model.get_input_embeddings().weight.nbytes
+    vision = sum(p.nbytes for n, p in model.named_parameters() if "vision" in n)
+    assert report["step_weight_bytes"] == report["weights_bytes"] - vision - embedding
