@@ -198,7 +198,7 @@ class ThreadGovernor:
             else:
                 choice = self._decide(machine, idle=True)
             if choice.threads != self.choice.threads:
-                log.warning("threads: %d -> %d (%s)", self.choice.threads, choice.threads, choice.why)
+                log.info("threads: %d -> %d (%s)", self.choice.threads, choice.threads, choice.why)
             self.choice = choice
 
     @contextlib.contextmanager

@@ -90,6 +90,9 @@ def parser(bench: bool = True) -> argparse.ArgumentParser:
     engine.add_argument(
         "--idle-exit", type=float, default=IDLE_EXIT_S, help="exit after this many idle seconds (0: never)"
     )
+    engine.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="the engine's own records on stderr (its thread count, compiled graphs, token caches); "
+                             "libraries' warnings only")  # fmt: skip
     engine.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, help="largest request body, in bytes")
     engine.add_argument("--max-batch", type=int, default=MAX_BATCH, help="requests that may share decoder forwards")
     engine.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB, help="prefix KV cache bound (0: off)")
@@ -265,13 +268,14 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
     handler = logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
-    logging.basicConfig(
-        level=args.log_level, handlers=[handler], format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level, handlers=[handler], format=LOG_FORMAT)
     if args.log_level != "DEBUG":
         for chatty in ("pygls", "httpx"):  # each logs every message it sends at INFO
             logging.getLogger(chatty).setLevel(logging.WARNING)
@@ -293,8 +297,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
+    import logging
+
     from ..engine.compile_child import start_early
 
+    # Its stderr is its log (the file a language server starts it with): what it decides (threads, compiled graphs,
+    # token caches) at --log-level, the libraries' warnings and errors only
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=LOG_FORMAT)
+    for ours in ("canvas_ls", "canvas-ls"):
+        logging.getLogger(ours).setLevel(args.log_level)
     token = _token(args)
     host, port = host_port(args.tcp) if args.tcp else (None, None)
     # On a new machine the CPU's compiled step comes from a child process: started before the engine's own imports

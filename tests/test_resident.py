@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket as sockets
 import stat
@@ -402,7 +403,12 @@ async def test_the_default_backend_is_the_engine_for_its_model(tiny_model_dir: P
     try:
         await wait_ready(client)
         assert (await fill(client)).result is not None
-        assert engine_health(default_socket(str(tiny_model_dir), "cpu"))["model"] == str(tiny_model_dir)
+        socket = default_socket(str(tiny_model_dir), "cpu")
+        assert engine_health(socket)["model"] == str(tiny_model_dir)
+        # its log (its stderr) says how many threads it computes with and why (`engine/threads.py`), as /health does
+        cores = engine_health(socket)["threads"]["cores"]
+        said = rf"INFO canvas_ls\.engine\.threads threads: [1-9]\d* of {cores} cores \(.*other processes keep "
+        assert re.search(said, socket.with_suffix(".log").read_text())
     finally:
         await close(client)
 
