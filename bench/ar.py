@@ -265,11 +265,13 @@ def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int 
         engines = {}
         for choice in quantize:
             arguments = ["--compile", compile_mode, "--quantize", choice]
-            engine, _ = stack.enter_context(engine_process(str(work / "canvas"), "float32", arguments, timeout_s=3600))
+            # the dtype a user's engine picks: bf16 for float weights on a CPU with native bf16, else fp32
+            engine, _ = stack.enter_context(engine_process(str(work / "canvas"), "auto", arguments, timeout_s=3600))
             health = engine.get("/health").json()
             name = f"canvas-ls {health['quantize']}" if len(quantize) > 1 else "canvas-ls"
             engines[name] = engine
-            report.setdefault("engines", {})[name] = {"quantize": health["quantize"], "threads": health.get("threads")}
+            report.setdefault("engines", {})[name] = {"quantize": health["quantize"], "dtype": health["dtype"],
+                                                      "threads": health.get("threads")}  # fmt: skip
         try:
             with _llama(llama, gguf_file, work, SHAPES[shape], threads, report, progress) as llama_client:
                 timed = _interleaved(engines, llama_client, documents(count), steps, progress, refresh)
@@ -345,7 +347,8 @@ def summary(timed: list[Timed]) -> list[dict[str, Any]]:
 
 
 def format_ar(report: dict[str, Any]) -> str:
-    weights = ", ".join(f"{name}: {engine['quantize']}" for name, engine in report["engines"].items())
+    weights = ", ".join(f"{name}: {engine['quantize']} ({engine.get('dtype', '?')})"
+                        for name, engine in report["engines"].items())  # fmt: skip
     lines = [f"{report['machine']}; shape {report['shape']}",
              f"llama-server: {report.get('llama_parameters', '?')} parameters (q8_0, -t "
              f"{report['threads']}); canvas-ls: {report['canvas_parameters']} parameters (weights: "

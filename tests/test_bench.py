@@ -268,6 +268,8 @@ def test_bench_ar_writes_a_gguf_llama_cpp_reads_as_the_named_shape(tmp_path: Pat
 
 
 def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Path) -> None:
+    from canvas_ls.engine.loading import cpu_has_native_bf16
+
     out = tmp_path / "ar.json"
     done = cli("bench", "ar", "--shape", "tiny", "--llama-server", str(tmp_path / "no-llama-server"),
                "--documents", "1", "--steps", "2", "--quantize", "none,int8-dynamic", "--suffix-refresh", "1,2",
@@ -282,6 +284,11 @@ def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Pat
     ]
     assert {name: engine["quantize"] for name, engine in report["engines"].items()} == {
         "canvas-ls none": "none", "canvas-ls int8-dynamic": "int8-dynamic"
+    }  # fmt: skip
+    # each engine in the dtype a user's would pick: float weights in bf16 where the CPU has it, int8's rest in fp32
+    float_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert {name: engine["dtype"] for name, engine in report["engines"].items()} == {
+        "canvas-ls none": float_dtype, "canvas-ls int8-dynamic": "float32"
     }  # fmt: skip
     assert all(r["detail"]["steps"] <= 2 and r["tokens"] <= 16 for r in report["requests"])
     assert "llama-server not timed: no llama-server at" in done.stdout and out.with_suffix(".png").is_file()
