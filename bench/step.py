@@ -217,18 +217,19 @@ def flops_of(fn: Callable[[], Any]) -> dict[str, int] | None:
     None where it cannot (its attention formula refused this shape on CUDA)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False, custom_mapping={INT8_LINEAR: _int8_linear_flops})
+    try:  # `quantize.cpu_int8`'s layers (fbgemm); a torch without the quantised CPU kernels has none to count
+        int8_ops = (torch.ops.quantized.linear_dynamic, torch.ops.quantized.linear_dynamic.default)
+    except (AttributeError, RuntimeError):
+        int8_ops = ()
+    counter = FlopCounterMode(display=False, custom_mapping={op: _int8_linear_flops for op in int8_ops[:1]})
     try:
         with counter:
             fn()
     except AssertionError:
         return None
     counts = counter.get_flop_counts()["Global"]
-    int8 = sum(count for op, count in counts.items() if op in (INT8_LINEAR, INT8_LINEAR.default))
+    int8 = sum(count for op, count in counts.items() if op in int8_ops)
     return {"total": int(counter.get_total_flops()), "int8": int(int8)}
-
-
-INT8_LINEAR = torch.ops.quantized.linear_dynamic  # `quantize.cpu_int8`'s layers (fbgemm)
 
 
 def _int8_linear_flops(x_shape: torch.Size, *_: Any, out_shape: torch.Size, **__: Any) -> int:
@@ -383,14 +384,15 @@ def arithmetic_floor_ms(report: dict[str, Any], flops: dict[str, int] | None) ->
 
 
 def _floor_lines(report: dict[str, Any]) -> list[str]:
-    """The memory-bandwidth floor of a step (its weights once, at the measured copy rate) and each eager step's
-    multiple of it."""
+    """The memory-bandwidth floor of a step (its weights once, at the measured copy rate), and each eager step's
+    multiple of it and of its arithmetic's floor (`arithmetic_floor_ms`): which of the two bounds it."""
     bandwidth, weight_bytes, floor_ms = report["bandwidth"], report["step_weight_bytes"], report["floor_ms"]
     lines = [f"memory-bandwidth floor: {weight_bytes / 2**30:.2f} GiB of weights at {bandwidth['gb_per_s']} GB/s "
              f"(a 256 MiB copy) = {floor_ms:.1f} ms a step"]  # fmt: skip
     int8 = report.get("int8_peak")
-    rates = (f"int8 at {int8['tops'] * 1000:.0f} GOP/s ({int8['rows']} x {int8['size']}^2), the rest at "
-             if int8 else "") + f"{report['peak']['tflops'] * 1000:.0f} GFLOP/s"  # fmt: skip
+    rates = f"{report['peak']['tflops'] * 1000:.0f} GFLOP/s"
+    if int8:
+        rates = f"{int8['tops'] * 1000:.0f} GOP/s for int8 ({int8['rows']} x {int8['size']}^2), {rates} for the rest"
     for case in report["cases"]:
         step_ms, arithmetic = case.get("eager", {}).get("forward_ms"), case.get("arithmetic_floor_ms")
         if not step_ms:

@@ -340,7 +340,7 @@ def test_bench_step_counts_the_int8_projections_and_the_arithmetic_floor(tiny_mo
     ]
     assert all(c["gflop"] > c["int8_gflop"] > 0 and c["arithmetic_floor_ms"] > 0 for c in report["cases"])
     assert report["int8_peak"]["tops"] > 0 and report["peak"]["tflops"] > 0
-    assert "int8 at " in done.stdout and "-bound, forward " in done.stdout
+    assert " GOP/s for int8 (1024 x 4096^2), " in done.stdout and "-bound, forward " in done.stdout
     # the packed weights count toward what a step reads; the embedding (gathered, not read whole) does not
     embedding = model.get_input_embeddings().weight.nbytes
     vision = sum(p.nbytes for n, p in model.named_parameters() if "vision" in n)
