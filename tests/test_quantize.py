@@ -71,7 +71,8 @@ def test_int8_dynamic_packs_the_projections_and_keeps_the_answers(fixed_model_di
     assert type(layer.router.proj) is torch.nn.Linear and layer.experts.gate_up_proj.dtype == torch.float32
     assert type(layer.mlp.act_fn) is SigmoidGELUTanh  # eager: the GELU on exp (`elementwise.py`)
     assert model.model.decoder.embed_tokens.weight.dtype == torch.float32 and quantized_kind(model) == "int8-dynamic"
-    plain = Engine.load(str(fixed_model_dir), "cpu", quantize="none", dtype="float32")  # as a bf16 CPU would not pick
+    # fp32, as int8-dynamic's float parts are, on a bf16 CPU too (where auto would load it in bf16)
+    plain = Engine.load(str(fixed_model_dir), "cpu", quantize="none", dtype="float32")
     assert held_bytes(model) < held_bytes(plain.loaded.model) + model.model.decoder.embed_tokens.weight.numel()
     quantized = Engine(loaded, compile="auto")
     assert quantized.decoder.report()["detail"] == "off: int8-dynamic weights run eager"
