@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -55,14 +54,10 @@ def memory_bandwidth(device: torch.device) -> dict[str, Any]:
 def int8_peak() -> dict[str, Any]:
     """GOP/s of the CPU's int8-dynamic projection (`quantize.PackedLinear`, fbgemm) at 1024 rows of 4096 x 4096: the
     rate an int8-dynamic step's projections are measured against."""
-    from ..engine.quantize import PackedLinear
+    from ..engine.quantize import pack_linear
 
     size = 1024
-    linear = torch.nn.Linear(size * 4, size * 4)
-    linear.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-    with warnings.catch_warnings():  # torch marks its quantised dtypes for removal in a future release
-        warnings.simplefilter("ignore")
-        packed = PackedLinear.from_float(linear)
+    packed = pack_linear(torch.nn.Linear(size * 4, size * 4))
     rows = torch.randn(size, size * 4)
     ms = timed(lambda: packed(rows), torch.device("cpu"), runs=3)
     return {"rows": size, "size": size * 4, "ms": round(ms, 3),
@@ -221,7 +216,7 @@ def flops_of(fn: Callable[[], Any]) -> dict[str, int] | None:
         int8_ops = (torch.ops.quantized.linear_dynamic, torch.ops.quantized.linear_dynamic.default)
     except (AttributeError, RuntimeError):
         int8_ops = ()
-    counter = FlopCounterMode(display=False, custom_mapping={op: _int8_linear_flops for op in int8_ops[:1]})
+    counter = FlopCounterMode(display=False, custom_mapping={int8_ops[0]: _int8_linear_flops} if int8_ops else None)
     try:
         with counter:
             fn()

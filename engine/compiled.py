@@ -60,7 +60,7 @@ from .loading import decoder_experts
 from .paths import cache_dir, die_with_parent
 from .threads import full_threads
 
-log = logging.getLogger("canvas-ls.compiled")
+log = logging.getLogger(__name__)
 
 
 class CompiledDecoder:

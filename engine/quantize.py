@@ -56,7 +56,7 @@ from torch.ao.nn.quantized.modules.linear import LinearPackedParams
 from .errors import ModelLoadError
 from .settings import QUANTIZE_CHOICES
 
-log = logging.getLogger("canvas-ls.quantize")
+log = logging.getLogger(__name__)
 # Bytes per weight of each kind, scales included (int8: one bf16 scale per row; int4: a bf16 scale and zero point
 # per 128 weights).
 WEIGHT_BYTES = {"none": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
@@ -138,8 +138,6 @@ def cpu_int8(model: Any) -> int:
     """Swap the float projections `CPU_INT8_MODULES` names for torch's dynamically quantised linear layers (see the
     module's docstring), each shared weight packed once (the decoder's layers share theirs with the encoder's);
     returns how many weights were packed."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig
-
     packed: dict[int, Any] = {}
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and CPU_INT8_MODULES.fullmatch(name)]  # fmt: skip
@@ -147,12 +145,19 @@ def cpu_int8(model: Any) -> int:
         parent, _, attribute = name.rpartition(".")
         key = id(linear.weight)
         if key not in packed:
-            linear.qconfig = per_channel_dynamic_qconfig
-            with warnings.catch_warnings():  # torch marks its quantised dtypes for removal in a future release
-                warnings.simplefilter("ignore")
-                packed[key] = PackedLinear.from_float(linear.float())
+            packed[key] = pack_linear(linear)
         setattr(model.get_submodule(parent) if parent else model, attribute, packed[key])
     return len(packed)
+
+
+def pack_linear(linear: torch.nn.Linear) -> PackedLinear:
+    """`linear` as fbgemm's int8 layer (per-output-row weight scales, activations quantised per call)."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    linear.qconfig = per_channel_dynamic_qconfig
+    with warnings.catch_warnings():  # torch marks its quantised dtypes for removal in a future release
+        warnings.simplefilter("ignore")
+        return PackedLinear.from_float(linear.float())
 
 
 class PackedLinear(DynamicLinear):

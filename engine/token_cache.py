@@ -39,7 +39,7 @@ import torch
 
 from .sampling import COLUMNS, logsumexp_sliced
 
-log = logging.getLogger("canvas-ls.token_cache")
+log = logging.getLogger(__name__)
 
 ORDERS = (8, 6, 5, 4, 3, 2)  # context lengths tried, longest first
 PRIOR = 1.0  # a context seen n times weighs n / (n + PRIOR) of the cache's weight

@@ -304,8 +304,7 @@ def _engine(args: argparse.Namespace) -> int:
     # Its stderr is its log (the file a language server starts it with): what it decides (threads, compiled graphs,
     # token caches) at --log-level, the libraries' warnings and errors only
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=LOG_FORMAT)
-    for ours in ("canvas_ls", "canvas-ls"):
-        logging.getLogger(ours).setLevel(args.log_level)
+    logging.getLogger("canvas_ls").setLevel(args.log_level)  # every module's logger is named by the module
     token = _token(args)
     host, port = host_port(args.tcp) if args.tcp else (None, None)
     # On a new machine the CPU's compiled step comes from a child process: started before the engine's own imports
