@@ -248,6 +248,10 @@ def add_parser(commands: Any) -> None:
     warmup.add_argument("--dataset", type=Path, help="HumanEval-Infilling jsonl(.gz): the last start also times "
                                                      "compiled vs eager steps on its holes")  # fmt: skip
     warmup.add_argument("--limit", type=int, default=40, help="holes of --dataset")
+    warmup.add_argument("--quantize", choices=("auto", "none"), default="auto", help="the engine's weights (auto: "
+                        "int8-dynamic from 100M weights on a CPU, which runs eager)")  # fmt: skip
+    warmup.add_argument("--by-layer", default="auto", help="comma list of auto, on, off: the decoder's graphs whole "
+                        "or one per kind of layer (CANVAS_LS_COMPILE_BY_LAYER), each from empty caches")  # fmt: skip
     warmup.add_argument("--out", type=Path, help="JSON report path")
 
     train_bench = benches.add_parser("train", help="seconds per training step, the LM head's loss fused vs plain")
@@ -447,8 +451,12 @@ def _bench_team(args: argparse.Namespace) -> int:
 def _bench_warmup(args: argparse.Namespace) -> int:
     from . import warmup as bench_warmup
 
+    by_layer = tuple(args.by_layer.split(","))
+    if not set(by_layer) <= {"auto", "on", "off"}:
+        raise CliError(f"bench warmup: --by-layer takes auto, on, off (comma separated), got '{args.by_layer}'")
     report = bench_warmup.run(args.model, args.dtype, args.starts, args.dataset, args.limit,
-                              progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+                              progress=lambda line: print(line, file=sys.stderr, flush=True),
+                              by_layer=by_layer, quantize=args.quantize)  # fmt: skip
     return _report("warmup", report, bench_warmup.format_warmup, args.out)
 
 

@@ -91,8 +91,10 @@ def build_tiny_model(
     vocab_size: int = 384,
     infill: dict[str, Any] | None = None,
     writes: tuple[str, ...] = (),
+    layers: int = 2,
 ) -> Path:
-    """Write a randomly initialised tiny model (with a tokenizer trained on `texts`) to `out_dir`, for tests.
+    """Write a randomly initialised tiny model (with a tokenizer trained on `texts`) to `out_dir`, for tests: `layers`
+    deep, the last of full attention, the others sliding-window.
 
     `writes`: texts that are one token each; the model then writes the first into every slot it fills, whatever
     the context, with confidence > 0.99, and the next where that one is barred (token healing's first slot after a
@@ -103,7 +105,7 @@ def build_tiny_model(
     tokenizer = train_tokenizer(texts, vocab_size, out_dir)
     assert tokenizer.convert_tokens_to_ids(SPARES[0]) == 3
     torch.manual_seed(seed)
-    config = small_config(len(tokenizer))
+    config = small_config(len(tokenizer), num_layers=layers)
     if writes:
         config.tie_word_embeddings = False
     model = DiffusionGemmaForBlockDiffusion(config)

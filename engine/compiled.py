@@ -155,10 +155,14 @@ class CompiledDecoder:
         with torch.inference_mode(False), torch.no_grad():
             if self._accepts(graph, inputs):
                 try:
-                    return graph(self.model, **inputs).logits  # its guards checked just now (disabled inside)
+                    output = graph(self.model, **inputs)  # its guards checked just now (disabled inside)
                 except Exception as exc:  # a graph that fails costs the speed, never the request
                     self._fail(exc)
                     return None
+                if output is not None:
+                    return output.logits
+                # None: a layer graph's guards refused its layer's inputs (`LayerGraphs`), known from now
+                self._accepted = None
         self.uncovered_steps += 1
         if self.uncovered_steps == 1:
             log.info("a step's shapes are not covered by the precompiled graphs; such steps run eager")
@@ -170,22 +174,12 @@ class CompiledDecoder:
         same batched cache object (rebuilt whenever a job joins, leaves or extends its cache) and the same shapes
         and strides of the other inputs (the row count, and so the graph, among them), which the step lays out by the
         same code every time."""
-        signature = _signature(inputs)
+        layout = signature(inputs)
         kept = self._accepted
-        if kept is not None and kept[0]() is inputs["cache"] and kept[1] == signature:
+        if kept is not None and kept[0]() is inputs["cache"] and kept[1] == layout:
             return kept[2]
-        accepted = bool(graph.guard_check(self.model, **inputs))
-        if not accepted and torch.get_num_threads() < full_threads():
-            # The graphs are compiled with every thread, and their guards record the count (dynamo's global state):
-            # with fewer threads (`engine/threads.py`, a busy machine) they are checked as compiled, and run with
-            # fewer (their parallel regions take the caller's thread count; never more than they were built for).
-            current = torch.get_num_threads()
-            torch.set_num_threads(full_threads())
-            try:
-                accepted = bool(graph.guard_check(self.model, **inputs))
-            finally:
-                torch.set_num_threads(current)
-        self._accepted = (weakref.ref(inputs["cache"]), signature, accepted)
+        accepted = guards_accept(graph, self.model, **inputs)
+        self._accepted = (weakref.ref(inputs["cache"]), layout, accepted)
         return accepted
 
     def _serves(self, rows: str) -> bool:
@@ -211,7 +205,9 @@ class CompiledDecoder:
         started = time.perf_counter()
         try:
             if self._ahead:
-                saved = all(graph_path(self.model, rows, self.backend).exists() for rows in ROWS)
+                saved = all(
+                    path.exists() for rows in ROWS for path in graph_files(self.model, rows, self.backend).values()
+                )
                 child = self._child(saved)
                 if child is not None:
                     started = child.started  # the warm-up began with the child (earlier, when started early)
@@ -273,7 +269,7 @@ class CompiledDecoder:
             for line in child.lines():  # one JSON line per graph saved, as it is saved (the one-row graph first)
                 rows = _said_graph(line)
                 if rows in ROWS and rows not in self._precompiled:
-                    self._ready(rows, load_graph(graph_path(self.model, rows, self.backend)), "compiled", started)
+                    self._ready(rows, load_graphs(self.model, rows, self.backend), "compiled", started)
         except BaseException:  # a graph that does not load here: the warm-up fails, and the child goes with it
             child.stop()
             raise
@@ -283,27 +279,35 @@ class CompiledDecoder:
 
     def _load_or_compile(self, inputs: dict[str, Any], rows: str) -> tuple[Any, str]:
         """The graph for these inputs' row count: loaded from the cache where an earlier start saved it, else
-        compiled ahead of time (dynamic shapes, one graph) and saved there, where this process may compile
-        (`compile_here`; else an error saying why there is none)."""
-        path = graph_path(self.model, rows, self.backend)
-        if path.exists():
+        compiled ahead of time (dynamic shapes: whole, or one graph per kind of layer, `layer_graphs.py`) and saved
+        there, where this process may compile (`compile_here`; else an error saying why there is none)."""
+        paths = graph_files(self.model, rows, self.backend)
+        if all(path.exists() for path in paths.values()):
             try:
-                graph = load_graph(path)
-                os.utime(path)  # recently used: kept by `_prune`
+                graph = load_graphs(self.model, rows, self.backend)
+                for path in paths.values():
+                    os.utime(path)  # recently used: kept by `_prune`
                 return graph, "loaded"
             except Exception as exc:  # another torch, a damaged file: compile it anew
-                log.warning("the saved graph %s does not load (%s: %s); compiling it again", path.name,
+                log.warning("the saved graph for %s does not load (%s: %s); compiling it again", rows,
                             type(exc).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
         if not self.compile_here:
             why = self.child_error or "no model folder for a compiling process"
             raise RuntimeError(f"no compiled graph for {rows} ({why}); the step runs eager")
-        compiled = compile_model(self.model, torch.device("cpu"), self.backend, saved=True)
-        with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
-            graph = compiled.forward.aot_compile(((), inputs))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(path))  # written whole, then renamed: engines compiling at once are safe
-        _prune(path.parent)
-        return load_graph(path), "compiled"  # the saved graph itself serves, as the next start will load it
+        if None in paths:
+            compiled = compile_model(self.model, torch.device("cpu"), self.backend, saved=True)
+            with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
+                graph = compiled.forward.aot_compile(((), inputs))
+            paths[None].parent.mkdir(parents=True, exist_ok=True)
+            graph.save_compiled_function(str(paths[None]))  # written whole, then renamed: engines compiling at once
+        else:
+            from .layer_graphs import compile_layers
+
+            keep_inductor_cache()
+            compile_layers(self.model, inputs, self.backend, {first: path for first, path in paths.items()
+                                                              if first is not None})  # fmt: skip
+        _prune(next(iter(paths.values())).parent)
+        return load_graphs(self.model, rows, self.backend), "compiled"  # the saved graphs serve, as the next start's
 
     def _compile_in_place(self, examples: Callable[[], Iterable[dict[str, Any]]], started: float) -> None:
         """torch.compile's own warm-up (the GPU's CUDA graphs): each example's graph compiled by running it."""
@@ -351,12 +355,33 @@ def compile_model(model: Any, device: torch.device, backend: str = "inductor", d
     prefix, 1 and 4 rows). `saved`: one whole graph (`fullgraph`) with only the guards a saved graph can carry, for
     `aot_compile`."""
     keep_inductor_cache()
-    inductor = backend == "inductor"
-    mode = "reduce-overhead" if device.type == "cuda" and inductor else None
-    options: dict[str, Any] = {"cpp_wrapper": True} if device.type == "cpu" and inductor else {}
-    if saved:
-        options["guard_filter_fn"] = _serializable
-    return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options or None, fullgraph=saved)
+    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+    options = compile_options(backend, serializable if saved else None) if device.type == "cpu" else None
+    return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options, fullgraph=saved)
+
+
+def compile_options(backend: str, guards: Callable[[list[Any]], list[bool]] | None) -> dict[str, Any] | None:
+    """The CPU's compile options: inductor's C++ wrapper, and the filter of the guards a saved graph keeps."""
+    options: dict[str, Any] = {"cpp_wrapper": True} if backend == "inductor" else {}
+    if guards is not None:
+        options["guard_filter_fn"] = guards
+    return options or None
+
+
+def guards_accept(graph: Any, *args: Any, **inputs: Any) -> bool:
+    """Whether a saved graph's guards accept these inputs. The graphs are compiled with every thread, and their guards
+    record the count (dynamo's global state): with fewer threads (`engine/threads.py`, a busy machine) they are
+    checked as compiled, and run with fewer (their parallel regions take the caller's thread count; never more than
+    they were built for)."""
+    accepted = bool(graph.guard_check(*args, **inputs))
+    if not accepted and torch.get_num_threads() < full_threads():
+        current = torch.get_num_threads()
+        torch.set_num_threads(full_threads())
+        try:
+            accepted = bool(graph.guard_check(*args, **inputs))
+        finally:
+            torch.set_num_threads(current)
+    return accepted
 
 
 # Guards a saved graph cannot carry (identities of this process's objects: modules, functions, classes). The file's
@@ -366,12 +391,13 @@ _UNSAVABLE = {"ID_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH", "TYPE_MATCH", "CLAS
               "MODULE_MATCH", "BUILTIN_MATCH"}  # fmt: skip
 
 
-def _serializable(entries: list[Any]) -> list[bool]:
+def serializable(entries: list[Any]) -> list[bool]:
     return [not (e.is_global or e.guard_type in _UNSAVABLE or _UNSAVABLE & set(e.derived_guard_types)) for e in entries]
 
 
-def graph_path(model: Any, rows: str, backend: str) -> Path:
-    """Where the graph for this model's architecture, weights and row count is saved (under the user's cache)."""
+def graph_path(model: Any, rows: str, backend: str, layer: int | None = None) -> Path:
+    """Where the graph for this model's architecture, weights and row count is saved (under the user's cache): the
+    whole decoder's, or with `layer` the graph of the kind of layers that starts there (`layer_graphs.py`)."""
     import transformers
 
     from .quantize import quantized_kind
@@ -380,9 +406,31 @@ def graph_path(model: Any, rows: str, backend: str) -> Path:
     config["experts"] = decoder_experts(model)  # not in to_dict
     config["weights"] = quantized_kind(model)  # a graph traced on float weights is not one of int8 weights
     versions = [torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability()]
-    key = json.dumps([config, str(model.dtype), *versions, backend, rows, _code()], sort_keys=True, default=str)
-    name = f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{rows.replace(' ', '-')}.pt2"
+    key = json.dumps([config, str(model.dtype), *versions, backend, rows, layer, _code()], sort_keys=True,
+                     default=str)  # fmt: skip
+    part = "" if layer is None else f"-layer{layer}"
+    name = f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{rows.replace(' ', '-')}{part}.pt2"
     return cache_dir() / "compiled" / name
+
+
+def graph_files(model: Any, rows: str, backend: str) -> dict[int | None, Path]:
+    """The saved files of the graph for `rows`: the whole decoder's (key None), or one per kind of layer (keyed by
+    its first layer) where the decoder compiles layer by layer (`layer_graphs.by_layer`)."""
+    from .layer_graphs import by_layer, layer_kinds
+
+    if not by_layer(model):
+        return {None: graph_path(model, rows, backend)}
+    return {first: graph_path(model, rows, backend, first) for first in layer_kinds(model)}
+
+
+def load_graphs(model: Any, rows: str, backend: str) -> Any:
+    """The saved graph for `rows`: a whole decoder's, or its layer graphs together (`LayerGraphs`)."""
+    from .layer_graphs import LayerGraphs
+
+    paths = graph_files(model, rows, backend)
+    if None in paths:
+        return load_graph(paths[None])
+    return LayerGraphs(model, {first: load_graph(path) for first, path in paths.items() if first is not None})
 
 
 @functools.cache
@@ -390,7 +438,7 @@ def _code() -> str:
     """A digest of the code that lays out the decoder's inputs, compiles them and replaces the model's attention and
     experts (a saved graph traced it, and its guards lean on it)."""
     here = Path(__file__).parent
-    names = ("canvas.py", "compiled.py", "loading.py")
+    names = ("canvas.py", "compiled.py", "layer_graphs.py", "loading.py")
     return hashlib.sha256(b"".join((here / name).read_bytes() for name in names)).hexdigest()
 
 
@@ -429,15 +477,17 @@ def load_graph(path: Path) -> Any:
 ROWS = ("1 row", "rows")  # the graphs: a batch of one is its own (dynamo specialises it)
 
 
-def _signature(inputs: dict[str, Any]) -> tuple[Any, ...]:
+def signature(inputs: dict[str, Any]) -> tuple[Any, ...]:
     """The layout of a forward's inputs other than its cache: each tensor's shape, strides and dtype (the masks are a
-    dict of them), and any other value as it is."""
+    dict of them, a layer's rotary embeddings a tuple), and any other value as it is."""
 
     def layout(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.shape, value.stride(), value.dtype
         if isinstance(value, dict):
             return tuple((key, layout(item)) for key, item in value.items())
+        if isinstance(value, tuple | list):
+            return tuple(layout(item) for item in value)
         return value
 
     return tuple((name, layout(value)) for name, value in inputs.items() if name != "cache")

@@ -18,8 +18,10 @@ from torch._dynamo.utils import counters as dynamo_counters
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.architecture import build_tiny_model
-from canvas_ls.engine.compiled import KEPT_GRAPHS, CompiledDecoder, graph_path
+from canvas_ls.engine.compiled import KEPT_GRAPHS, ROWS, CompiledDecoder, graph_files, graph_path
+from canvas_ls.engine.elementwise import eager_logits
 from canvas_ls.engine.engine import InfillRequest
+from canvas_ls.engine.layer_graphs import BY_LAYER_FROM, by_layer, layer_kinds
 from tests.conftest import tokenizer_texts
 from tests.test_batching import PREFIXES, SUFFIXES
 
@@ -378,3 +380,86 @@ def test_the_compiling_process_sets_up_the_c_compiler_ahead_for_the_graphs(tmp_p
     assert "no head start" not in run.stderr
     headers = list(tmp_path.glob("torchinductor_*/precompiled_headers/*.gch"))
     assert len(headers) == 1, headers
+
+
+def test_a_deep_decoder_compiles_one_graph_per_kind_of_layer_that_serves_every_layer_of_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Compiling a decoder whole takes time in proportion to its depth (a 24-layer 0.5B model: 11 minutes on 2
+    cores): a deep one compiles and saves one graph per kind of layer, which every layer of the kind runs on its own
+    weights and its own cache. The same answers as eager, alone and batched, past the sliding window, in this start
+    and in the next, which loads the graphs; a layer whose guards refuse its inputs sends the step eager."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CANVAS_LS_COMPILE_BY_LAYER", "on")  # three layers: below the depth that turns it on
+    infill = {"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 16}
+    deep = build_tiny_model(tmp_path / "deep", tokenizer_texts(), layers=3, infill=infill)
+    engine = Engine.load(str(deep), "cpu", dtype="float32")
+    eager = Engine.load(str(deep), "cpu", dtype="float32")
+    model = engine.loaded.model
+    assert layer_kinds(model) == {0: [0, 1], 2: [2]}  # two sliding-window layers share a graph, the full one its own
+    engine.decoder = decoder = CompiledDecoder(model, "on", backend="aot_eager")
+    engine.warm_up(background=False)
+    assert decoder.report()["graphs"] == {"1 row": "compiled", "rows": "compiled"}, decoder.report()
+    for rows in ROWS:
+        files = graph_files(model, rows, "aot_eager")
+        assert set(files) == {0, 2} and all(path.is_file() for path in files.values())
+        assert not graph_path(model, rows, "aot_eager").exists()  # no whole decoder's graph
+
+    settings = [{"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 5, "seed": s} for s in (1, 2, 3)]
+    requests = [InfillRequest(p, s, o) for p, s, o in zip(PREFIXES, SUFFIXES, settings, strict=True)]
+    window = model.config.get_text_config().sliding_window
+    long = InfillRequest("".join(f"y{i} = {i}\n" for i in range(window)) + "z = ", "\n", settings[0])
+    for batch in (requests[:1], requests, [long], [long, *requests[1:]]):
+        assert [r.tokens for r in engine.infill_batch(batch)] == [r.tokens for r in eager.infill_batch(batch)]
+    report = decoder.report()
+    assert report["compiled_steps"] > 0 and report["eager_steps"] == report["uncovered_steps"] == 0, report
+    batch = engine.batch()  # the logits themselves, two rows, one past the window: each layer read its own cache
+    batch.add_many([long, requests[1]])
+    with torch.inference_mode():
+        inputs = batch.decoder_inputs()
+        expected = eager_logits(model, inputs)
+    torch.testing.assert_close(decoder(**inputs), expected, rtol=1e-5, atol=1e-5)
+
+    run = subprocess.run([sys.executable, "-c", SECOND_START, str(deep)], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.loads(run.stdout.strip().splitlines()[-1])
+    assert outcome["report"]["graphs"] == {"1 row": "loaded", "rows": "loaded"}, outcome["report"]
+    assert outcome["report"]["eager_steps"] == 0 < outcome["report"]["compiled_steps"], outcome["report"]
+    assert all(outcome["same"]) and outcome["same_one"] == [True, True, True]  # on one thread too
+
+    class Refusing:  # the full-attention layer's graph refuses whatever it is given
+        checks = 0
+
+        def guard_check(self, *args: Any, **kwargs: Any) -> bool:
+            Refusing.checks += 1
+            return False
+
+    decoder._precompiled["1 row"].graphs[2] = Refusing()
+    before = decoder.report()
+    answer = engine.infill_batch(requests[:1])[0]
+    assert answer.tokens == eager.infill_batch(requests[:1])[0].tokens
+    after = decoder.report()
+    assert after["eager_steps"] - before["eager_steps"] == after["uncovered_steps"] == answer.steps
+    assert after["compiled_steps"] == before["compiled_steps"] and after["state"] == "ready"
+    assert Refusing.checks == answer.canvases  # the refusal is kept for the steps of one batch
+
+
+def test_the_depth_decides_whole_or_layer_by_layer_unless_the_environment_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from canvas_ls.engine.architecture import small_config
+
+    shallow, deep = (DiffusionGemmaForBlockDiffusion(small_config(384, num_layers=n)) for n in (4, BY_LAYER_FROM))
+    monkeypatch.delenv("CANVAS_LS_COMPILE_BY_LAYER", raising=False)
+    assert not by_layer(shallow) and by_layer(deep)
+    assert layer_kinds(deep) == {0: list(range(BY_LAYER_FROM - 1)), BY_LAYER_FROM - 1: [BY_LAYER_FROM - 1]}
+    assert set(graph_files(shallow, "rows", "inductor")) == {None}
+    assert set(graph_files(deep, "rows", "inductor")) == {0, BY_LAYER_FROM - 1}
+    monkeypatch.setenv("CANVAS_LS_COMPILE_BY_LAYER", "off")
+    assert not by_layer(deep)
+    monkeypatch.setenv("CANVAS_LS_COMPILE_BY_LAYER", "on")
+    assert by_layer(shallow)
+    monkeypatch.setenv("CANVAS_LS_COMPILE_BY_LAYER", "yes")
+    with pytest.raises(ValueError, match="CANVAS_LS_COMPILE_BY_LAYER must be one of auto, on, off, got 'yes'"):
+        by_layer(deep)

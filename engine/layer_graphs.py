@@ -1,0 +1,188 @@
+"""The CPU's decoder compiled layer by layer: one saved graph per kind of decoder layer, serving every layer of it.
+
+Compiling a decoder forward whole takes time in proportion to its depth: dynamo traces, and inductor lowers and
+compiles, every layer again. A 24-layer model of Qwen2.5-Coder-0.5B's shape (`bench ar`'s) took 334 s to its one-row
+graph and 659 s to both (2-core Zen 4, bf16, 2026-12-07). Its layers are of two kinds (sliding-window and full
+attention), so two graphs of one layer each stand for all 24: each is traced once with the layer as an input (its
+weights are the graph's inputs, as the whole graph's are), and every layer of the kind runs it with its own weights
+and its own slice of the batch's cache. What stays eager around them (the embedding, self-conditioning, the final norm
+and LM head) is a few large operations, not per-op overhead.
+
+A layer reads its cache by its index (`cache.layers[self.layer_idx]`), which a traced graph would bake in: each layer
+runs its graph on a `OneLayerCache`, whose every index holds that layer's keys and values, and the graph is saved
+without the guard on the index (`_layer_guards`). Layers are grouped by their type and their parameters' shapes and
+dtypes (`layer_kinds`), so a graph never runs a layer it was not traced for.
+
+Whole-graph or layer by layer (`by_layer`): a decoder of at least `BY_LAYER_FROM` layers compiles by layer. A shallow
+one compiles whole: the shipped model's 4 layers are as many graphs as its kinds x rows, and the whole graph, free
+of the eager parts between layers, steps faster. `CANVAS_LS_COMPILE_BY_LAYER=on|off` overrides the depth rule (`bench
+warmup --by-layer` compares both).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .elementwise import eager_logits
+
+BY_LAYER_FROM = 8  # decoder layers from which the CPU's graphs are compiled layer by layer
+
+
+def by_layer(model: Any) -> bool:
+    """Whether this model's decoder is compiled layer by layer (`CANVAS_LS_COMPILE_BY_LAYER`, else its depth)."""
+    said = os.environ.get("CANVAS_LS_COMPILE_BY_LAYER", "auto")
+    if said not in ("auto", "on", "off"):
+        raise ValueError(f"CANVAS_LS_COMPILE_BY_LAYER must be one of auto, on, off, got '{said}'")
+    return said == "on" or (said == "auto" and len(model.model.decoder.layers) >= BY_LAYER_FROM)
+
+
+def layer_kinds(model: Any) -> dict[int, list[int]]:
+    """The decoder's layers grouped by what one graph must share: the layer type, and its parameters' names, shapes
+    and dtypes. Each group is named by its first layer's index."""
+    types_ = model.config.get_text_config().layer_types
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for index, layer in enumerate(model.model.decoder.layers):
+        shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())
+        groups.setdefault((types_[index], shapes), []).append(index)
+    return {indices[0]: indices for indices in groups.values()}
+
+
+class OneLayerCache:
+    """A batched cache (`canvas.BatchedKV`) seen by one layer: every index holds that layer's keys and values, so a
+    graph traced on one layer reads the right cache for every layer of its kind."""
+
+    is_compileable = False
+
+    def __init__(self, layer: Any, depth: int):
+        self.layers = [layer] * depth
+
+
+class LayerGraphs:
+    """The graphs of one row count (`compiled.ROWS`), one per kind of layer, in the shape of a whole saved graph:
+    `graph(model, **inputs)` runs the decoder's forward with each layer on its kind's graph; `guard_check` says
+    whether these inputs are known to be refused (a layer's guards are checked as it runs, `_accepts`)."""
+
+    def __init__(self, model: Any, graphs: dict[int, Any]):
+        self.kinds = layer_kinds(model)
+        self.graphs = graphs  # first layer of a kind -> its loaded graph
+        self.kind_of = {index: first for first, indices in self.kinds.items() for index in indices}
+        # Per kind: (the batched cache it saw, the layer inputs' layout, accepted?), as `CompiledDecoder` keeps it
+        self._accepted: dict[int, tuple[weakref.ref[Any], tuple[Any, ...], bool]] = {}
+        self._refused: tuple[weakref.ref[Any], tuple[Any, ...]] | None = None  # the decoder inputs a layer refused
+
+    def guard_check(self, model: Any, **inputs: Any) -> bool:
+        from .compiled import signature
+
+        refused = self._refused
+        return not (refused is not None and refused[0]() is inputs["cache"] and refused[1] == signature(inputs))
+
+    def __call__(self, model: Any, **inputs: Any) -> types.SimpleNamespace | None:
+        """The decoder's logits with every layer compiled, or None where a layer's guards refuse its inputs (the
+        caller then runs the step eager)."""
+        from .compiled import signature
+
+        layers = model.model.decoder.layers
+        try:
+            for index, layer in enumerate(layers):
+                layer.forward = self._compiled_forward(index, layer, len(layers))
+            return types.SimpleNamespace(logits=eager_logits(model, inputs))
+        except _Refused:
+            self._refused = (weakref.ref(inputs["cache"]), signature(inputs))
+            return None
+        finally:
+            for layer in layers:
+                layer.__dict__.pop("forward", None)
+
+    def _compiled_forward(self, index: int, layer: Any, depth: int) -> Callable[..., torch.Tensor]:
+        kind = self.kind_of[index]
+        graph = self.graphs[kind]
+
+        def forward(hidden_states: torch.Tensor, cache: Any, **inputs: Any) -> torch.Tensor:
+            one = OneLayerCache(cache.layers[index], depth)
+            if not self._accepts(kind, graph, layer, cache, hidden_states=hidden_states, cache=one, **inputs):
+                raise _Refused
+            return graph(layer, hidden_states=hidden_states, cache=one, **inputs)
+
+        return forward
+
+    def _accepts(self, kind: int, graph: Any, layer: Any, batched: Any, **inputs: Any) -> bool:
+        """Whether `graph`'s guards accept this layer's inputs, checked once per kind for the steps of one batch (the
+        same batched cache and the same layout of the other inputs, as for a whole graph): the layers of a kind
+        share their parameters' shapes, so what one accepts the others do."""
+        from .compiled import guards_accept, signature
+
+        layout = signature({name: value for name, value in inputs.items() if name != "cache"})
+        kept = self._accepted.get(kind)
+        if kept is not None and kept[0]() is batched and kept[1] == layout:
+            return kept[2]
+        accepted = guards_accept(graph, layer, **inputs)
+        self._accepted[kind] = (weakref.ref(batched), layout, accepted)
+        return accepted
+
+
+class _Refused(Exception):
+    """A layer's guards refused its inputs: the step runs eager."""
+
+
+def layer_inputs(model: Any, inputs: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """What the first layer of each kind is called with in an eager forward on the decoder's `inputs`, its cache seen
+    as `OneLayerCache`: the example a layer graph is traced on."""
+    layers = model.model.decoder.layers
+    kinds = layer_kinds(model)
+    seen: dict[int, dict[str, Any]] = {}
+
+    def capturing(index: int, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def forward(hidden_states: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
+            seen[index] = dict(hidden_states=hidden_states, cache=OneLayerCache(cache.layers[index], len(layers)),
+                               **kwargs)  # fmt: skip
+            return original(hidden_states, cache=cache, **kwargs)
+
+        return forward
+
+    try:
+        for first in kinds:
+            layers[first].forward = capturing(first, layers[first].forward)
+        eager_logits(model, inputs)
+    finally:
+        for first in kinds:
+            layers[first].__dict__.pop("forward", None)
+    return seen
+
+
+def _layer_forward(layer: Any, **inputs: Any) -> torch.Tensor:
+    """What a layer graph traces: the layer's own forward (not a compiled stand-in set on it)."""
+    return type(layer).forward(layer, **inputs)
+
+
+def compile_layers(model: Any, inputs: dict[str, Any], backend: str, paths: dict[int, Path]) -> None:
+    """Trace and compile one graph per kind of layer on what the decoder's `inputs` give each, saving each to its
+    path in `paths` (keyed by the kind's first layer)."""
+    from .compiled import compile_options, serializable
+
+    layers = model.model.decoder.layers
+    with torch.inference_mode(False), torch.no_grad():
+        examples = layer_inputs(model, inputs)
+    for first, example in examples.items():
+        compiled = torch.compile(_layer_forward, dynamic=True, backend=backend, fullgraph=True,
+                                 options=compile_options(backend, _layer_guards(serializable)))  # fmt: skip
+        with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
+            graph = compiled.aot_compile(((layers[first],), example))
+        paths[first].parent.mkdir(parents=True, exist_ok=True)
+        graph.save_compiled_function(str(paths[first]))  # written whole, then renamed
+
+
+def _layer_guards(serializable: Callable[[list[Any]], list[bool]]) -> Callable[[list[Any]], list[bool]]:
+    """The guards a layer graph keeps: those a saved graph can carry, less the layer's index (`OneLayerCache`)."""
+
+    def keep(entries: list[Any]) -> list[bool]:
+        return [kept and "layer_idx" not in entry.name for kept, entry in zip(serializable(entries), entries,
+                                                                                strict=True)]  # fmt: skip
+
+    return keep
