@@ -56,6 +56,7 @@ import torch
 
 from .compile_child import CompilerProcess, compile_mode
 from .elementwise import eager_logits
+from .layer_graphs import LayerGraphs, by_layer, compile_layers, layer_kinds
 from .loading import decoder_experts
 from .paths import cache_dir, die_with_parent
 from .threads import full_threads
@@ -106,6 +107,10 @@ class CompiledDecoder:
         # On the CPU each graph is compiled ahead of time and saved, so that the next start loads it in ~2 s instead
         # of tracing and compiling it again (~20 s a graph on 2 cores); on a GPU torch.compile's CUDA graphs.
         self._ahead = self.enabled and device.type == "cpu"
+        # A deep decoder's CPU graphs are one per kind of layer (`layer_graphs.py`): {"kinds": K, "layers": N}
+        self.by_layer: dict[str, int] | None = None
+        if self._ahead and by_layer(model):
+            self.by_layer = {"kinds": len(layer_kinds(model)), "layers": len(model.model.decoder.layers)}
         if self.enabled and not self._ahead:
             self._fn = compile_model(model, device, backend, dynamic=True)
 
@@ -241,7 +246,9 @@ class CompiledDecoder:
             self._precompiled[rows] = graph
         self.graphs[rows] = how
         self.ready_seconds[rows] = time.perf_counter() - started
-        log.info("decoder graph for %s %s in %.1f s", rows, how, self.ready_seconds[rows])
+        kinds = self.by_layer
+        per_kind = f" (one per kind of layer: {kinds['kinds']} for {kinds['layers']} layers)" if kinds else ""
+        log.info("decoder graph for %s %s in %.1f s%s", rows, how, self.ready_seconds[rows], per_kind)
         if self.announce is not None:
             self.announce(rows)
 
@@ -301,8 +308,6 @@ class CompiledDecoder:
             paths[None].parent.mkdir(parents=True, exist_ok=True)
             graph.save_compiled_function(str(paths[None]))  # written whole, then renamed: engines compiling at once
         else:
-            from .layer_graphs import compile_layers
-
             keep_inductor_cache()
             compile_layers(self.model, inputs, self.backend, {first: path for first, path in paths.items()
                                                               if first is not None})  # fmt: skip
@@ -336,7 +341,7 @@ class CompiledDecoder:
         """What `/health` and `/metrics` show."""
         return {"state": self.state, "detail": self.detail, "warmup_seconds": self.warmup_seconds,
                 "ready_seconds": dict(self.ready_seconds), "compiled_steps": self.steps["compiled"],
-                "eager_steps": self.steps["eager"], "graphs": dict(self.graphs),
+                "eager_steps": self.steps["eager"], "graphs": dict(self.graphs), "by_layer": self.by_layer,
                 "uncovered_steps": self.uncovered_steps,
                 "compilations_after_warmup": self.compilations_after_warmup}  # fmt: skip
 
@@ -416,8 +421,6 @@ def graph_path(model: Any, rows: str, backend: str, layer: int | None = None) ->
 def graph_files(model: Any, rows: str, backend: str) -> dict[int | None, Path]:
     """The saved files of the graph for `rows`: the whole decoder's (key None), or one per kind of layer (keyed by
     its first layer) where the decoder compiles layer by layer (`layer_graphs.by_layer`)."""
-    from .layer_graphs import by_layer, layer_kinds
-
     if not by_layer(model):
         return {None: graph_path(model, rows, backend)}
     return {first: graph_path(model, rows, backend, first) for first in layer_kinds(model)}
@@ -425,8 +428,6 @@ def graph_files(model: Any, rows: str, backend: str) -> dict[int | None, Path]:
 
 def load_graphs(model: Any, rows: str, backend: str) -> Any:
     """The saved graph for `rows`: a whole decoder's, or its layer graphs together (`LayerGraphs`)."""
-    from .layer_graphs import LayerGraphs
-
     paths = graph_files(model, rows, backend)
     if None in paths:
         return load_graph(paths[None])

@@ -41,6 +41,7 @@ def test_compiled_steps_answer_as_eager_ones_alone_and_batched(tiny_model_dir: P
     compiled.warm_up(background=False)
     report = compiled.decoder.report()
     assert report["state"] == "ready", report
+    assert report["by_layer"] is None  # two layers: the whole decoder's graphs
     assert report["eager_steps"] == during[0].steps and report["compiled_steps"] == 0
 
     for batch in (requests[:1], requests[1:2], requests):  # alone, and three rows sharing each forward
@@ -399,6 +400,7 @@ def test_a_deep_decoder_compiles_one_graph_per_kind_of_layer_that_serves_every_l
     engine.decoder = decoder = CompiledDecoder(model, "on", backend="aot_eager")
     engine.warm_up(background=False)
     assert decoder.report()["graphs"] == {"1 row": "compiled", "rows": "compiled"}, decoder.report()
+    assert decoder.report()["by_layer"] == {"kinds": 2, "layers": 3}  # in /health
     for rows in ROWS:
         files = graph_files(model, rows, "aot_eager")
         assert set(files) == {0, 2} and all(path.is_file() for path in files.values())
