@@ -81,10 +81,12 @@ class CompilerProcess:
 def start_early(model: str | None, device: str | None, dtype: str, compile: str,
                 quantize: str) -> CompilerProcess | None:  # fmt: skip
     """The compiling child of a `canvas-ls engine` about to load `model` on the CPU with its compiled step, started
-    now; None where the engine will not want it: compile off, a hub id (the child loads a folder), explicitly
-    quantised weights (eager), a GPU asked for or, under "auto", an NVIDIA driver present."""
+    now; None where the engine will not want it: compile off, a hub id (the child loads a folder), torchao's
+    quantised weights (eager), a GPU asked for or, under "auto", an NVIDIA driver present. (int8-dynamic compiles
+    where the decoder is deep enough to compile layer by layer; else the engine stops the child when it sees that.)"""
     folder = DEFAULT_MODEL_DIR if model is None else Path(model).expanduser()
-    if compile_mode(compile) == "off" or quantize not in ("auto", "none") or not (folder / "config.json").is_file():
+    kept = quantize in ("auto", "none", "int8-dynamic")
+    if compile_mode(compile) == "off" or not kept or not (folder / "config.json").is_file():
         return None
     if device not in (None, "", "auto", "cpu") or (device != "cpu" and os.path.exists("/proc/driver/nvidia/version")):
         return None

@@ -66,14 +66,16 @@ log = logging.getLogger(__name__)
 
 class CompiledDecoder:
     def __init__(self, model: Any, mode: str = "auto", backend: str = "inductor"):
-        from .quantize import compiles, quantized_kind
+        from .quantize import compiles, is_cpu_int8, quantized_kind
 
         self.model = model
         device = next(model.parameters()).device
         # Quantised weights run eager unless their experts run the GPU kernel: the other expert implementations loop
         # over the experts the tokens picked (`engine.quantize`), which neither a whole-graph compilation nor CUDA
-        # graphs can hold (said whenever compile was not asked off: the mode as asked, before CANVAS_LS_COMPILE)
-        eager_weights = mode != "off" and not compiles(model)
+        # graphs can hold (said whenever compile was not asked off: the mode as asked, before CANVAS_LS_COMPILE); a
+        # CPU's int8-dynamic layers compile where the decoder compiles layer by layer (`quantize.packed_linear`)
+        deep_int8 = device.type == "cpu" and is_cpu_int8(model) and by_layer(model)
+        eager_weights = mode != "off" and not (compiles(model) or deep_int8)
         mode = compile_mode(mode)
         self.enabled = mode != "off" and not eager_weights
         # On the CPU, whether the engine may compile in its own process where the child cannot ("on" only: under
@@ -126,7 +128,6 @@ class CompiledDecoder:
         if not eager and self._serves(rows):
             logits = self._run_precompiled(inputs, rows) if self._ahead else self._run_in_place(inputs)
             if logits is not None:
-                self.steps["compiled"] += 1
                 return logits
         self.steps["eager"] += 1
         return eager_logits(self.model, inputs)
@@ -147,11 +148,13 @@ class CompiledDecoder:
         if self.state == "ready" and graphs > self._graphs_at_ready + self.compilations_after_warmup:
             self.compilations_after_warmup = graphs - self._graphs_at_ready
             log.info("compiled a new graph after the warm-up (%d so far)", self.compilations_after_warmup)
+        self.steps["compiled"] += 1
         return logits
 
     def _run_precompiled(self, inputs: dict[str, Any], rows: str) -> torch.Tensor | None:
         """A saved graph's logits, or None where its guards do not accept these inputs (the step then runs eager;
-        nothing is compiled on the request path)."""
+        nothing is compiled on the request path). Layer graphs (`LayerGraphs`) check each kind's guards as its layers
+        run, and run a layer eager where they refuse or its graph fails: that step's logits stand, counted eager."""
         graph = self._precompiled.get(rows)
         if graph is None:
             return None
@@ -164,14 +167,20 @@ class CompiledDecoder:
                 except Exception as exc:  # a graph that fails costs the speed, never the request
                     self._fail(exc)
                     return None
-                if output is not None:
-                    return output.logits
-                # None: a layer graph's guards refused its layer's inputs (`LayerGraphs`), known from now
-                self._accepted = None
+                error, eager_layers = getattr(output, "error", None), getattr(output, "eager_layers", 0)
+                if error is not None:
+                    self._fail(error)
+                elif eager_layers:
+                    self._uncovered()
+                self.steps["eager" if error is not None or eager_layers else "compiled"] += 1
+                return output.logits
+        self._uncovered()
+        return None
+
+    def _uncovered(self) -> None:
         self.uncovered_steps += 1
         if self.uncovered_steps == 1:
             log.info("a step's shapes are not covered by the precompiled graphs; such steps run eager")
-        return None
 
     def _accepts(self, graph: Any, inputs: dict[str, Any]) -> bool:
         """Whether `graph`'s guards accept these inputs. Checking them walks every input tensor, ~0.6 ms a step on 2

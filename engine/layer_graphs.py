@@ -1,12 +1,12 @@
 """The CPU's decoder compiled layer by layer: one saved graph per kind of decoder layer, serving every layer of it.
 
 Compiling a decoder forward whole takes time in proportion to its depth: dynamo traces, and inductor lowers and
-compiles, every layer again. A 24-layer model of Qwen2.5-Coder-0.5B's shape (`bench ar`'s) took 334 s to its one-row
-graph and 659 s to both (2-core Zen 4, bf16, 2026-12-07). Its layers are of two kinds (sliding-window and full
-attention), so two graphs of one layer each stand for all 24: each is traced once with the layer as an input (its
-weights are the graph's inputs, as the whole graph's are), and every layer of the kind runs it with its own weights
-and its own slice of the batch's cache. What stays eager around them (the embedding, self-conditioning, the final norm
-and LM head) is a few large operations, not per-op overhead.
+compiles, every layer again. A 24-layer model of Qwen2.5-Coder-0.5B's shape (`bench ar`'s) took 383 s to its
+one-row graph and 781 s to both on a new machine (2-core Zen 4, bf16, 2026-12-07). Its layers are of two kinds
+(sliding-window and full attention), so two graphs of one layer each stand for all 24: each is traced once with the
+layer as an input (its weights are the graph's inputs, as the whole graph's are), and every layer of the kind runs
+it with its own weights and its own slice of the batch's cache. What stays eager around them (the embedding,
+self-conditioning, the final norm and LM head) is a few large operations, not per-op overhead.
 
 A layer reads its cache by its index (`cache.layers[self.layer_idx]`), which a traced graph would bake in: each layer
 runs its graph on a `OneLayerCache`, whose every index holds that layer's keys and values, and the graph is saved
@@ -16,7 +16,11 @@ dtypes (`layer_kinds`), so a graph never runs a layer it was not traced for.
 Whole-graph or layer by layer (`by_layer`): a decoder of at least `BY_LAYER_FROM` layers compiles by layer. A shallow
 one compiles whole: the shipped model's 4 layers are as many graphs as its kinds x rows, and the whole graph, free
 of the eager parts between layers, steps faster. `CANVAS_LS_COMPILE_BY_LAYER=on|off` overrides the depth rule (`bench
-warmup --by-layer` compares both).
+warmup --by-layer` compares both). A CPU's int8-dynamic model compiles this way too (no whole graph can take fbgemm's
+packed weights): each packed layer is one operator of its layer's graph (`quantize.packed_linear`).
+
+Measured (2-core Zen 4, 2026-12-07, the 0.5B shape): both graphs ready 59.1 s after a new machine's start against
+780.8 s whole (bf16); a forward 0.86x eager alone, 0.93x with two rows (bf16), 0.87x / 0.90x (int8-dynamic).
 """
 
 from __future__ import annotations
@@ -66,8 +70,11 @@ class OneLayerCache:
 
 class LayerGraphs:
     """The graphs of one row count (`compiled.ROWS`), one per kind of layer, in the shape of a whole saved graph:
-    `graph(model, **inputs)` runs the decoder's forward with each layer on its kind's graph; `guard_check` says
-    whether these inputs are known to be refused (a layer's guards are checked as it runs, `_accepts`)."""
+    `graph(model, **inputs)` runs the decoder's forward with each layer on its kind's graph. Each kind's guards are
+    checked as its first layer runs (`guard_check` accepts for them); a layer whose graph's guards refuse its inputs,
+    or whose graph fails, runs eager within the same forward (a forward is not run twice: an int8 model's
+    self-conditioning is handed to it once, `conditioning.SoftInput`). The output says how many did, and the
+    failure."""
 
     def __init__(self, model: Any, graphs: dict[int, Any]):
         self.kinds = layer_kinds(model)
@@ -75,30 +82,25 @@ class LayerGraphs:
         self.kind_of = {index: first for first, indices in self.kinds.items() for index in indices}
         # Per kind: (the batched cache it saw, the layer inputs' layout, accepted?), as `CompiledDecoder` keeps it
         self._accepted: dict[int, tuple[weakref.ref[Any], tuple[Any, ...], bool]] = {}
-        self._refused: tuple[weakref.ref[Any], tuple[Any, ...]] | None = None  # the decoder inputs a layer refused
+        self._eager_layers = 0
+        self._error: Exception | None = None
 
     def guard_check(self, model: Any, **inputs: Any) -> bool:
-        from .compiled import signature
+        return True
 
-        refused = self._refused
-        return not (refused is not None and refused[0]() is inputs["cache"] and refused[1] == signature(inputs))
-
-    def __call__(self, model: Any, **inputs: Any) -> types.SimpleNamespace | None:
-        """The decoder's logits with every layer compiled, or None where a layer's guards refuse its inputs (the
-        caller then runs the step eager)."""
-        from .compiled import signature
-
+    def __call__(self, model: Any, **inputs: Any) -> types.SimpleNamespace:
+        """The decoder's logits, its layers on their graphs (`eager_layers`: how many ran eager; `error`: a graph's
+        failure, after which the rest ran eager)."""
         layers = model.model.decoder.layers
+        self._eager_layers, self._error = 0, None
         try:
             for index, layer in enumerate(layers):
                 layer.forward = self._compiled_forward(index, layer, len(layers))
-            return types.SimpleNamespace(logits=eager_logits(model, inputs))
-        except _Refused:
-            self._refused = (weakref.ref(inputs["cache"]), signature(inputs))
-            return None
+            logits = eager_logits(model, inputs)
         finally:
             for layer in layers:
                 layer.__dict__.pop("forward", None)
+        return types.SimpleNamespace(logits=logits, eager_layers=self._eager_layers, error=self._error)
 
     def _compiled_forward(self, index: int, layer: Any, depth: int) -> Callable[..., torch.Tensor]:
         kind = self.kind_of[index]
@@ -106,9 +108,14 @@ class LayerGraphs:
 
         def forward(hidden_states: torch.Tensor, cache: Any, **inputs: Any) -> torch.Tensor:
             one = OneLayerCache(cache.layers[index], depth)
-            if not self._accepts(kind, graph, layer, cache, hidden_states=hidden_states, cache=one, **inputs):
-                raise _Refused
-            return graph(layer, hidden_states=hidden_states, cache=one, **inputs)
+            if self._error is None and self._accepts(kind, graph, layer, cache, hidden_states=hidden_states,
+                                                     cache=one, **inputs):  # fmt: skip
+                try:
+                    return graph(layer, hidden_states=hidden_states, cache=one, **inputs)
+                except Exception as exc:  # a graph that fails costs the speed, never the step
+                    self._error = exc
+            self._eager_layers += 1
+            return type(layer).forward(layer, hidden_states, cache=cache, **inputs)
 
         return forward
 
@@ -125,10 +132,6 @@ class LayerGraphs:
         accepted = guards_accept(graph, layer, **inputs)
         self._accepted[kind] = (weakref.ref(batched), layout, accepted)
         return accepted
-
-
-class _Refused(Exception):
-    """A layer's guards refused its inputs: the step runs eager."""
 
 
 def layer_inputs(model: Any, inputs: dict[str, Any]) -> dict[int, dict[str, Any]]:

@@ -21,7 +21,9 @@ dynamic-activation kernel 55 (2026-12-06): torchao's int8 saves memory on a CPU,
 layers' attention and dense MLP projections, the self-conditioning block's and the LM head (a packed int8 copy: the
 embedding it is tied to stays float for the lookups); the experts, routers, norms and embeddings stay float. Such a
 model also conditions each step on sparsely computed soft embeddings (`conditioning.SparseSelfConditioning`). It
-computes eager (no compiled graph holds the packed weights). An adapter given at load merges before packing; workspace
+computes eager where its decoder compiles whole (fewer than 8 layers: no whole graph takes packed weights as inputs);
+a deeper one's layer graphs (`layer_graphs.py`) call each packed layer as one operator, `packed_linear`, the layer
+found by a tensor it holds (`PackedLinear.handle`). An adapter given at load merges before packing; workspace
 adapters held apart per request compute in float beside the packed layers (`adapters.packed_lora_class`).
 
 What is quantised: the attention and dense MLP projections and the MoE experts' fused weights (97% of
@@ -47,6 +49,7 @@ import importlib.util
 import logging
 import re
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -172,6 +175,15 @@ class PackedLinear(DynamicLinear):
         kept = _PackedParams(dtype)
         kept.set_weight_bias(*self._packed_params._weight_bias())
         self._packed_params = kept
+        # What a compiled graph holds of the layer (`packed_linear`): fbgemm's packed weights are a TorchScript
+        # object, which no graph can take as an input; this tensor, one byte per output, names the layer instead.
+        self.register_buffer("handle", torch.empty(out_features, dtype=torch.int8), persistent=False)
+        _PACKED[self.handle.data_ptr()] = self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a layer graph (`layer_graphs.py`): the packed layer as one custom op
+            return packed_linear(x, self.handle)
+        return super().forward(x)
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -183,6 +195,22 @@ class PackedLinear(DynamicLinear):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         if prefix + "scale" in state_dict:
             super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+# The packed layers by their handle's address (`PackedLinear.handle`), for `packed_linear`
+_PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("canvas_ls::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    """A packed layer's forward (fbgemm's int8 dynamic linear) as an operator a compiled graph can call: the layer
+    found by its `handle`, a graph input like a weight, so one graph serves every layer of a kind with its own."""
+    return DynamicLinear.forward(_PACKED[handle.data_ptr()], x)
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], handle.shape[0]))
 
 
 class _PackedParams(LinearPackedParams):

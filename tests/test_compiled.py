@@ -436,7 +436,8 @@ def test_a_deep_decoder_compiles_one_graph_per_kind_of_layer_that_serves_every_l
             Refusing.checks += 1
             return False
 
-    decoder._precompiled["1 row"].graphs[2] = Refusing()
+    layers = decoder._precompiled["1 row"]
+    layers.graphs[2] = Refusing()  # its layer runs eager within the forward, the others on their graph
     before = decoder.report()
     answer = engine.infill_batch(requests[:1])[0]
     assert answer.tokens == eager.infill_batch(requests[:1])[0].tokens
@@ -444,6 +445,20 @@ def test_a_deep_decoder_compiles_one_graph_per_kind_of_layer_that_serves_every_l
     assert after["eager_steps"] - before["eager_steps"] == after["uncovered_steps"] == answer.steps
     assert after["compiled_steps"] == before["compiled_steps"] and after["state"] == "ready"
     assert Refusing.checks == answer.canvases  # the refusal is kept for the steps of one batch
+
+    class Failing:  # a graph whose guards pass but whose run fails: its layers, and every step after, run eager
+        def guard_check(self, *args: Any, **kwargs: Any) -> bool:
+            return True
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("kernel crashed")
+
+    layers.graphs[0] = Failing()
+    answer = engine.infill_batch(requests[1:2])[0]
+    assert answer.tokens == eager.infill_batch(requests[1:2])[0].tokens
+    report = decoder.report()
+    assert report["state"] == "failed" and "kernel crashed" in report["detail"], report
+    assert report["eager_steps"] - after["eager_steps"] == answer.steps
 
 
 def test_the_depth_decides_whole_or_layer_by_layer_unless_the_environment_says(
@@ -465,3 +480,39 @@ def test_the_depth_decides_whole_or_layer_by_layer_unless_the_environment_says(
     monkeypatch.setenv("CANVAS_LS_COMPILE_BY_LAYER", "yes")
     with pytest.raises(ValueError, match="CANVAS_LS_COMPILE_BY_LAYER must be one of auto, on, off, got 'yes'"):
         by_layer(deep)
+
+
+def test_a_deep_decoders_int8_dynamic_layers_compile_as_one_operator_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A CPU's int8-dynamic weights (fbgemm's packed layers) run eager in a whole graph, which cannot take them as
+    inputs; a deep decoder's layer graphs call each packed layer as one operator (`quantize.packed_linear`), found
+    by a tensor the layer holds, so one graph serves every layer of a kind with its own packed weights: the same
+    logits and answers as the eager int8 engine. A shallow decoder's int8 stays eager, and says so."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    infill = {"layout": "canvas", "gap_tokens": 8, "max_new_tokens": 16}
+    deep = build_tiny_model(tmp_path / "deep", tokenizer_texts(), layers=3, infill=infill)
+    shallow = Engine.load(str(deep), "cpu", quantize="int8-dynamic", compile="on")
+    assert shallow.decoder.report()["detail"] == "off: int8-dynamic weights run eager"  # 3 layers: whole, eager
+
+    monkeypatch.setenv("CANVAS_LS_COMPILE_BY_LAYER", "on")
+    engine = Engine.load(str(deep), "cpu", quantize="int8-dynamic")
+    eager = Engine.load(str(deep), "cpu", quantize="int8-dynamic")
+    model = engine.loaded.model
+    engine.decoder = decoder = CompiledDecoder(model, "on", backend="aot_eager")
+    engine.warm_up(background=False)  # by the child process, which loads the same int8-dynamic weights
+    report = decoder.report()
+    assert report["state"] == "ready" and report["by_layer"] == {"kinds": 2, "layers": 3}, report
+    assert all(path.is_file() for rows in ROWS for path in graph_files(model, rows, "aot_eager").values())
+
+    settings = [{"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 5, "seed": s} for s in (1, 2, 3)]
+    requests = [InfillRequest(p, s, o) for p, s, o in zip(PREFIXES, SUFFIXES, settings, strict=True)]
+    for batch in (requests[:1], requests):
+        assert [r.tokens for r in engine.infill_batch(batch)] == [r.tokens for r in eager.infill_batch(batch)]
+    batch = engine.batch()
+    batch.add_many(requests[:2])
+    with torch.inference_mode():
+        inputs = batch.decoder_inputs()
+        expected = eager_logits(model, inputs)
+    torch.testing.assert_close(decoder(**inputs), expected, rtol=1e-5, atol=1e-5)
+    report = decoder.report()
+    assert report["compiled_steps"] > 0 and report["eager_steps"] == report["uncovered_steps"] == 0, report
