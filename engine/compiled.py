@@ -56,10 +56,10 @@ import torch
 
 from .compile_child import CompilerProcess, compile_mode
 from .elementwise import eager_logits
+from .graph_guards import compile_options, guards_accept, serializable, signature
 from .layer_graphs import LayerGraphs, by_layer, compile_layers, layer_kinds
 from .loading import decoder_experts
 from .paths import cache_dir, die_with_parent
-from .threads import full_threads
 
 log = logging.getLogger(__name__)
 
@@ -374,41 +374,6 @@ def compile_model(model: Any, device: torch.device, backend: str = "inductor", d
     return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options, fullgraph=saved)
 
 
-def compile_options(backend: str, guards: Callable[[list[Any]], list[bool]] | None) -> dict[str, Any] | None:
-    """The CPU's compile options: inductor's C++ wrapper, and the filter of the guards a saved graph keeps."""
-    options: dict[str, Any] = {"cpp_wrapper": True} if backend == "inductor" else {}
-    if guards is not None:
-        options["guard_filter_fn"] = guards
-    return options or None
-
-
-def guards_accept(graph: Any, *args: Any, **inputs: Any) -> bool:
-    """Whether a saved graph's guards accept these inputs. The graphs are compiled with every thread, and their guards
-    record the count (dynamo's global state): with fewer threads (`engine/threads.py`, a busy machine) they are
-    checked as compiled, and run with fewer (their parallel regions take the caller's thread count; never more than
-    they were built for)."""
-    accepted = bool(graph.guard_check(*args, **inputs))
-    if not accepted and torch.get_num_threads() < full_threads():
-        current = torch.get_num_threads()
-        torch.set_num_threads(full_threads())
-        try:
-            accepted = bool(graph.guard_check(*args, **inputs))
-        finally:
-            torch.set_num_threads(current)
-    return accepted
-
-
-# Guards a saved graph cannot carry (identities of this process's objects: modules, functions, classes). The file's
-# name already pins what they would check: the model's architecture and dtype, torch, transformers, the CPU's kernels
-# and the code that lays out the decoder's inputs (`graph_path`); weights are the graph's inputs, not constants.
-_UNSAVABLE = {"ID_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH", "TYPE_MATCH", "CLASS_MATCH", "NN_MODULE", "DICT_VERSION",
-              "MODULE_MATCH", "BUILTIN_MATCH"}  # fmt: skip
-
-
-def serializable(entries: list[Any]) -> list[bool]:
-    return [not (e.is_global or e.guard_type in _UNSAVABLE or _UNSAVABLE & set(e.derived_guard_types)) for e in entries]
-
-
 def graph_path(model: Any, rows: str, backend: str, layer: int | None = None) -> Path:
     """Where the graph for this model's architecture, weights and row count is saved (under the user's cache): the
     whole decoder's, or with `layer` the graph of the kind of layers that starts there (`layer_graphs.py`)."""
@@ -445,10 +410,10 @@ def load_graphs(model: Any, rows: str, backend: str) -> Any:
 
 @functools.cache
 def _code() -> str:
-    """A digest of the code that lays out the decoder's inputs, compiles them and replaces the model's attention and
-    experts (a saved graph traced it, and its guards lean on it)."""
+    """A digest of the code that lays out the decoder's inputs, compiles them and replaces the model's attention,
+    experts and int8 layers (a saved graph traced it, calls `quantize.packed_linear`, and its guards lean on it)."""
     here = Path(__file__).parent
-    names = ("canvas.py", "compiled.py", "layer_graphs.py", "loading.py")
+    names = ("canvas.py", "compiled.py", "graph_guards.py", "layer_graphs.py", "loading.py", "quantize.py")
     return hashlib.sha256(b"".join((here / name).read_bytes() for name in names)).hexdigest()
 
 
@@ -485,22 +450,6 @@ def load_graph(path: Path) -> Any:
 
 
 ROWS = ("1 row", "rows")  # the graphs: a batch of one is its own (dynamo specialises it)
-
-
-def signature(inputs: dict[str, Any]) -> tuple[Any, ...]:
-    """The layout of a forward's inputs other than its cache: each tensor's shape, strides and dtype (the masks are a
-    dict of them, a layer's rotary embeddings a tuple), and any other value as it is."""
-
-    def layout(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.shape, value.stride(), value.dtype
-        if isinstance(value, dict):
-            return tuple((key, layout(item)) for key, item in value.items())
-        if isinstance(value, tuple | list):
-            return tuple(layout(item) for item in value)
-        return value
-
-    return tuple((name, layout(value)) for name, value in inputs.items() if name != "cache")
 
 
 def _rows(inputs: dict[str, Any]) -> str:

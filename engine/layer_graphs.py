@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .elementwise import eager_logits
+from .graph_guards import compile_options, guards_accept, serializable, signature
 
 BY_LAYER_FROM = 8  # decoder layers from which the CPU's graphs are compiled layer by layer
 
@@ -123,8 +124,6 @@ class LayerGraphs:
         """Whether `graph`'s guards accept this layer's inputs, checked once per kind for the steps of one batch (the
         same batched cache and the same layout of the other inputs, as for a whole graph): the layers of a kind
         share their parameters' shapes, so what one accepts the others do."""
-        from .compiled import guards_accept, signature
-
         layout = signature({name: value for name, value in inputs.items() if name != "cache"})
         kept = self._accepted.get(kind)
         if kept is not None and kept[0]() is batched and kept[1] == layout:
@@ -167,8 +166,6 @@ def _layer_forward(layer: Any, **inputs: Any) -> torch.Tensor:
 def compile_layers(model: Any, inputs: dict[str, Any], backend: str, paths: dict[int, Path]) -> None:
     """Trace and compile one graph per kind of layer on what the decoder's `inputs` give each, saving each to its
     path in `paths` (keyed by the kind's first layer)."""
-    from .compiled import compile_options, serializable
-
     layers = model.model.decoder.layers
     with torch.inference_mode(False), torch.no_grad():
         examples = layer_inputs(model, inputs)
