@@ -171,18 +171,13 @@ def compile_layers(model: Any, inputs: dict[str, Any], backend: str, paths: dict
         examples = layer_inputs(model, inputs)
     for first, example in examples.items():
         compiled = torch.compile(_layer_forward, dynamic=True, backend=backend, fullgraph=True,
-                                 options=compile_options(backend, _layer_guards(serializable)))  # fmt: skip
+                                 options=compile_options(backend, _layer_guards))  # fmt: skip
         with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
             graph = compiled.aot_compile(((layers[first],), example))
         paths[first].parent.mkdir(parents=True, exist_ok=True)
         graph.save_compiled_function(str(paths[first]))  # written whole, then renamed
 
 
-def _layer_guards(serializable: Callable[[list[Any]], list[bool]]) -> Callable[[list[Any]], list[bool]]:
+def _layer_guards(entries: list[Any]) -> list[bool]:
     """The guards a layer graph keeps: those a saved graph can carry, less the layer's index (`OneLayerCache`)."""
-
-    def keep(entries: list[Any]) -> list[bool]:
-        return [kept and "layer_idx" not in entry.name for kept, entry in zip(serializable(entries), entries,
-                                                                                strict=True)]  # fmt: skip
-
-    return keep
+    return [kept and "layer_idx" not in entry.name for kept, entry in zip(serializable(entries), entries, strict=True)]
