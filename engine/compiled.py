@@ -7,7 +7,8 @@ one row, 0.64x at 8; in the engine under real Neovim, 0.61x). `CompiledDecoder` 
 
 - off: the model itself (eager).
 - on, on the CPU: each graph compiled ahead of time (`aot_compile` of the model with dynamic shapes: rows, canvas
-  width, cached prefix length; one graph per row count, a batch of one being its own) on made-up inputs
+  width, cached prefix length; one graph per row count, a batch of one being its own; a decoder of 8 layers or more
+  one graph per kind of layer and row count instead, `layer_graphs.py`) on made-up inputs
   (`Engine.warm_up`: one row, two rows, a prefix past the sliding window) by a child process at the lowest CPU
   priority (`python -m canvas_ls.engine.compile_worker`; compiling in the engine's own process stalled requests for up
   to 8.5 s), while requests run eager, and saved under the user's cache (`graph_path`: keyed by the model's
