@@ -48,7 +48,6 @@ import os
 import re
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ import torch
 
 from .compile_child import CompilerProcess, compile_mode
 from .elementwise import eager_logits
-from .graph_guards import compile_options, guards_accept, serializable, signature
+from .graph_guards import KeptCheck, compile_options, serializable
 from .layer_graphs import LayerGraphs, by_layer, compile_layers, layer_kinds
 from .loading import decoder_experts
 from .paths import cache_dir, die_with_parent
@@ -75,8 +74,8 @@ class CompiledDecoder:
         # over the experts the tokens picked (`engine.quantize`), which neither a whole-graph compilation nor CUDA
         # graphs can hold (said whenever compile was not asked off: the mode as asked, before CANVAS_LS_COMPILE); a
         # CPU's int8-dynamic layers compile where the decoder compiles layer by layer (`quantize.packed_linear`)
-        deep_int8 = device.type == "cpu" and is_cpu_int8(model) and by_layer(model)
-        eager_weights = mode != "off" and not (compiles(model) or deep_int8)
+        layered = device.type == "cpu" and by_layer(model)  # compiled one graph per kind of layer (`layer_graphs.py`)
+        eager_weights = mode != "off" and not (compiles(model) or (layered and is_cpu_int8(model)))
         mode = compile_mode(mode)
         self.enabled = mode != "off" and not eager_weights
         # On the CPU, whether the engine may compile in its own process where the child cannot ("on" only: under
@@ -104,15 +103,14 @@ class CompiledDecoder:
         self._fn: Callable[..., Any] | None = None
         self._precompiled: dict[str, Any] = {}  # rows -> a loaded or ahead-of-time compiled graph
         self._graphs_at_ready = 0
-        # The last guard check: (the batched cache it saw, the other inputs' layout, accepted?) (`_accepts`)
-        self._accepted: tuple[weakref.ref[Any], tuple[Any, ...], bool] | None = None
+        self._guards = KeptCheck()  # the last guard check, kept for the steps of one batch
         self._graphs_on_cuda = self.enabled and device.type == "cuda"
         # On the CPU each graph is compiled ahead of time and saved, so that the next start loads it in ~2 s instead
         # of tracing and compiling it again (~20 s a graph on 2 cores); on a GPU torch.compile's CUDA graphs.
         self._ahead = self.enabled and device.type == "cpu"
         # A deep decoder's CPU graphs are one per kind of layer (`layer_graphs.py`): {"kinds": K, "layers": N}
         self.by_layer: dict[str, int] | None = None
-        if self._ahead and by_layer(model):
+        if self._ahead and layered:
             self.by_layer = {"kinds": len(layer_kinds(model)), "layers": len(model.model.decoder.layers)}
         if self.enabled and not self._ahead:
             self._fn = compile_model(model, device, backend, dynamic=True)
@@ -162,7 +160,7 @@ class CompiledDecoder:
         # Traced and run outside inference mode on a step's inference tensors: a saved graph's guards then read the
         # inputs' dispatch keys as they were when it was traced.
         with torch.inference_mode(False), torch.no_grad():
-            if self._accepts(graph, inputs):
+            if self._guards.accepts(graph, inputs["cache"], self.model, **inputs):
                 try:
                     output = graph(self.model, **inputs)  # its guards checked just now (disabled inside)
                 except Exception as exc:  # a graph that fails costs the speed, never the request
@@ -182,20 +180,6 @@ class CompiledDecoder:
         self.uncovered_steps += 1
         if self.uncovered_steps == 1:
             log.info("a step's shapes are not covered by the precompiled graphs; such steps run eager")
-
-    def _accepts(self, graph: Any, inputs: dict[str, Any]) -> bool:
-        """Whether `graph`'s guards accept these inputs. Checking them walks every input tensor, ~0.6 ms a step on 2
-        cores (its caches cold after the forward), so the answer is kept for the next steps of the same batch: the
-        same batched cache object (rebuilt whenever a job joins, leaves or extends its cache) and the same shapes
-        and strides of the other inputs (the row count, and so the graph, among them), which the step lays out by the
-        same code every time."""
-        layout = signature(inputs)
-        kept = self._accepted
-        if kept is not None and kept[0]() is inputs["cache"] and kept[1] == layout:
-            return kept[2]
-        accepted = guards_accept(graph, self.model, **inputs)
-        self._accepted = (weakref.ref(inputs["cache"]), layout, accepted)
-        return accepted
 
     def _serves(self, rows: str) -> bool:
         """Whether the compiled graph for this row count (`_rows`) is ready."""
@@ -286,7 +270,8 @@ class CompiledDecoder:
             for line in child.lines():  # one JSON line per graph saved, as it is saved (the one-row graph first)
                 rows = _said_graph(line)
                 if rows in ROWS and rows not in self._precompiled:
-                    self._ready(rows, load_graphs(self.model, rows, self.backend), "compiled", started)
+                    self._ready(rows, load_graphs(self.model, graph_files(self.model, rows, self.backend)), "compiled",
+                                started)  # fmt: skip
         except BaseException:  # a graph that does not load here: the warm-up fails, and the child goes with it
             child.stop()
             raise
@@ -301,7 +286,7 @@ class CompiledDecoder:
         paths = graph_files(self.model, rows, self.backend)
         if all(path.exists() for path in paths.values()):
             try:
-                graph = load_graphs(self.model, rows, self.backend)
+                graph = load_graphs(self.model, paths)
                 for path in paths.values():
                     os.utime(path)  # recently used: kept by `_prune`
                 return graph, "loaded"
@@ -322,7 +307,7 @@ class CompiledDecoder:
             compile_layers(self.model, inputs, self.backend, {first: path for first, path in paths.items()
                                                               if first is not None})  # fmt: skip
         _prune(next(iter(paths.values())).parent)
-        return load_graphs(self.model, rows, self.backend), "compiled"  # the saved graphs serve, as the next start's
+        return load_graphs(self.model, paths), "compiled"  # the saved graphs serve, as the next start's
 
     def _compile_in_place(self, examples: Callable[[], Iterable[dict[str, Any]]], started: float) -> None:
         """torch.compile's own warm-up (the GPU's CUDA graphs): each example's graph compiled by running it."""
@@ -401,9 +386,8 @@ def graph_files(model: Any, rows: str, backend: str) -> dict[int | None, Path]:
     return {first: graph_path(model, rows, backend, first) for first in layer_kinds(model)}
 
 
-def load_graphs(model: Any, rows: str, backend: str) -> Any:
-    """The saved graph for `rows`: a whole decoder's, or its layer graphs together (`LayerGraphs`)."""
-    paths = graph_files(model, rows, backend)
+def load_graphs(model: Any, paths: dict[int | None, Path]) -> Any:
+    """The saved graph in `paths` (`graph_files`): a whole decoder's, or its layer graphs together (`LayerGraphs`)."""
     if None in paths:
         return load_graph(paths[None])
     return LayerGraphs(model, {first: load_graph(path) for first, path in paths.items() if first is not None})

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import types
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 from .elementwise import eager_logits
-from .graph_guards import compile_options, guards_accept, serializable, signature
+from .graph_guards import KeptCheck, compile_options, serializable
 
 BY_LAYER_FROM = 8  # decoder layers from which the CPU's graphs are compiled layer by layer
 
@@ -78,11 +77,12 @@ class LayerGraphs:
     failure."""
 
     def __init__(self, model: Any, graphs: dict[int, Any]):
-        self.kinds = layer_kinds(model)
         self.graphs = graphs  # first layer of a kind -> its loaded graph
-        self.kind_of = {index: first for first, indices in self.kinds.items() for index in indices}
-        # Per kind: (the batched cache it saw, the layer inputs' layout, accepted?), as `CompiledDecoder` keeps it
-        self._accepted: dict[int, tuple[weakref.ref[Any], tuple[Any, ...], bool]] = {}
+        self._checks = {first: KeptCheck() for first in graphs}  # each kind's guard check, kept for a batch
+        layers = model.model.decoder.layers
+        kind_of = {index: first for first, indices in layer_kinds(model).items() for index in indices}
+        self._forwards = [self._compiled_forward(index, layer, kind_of[index], len(layers))
+                          for index, layer in enumerate(layers)]  # fmt: skip
         self._eager_layers = 0
         self._error: Exception | None = None
 
@@ -95,22 +95,23 @@ class LayerGraphs:
         layers = model.model.decoder.layers
         self._eager_layers, self._error = 0, None
         try:
-            for index, layer in enumerate(layers):
-                layer.forward = self._compiled_forward(index, layer, len(layers))
+            for layer, forward in zip(layers, self._forwards, strict=True):
+                layer.forward = forward
             logits = eager_logits(model, inputs)
         finally:
             for layer in layers:
                 layer.__dict__.pop("forward", None)
         return types.SimpleNamespace(logits=logits, eager_layers=self._eager_layers, error=self._error)
 
-    def _compiled_forward(self, index: int, layer: Any, depth: int) -> Callable[..., torch.Tensor]:
-        kind = self.kind_of[index]
-        graph = self.graphs[kind]
+    def _compiled_forward(self, index: int, layer: Any, kind: int, depth: int) -> Callable[..., torch.Tensor]:
+        """Layer `index`'s forward on its kind's graph; its guards checked as the kind's are, for a batch: the layers
+        of a kind share their parameters' shapes, so what one accepts the others do."""
+        check = self._checks[kind]
 
         def forward(hidden_states: torch.Tensor, cache: Any, **inputs: Any) -> torch.Tensor:
-            one = OneLayerCache(cache.layers[index], depth)
-            if self._error is None and self._accepts(kind, graph, layer, cache, hidden_states=hidden_states,
-                                                     cache=one, **inputs):  # fmt: skip
+            one, graph = OneLayerCache(cache.layers[index], depth), self.graphs[kind]
+            if self._error is None and check.accepts(graph, cache, layer, hidden_states=hidden_states, cache=one,
+                                                     **inputs):  # fmt: skip
                 try:
                     return graph(layer, hidden_states=hidden_states, cache=one, **inputs)
                 except Exception as exc:  # a graph that fails costs the speed, never the step
@@ -119,18 +120,6 @@ class LayerGraphs:
             return type(layer).forward(layer, hidden_states, cache=cache, **inputs)
 
         return forward
-
-    def _accepts(self, kind: int, graph: Any, layer: Any, batched: Any, **inputs: Any) -> bool:
-        """Whether `graph`'s guards accept this layer's inputs, checked once per kind for the steps of one batch (the
-        same batched cache and the same layout of the other inputs, as for a whole graph): the layers of a kind
-        share their parameters' shapes, so what one accepts the others do."""
-        layout = signature({name: value for name, value in inputs.items() if name != "cache"})
-        kept = self._accepted.get(kind)
-        if kept is not None and kept[0]() is batched and kept[1] == layout:
-            return kept[2]
-        accepted = guards_accept(graph, layer, **inputs)
-        self._accepted[kind] = (weakref.ref(batched), layout, accepted)
-        return accepted
 
 
 def layer_inputs(model: Any, inputs: dict[str, Any]) -> dict[int, dict[str, Any]]:

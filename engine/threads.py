@@ -63,7 +63,7 @@ def usable_cores(proc: Path = Path("/proc/self"), cgroup: Path = Path("/sys/fs/c
 def full_threads() -> int:
     """The most intra-op threads the engine uses: torch's own default (one per physical core, or `OMP_NUM_THREADS`)
     within the cores this process may use; read once, before anything here changed the count. The compiled step's
-    graphs are compiled with it (their guards record the count: `compiled.CompiledDecoder._accepts`)."""
+    graphs are compiled with it (their guards record the count: `graph_guards.guards_accept`)."""
     import torch
 
     return max(1, min(usable_cores()[0], torch.get_num_threads()))
