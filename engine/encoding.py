@@ -33,23 +33,41 @@ class EncodedPrefix:
 def encode_prefixes(model: Any, id_lists: list[Sequence[int]], prefix_cache: PrefixCache | None) -> list[EncodedPrefix]:
     """Encode several prefixes together (each reusing a snapshot when the cache holds one)."""
     started = time.perf_counter()
-
-    def new_cache() -> DynamicCache:
-        return DynamicCache(config=model.config.get_text_config(decoder=True))
-
-    def cropped(cache: DynamicCache, remove: int) -> DynamicCache:
-        copied = copy.deepcopy(cache)
-        copied.crop(-remove)
-        return copied
-
+    config = model.config.get_text_config(decoder=True)
     if prefix_cache is not None:
-        window = getattr(model.config.get_text_config(), "sliding_window", None) or 1 << 30
-        held = prefix_cache.encode_many(id_lists, new_cache, partial(encode_rows, model), cropped, window - 1)
+        held = prefix_cache.encode_many(id_lists, partial(_recording_cache, config), partial(encode_rows, model),
+                                        _cropped)  # fmt: skip
+        for cache, _ in held:
+            _settle(cache)
     else:
-        held = [(new_cache(), 0) for _ in id_lists]
+        held = [(DynamicCache(config=config), 0) for _ in id_lists]
         encode_rows(model, [cache for cache, _ in held], list(id_lists), [0] * len(id_lists))
     seconds = time.perf_counter() - started
     return [EncodedPrefix(cache, reused, seconds) for cache, reused in held]
+
+
+def _recording_cache(config: Any) -> DynamicCache:
+    """A cache whose sliding-window layers keep the tokens that slide out until cropped, so that the prefix cache's
+    snapshots can be cut from it after an encode (`PrefixCache.encode_many`); snapshots copied from it record too."""
+    cache = DynamicCache(config=config)
+    cache.activate_past_recording()
+    return cache
+
+
+def _cropped(cache: DynamicCache, remove: int) -> DynamicCache:
+    """A copy of a recording cache without its last `remove` tokens, its sliding layers back to their window."""
+    copied = copy.deepcopy(cache)
+    copied.crop(-remove)
+    return copied
+
+
+def _settle(cache: DynamicCache) -> None:
+    """A recording cache as the decoder and later encodes read it: its sliding layers back to their window, and
+    recording no more."""
+    cache.crop(0)
+    for layer in cache.layers:
+        if getattr(layer, "record_past", False):
+            layer.record_past = False
 
 
 @torch.inference_mode()

@@ -1,16 +1,26 @@
 """Encoder KV of recent prefixes, matched on token ids, so a keystroke re-encodes only the changed tail.
 
-A keystroke changes the last token or two of the prefix (BPE re-merges "retu" into "return"), and sliding-window
-cache layers cannot be cropped back once tokens have slid out. So the cache keeps *snapshots* taken a safe distance
-behind the cursor, at a length rounded down to `GRID` tokens: while the user types, the snapshot stays the same,
-each request copies it and encodes only the few tokens after it. Memory is bounded by bytes and by the number of
-snapshots, least recently used out first.
+A keystroke changes the last token or two of the prefix (BPE re-merges "retu" into "return"), so each request leaves
+a *cursor snapshot* `MARK` tokens before its prefix's end: the next keystroke's ids extend it, and that request
+encodes only what was typed and the `MARK` tokens after it. A cursor snapshot replaces the one it extends (the same
+place, typed on). Beside them, *grid snapshots* at lengths rounded down to `GRID` tokens, at least `TAIL` behind the
+cursor, serve what a cursor snapshot cannot: a deletion, a jump back to a place typed at before.
+
+Every snapshot is cut from the request's own encode (`crop`): the tail is encoded in one forward and the snapshots
+are copies of its cache without their last tokens. A sliding-window layer would have dropped the oldest tokens of
+its window by then, so the caches handed here record their past until cropped (transformers'
+`activate_past_recording`, `encoding.py`). What is reused is what a fresh encode computes (the encoder is causal:
+a token's keys and values depend on the tokens before it only), to the float rounding of how tokens were grouped
+into calls; int8-dynamic weights quantise each call's activations with one scale, so there the grouping moves keys
+and values a little more, and may move an answer's late tokens (as batching requests together does). Memory is
+bounded by bytes and by the number of snapshots, least recently
+used out first.
 
 The count bound is what holds for a small model: a snapshot of the shipped model's 1k-token prefix is ~0.3 MB, so a
 byte budget alone (256 MB) let the cache grow to ~800 snapshots, each request scanning them all, and the engine's
 resident memory grew by the whole budget over a long session (`bench soak`). An editor's working set is the places
-typed at lately (a snapshot every `GRID` tokens of progress at each); `MAX_SNAPSHOTS` of them. For a large model the
-byte budget binds first (DiffusionGemma 26B-A4B: ~0.25 MB of KV per token).
+typed at lately; `MAX_SNAPSHOTS` of them. For a large model the byte budget binds first (DiffusionGemma 26B-A4B:
+~0.25 MB of KV per token).
 """
 
 from __future__ import annotations
@@ -21,12 +31,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Snapshot lengths are multiples of GRID and at least TAIL tokens behind the end of the prefix. A keystroke
-# re-encodes TAIL + GRID / 2 tokens on average: with a 0.5B model on 2 Zen 2 cores (int8-dynamic, 4.9 ms a token),
-# GRID 16 re-encoded 23.5 tokens where 64 re-encoded 47, and a warm 16-token completion took 1,401-1,406 ms against
-# 1,552-1,569 (`bench ar`'s typing, alternated, 2026-12-06); a snapshot copy per 16 tokens of progress costs ~3 ms.
+# Grid snapshots: multiples of GRID, at least TAIL tokens behind the end of the prefix. Before cursor snapshots, a
+# keystroke re-encoded TAIL + GRID / 2 tokens on average (with a 0.5B model on 2 Zen 2 cores, GRID 16 re-encoded 23.5
+# tokens where 64 re-encoded 47; 2026-12-06); now they serve edits a cursor snapshot does not extend.
 GRID = 16
 TAIL = 16
+# The cursor snapshot's distance from the prefix's end: a keystroke re-tokenizes the word being typed (BPE merges
+# within a pre-token), rarely more than the last few tokens; the ids must match exactly, else a grid snapshot serves.
+MARK = 4
 MAX_SNAPSHOTS = 64
 
 
@@ -35,6 +47,7 @@ class _Snapshot:
     ids: tuple[int, ...]
     cache: Any  # a DynamicCache holding exactly `ids`
     nbytes: int
+    cursor: bool = False  # a cursor snapshot (replaced by the next one at the same place)
 
 
 def cache_bytes(cache: Any) -> int:
@@ -47,20 +60,7 @@ def cache_bytes(cache: Any) -> int:
 
 
 EncodeRows = Callable[[list[Any], list[Sequence[int]], list[int]], None]
-
-
-@dataclass
-class _Plan:
-    ids: tuple[int, ...]
-    target: int  # the grid point this request's snapshot moves up to
-    cache: Any
-    reused: int  # tokens that came from a snapshot
-    whole: bool = False  # encoded in one go, the snapshot cut from the result afterwards
-
-    @property
-    def position(self) -> int:
-        """Where the tail encode starts."""
-        return self.reused if self.whole else max(self.target, self.reused)
+Crop = Callable[[Any, int], Any]
 
 
 class PrefixCache:
@@ -75,47 +75,34 @@ class PrefixCache:
         return sum(s.nbytes for s in self._snapshots.values())
 
     def encode_many(
-        self,
-        id_lists: Sequence[Sequence[int]],
-        new_cache: Callable[[], Any],
-        encode_rows: EncodeRows,
-        crop: Callable[[Any, int], Any] | None = None,
-        crop_limit: int = 0,
+        self, id_lists: Sequence[Sequence[int]], new_cache: Callable[[], Any], encode_rows: EncodeRows, crop: Crop
     ) -> list[tuple[Any, int]]:
         """Caches holding `id_lists`, each built from the longest stored snapshot its ids extend, with how many
         tokens came from that snapshot (not re-encoded). `new_cache()` makes an empty cache; `encode_rows(caches,
-        id_lists, starts)` appends id_lists[r] to caches[r] at positions starts[r]..., rows together. At most two
-        calls: one that moves the rows' snapshots up to their grid points (then kept), one for the tails after them.
-
-        With `crop(cache, n)` (a copy of the cache without its last n tokens), a prefix of at most `crop_limit`
-        tokens is encoded in one go and its snapshot cut from the result: one forward instead of two for a new
-        short document. (Sliding-window layers cannot give back tokens they dropped, hence the limit.)"""
-        plans = []
+        id_lists, starts)` appends id_lists[r] to caches[r] at positions starts[r]..., all rows in one call;
+        `crop(cache, n)` is a copy of a cache without its last n tokens: each row's grid and cursor snapshots."""
+        held = []
         for ids in map(tuple, id_lists):
-            target = (max(0, len(ids) - TAIL) // GRID) * GRID  # where this request's snapshot sits
-            base = self._longest(ids, target)
+            base = self._longest(ids, len(ids) - 1)  # at least one token encoded
             if base is None:
                 self.misses += 1
-                plans.append(_Plan(ids, target, new_cache(), 0))
+                held.append((ids, new_cache(), 0))
             else:
                 self.hits += 1
                 self._snapshots.move_to_end(base.ids)
-                plans.append(_Plan(ids, target, copy.deepcopy(base.cache), len(base.ids)))
-        grow = [p for p in plans if p.target > p.reused]
-        for plan in grow:  # short enough: encoded whole with the tails below, its snapshot cut from the result
-            plan.whole = crop is not None and len(plan.ids) <= crop_limit
-        cut = [p for p in grow if p.whole]
-        grow = [p for p in grow if not p.whole]
-        if grow:
-            encode_rows([p.cache for p in grow], [p.ids[p.reused : p.target] for p in grow], [p.reused for p in grow])
-            for plan in grow:
-                self._store(plan.ids[: plan.target], copy.deepcopy(plan.cache))
-        tails = [p for p in plans if p.position < len(p.ids)]
-        if tails:
-            encode_rows([p.cache for p in tails], [p.ids[p.position :] for p in tails], [p.position for p in tails])
-        for plan in cut:
-            self._store(plan.ids[: plan.target], crop(plan.cache, len(plan.ids) - plan.target))
-        return [(p.cache, p.reused) for p in plans]
+                held.append((ids, copy.deepcopy(base.cache), len(base.ids)))
+        rows = [(ids, cache, reused) for ids, cache, reused in held if reused < len(ids)]
+        if rows:
+            encode_rows([cache for _, cache, _ in rows], [ids[reused:] for ids, _, reused in rows],
+                        [reused for _, _, reused in rows])  # fmt: skip
+        for ids, cache, reused in held:
+            grid = (max(0, len(ids) - TAIL) // GRID) * GRID
+            if grid > reused and ids[:grid] not in self._snapshots:
+                self._store(ids[:grid], crop(cache, len(ids) - grid))
+            mark = len(ids) - MARK
+            if mark > max(grid, reused):
+                self._store(ids[:mark], crop(cache, MARK), cursor=True)
+        return [(cache, reused) for _, cache, reused in held]
 
     def _longest(self, ids: tuple[int, ...], limit: int) -> _Snapshot | None:
         best = None
@@ -125,13 +112,17 @@ class PrefixCache:
                 best = snapshot
         return best
 
-    def _store(self, ids: tuple[int, ...], cache: Any) -> None:
-        """Keep `cache` (the caller's own copy, holding exactly `ids`) as a snapshot."""
+    def _store(self, ids: tuple[int, ...], cache: Any, cursor: bool = False) -> None:
+        """Keep `cache` (the caller's own copy, holding exactly `ids`) as a snapshot; a cursor snapshot replaces the
+        cursor snapshots it extends."""
         if not ids:
             return
-        snapshot = _Snapshot(ids, cache, cache_bytes(cache))
+        snapshot = _Snapshot(ids, cache, cache_bytes(cache), cursor)
         if snapshot.nbytes > self.max_bytes:
             return
+        if cursor:
+            for old in [s.ids for s in self._snapshots.values() if s.cursor and ids[: len(s.ids)] == s.ids]:
+                del self._snapshots[old]
         self._snapshots[ids] = snapshot
         self._snapshots.move_to_end(ids)
         while self.nbytes > self.max_bytes or len(self._snapshots) > self.max_snapshots:
