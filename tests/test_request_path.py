@@ -12,7 +12,7 @@ from canvas_ls.engine.supersession import Supersession
 from canvas_ls.server.backend import Answer, CancelFlag, Identity
 from canvas_ls.server.completion import request_settings
 from canvas_ls.server.config import CompletionOptions
-from canvas_ls.server.context import CompletionContext, Skip, build_context
+from canvas_ls.server.context import CHARS_PER_TOKEN, WINDOW_STRIDE, CompletionContext, Skip, build_context
 from canvas_ls.server.documents import Document
 from canvas_ls.server.edits import Edit, checked_edit
 from canvas_ls.server.holes import Scope, find_holes
@@ -42,6 +42,29 @@ def test_a_blank_line_asks_for_a_block_and_a_word_is_not_cut() -> None:
     )  # fmt: skip
     document = open_doc(DOC)
     assert build_context(document, document.index.offset(3, 6), OPTIONS) == Skip("inside an identifier")
+
+
+def test_a_long_documents_window_keeps_its_start_while_the_user_types() -> None:
+    """Past the budget, the prefix window starts on a coarse grid: keystroke after keystroke the prefix only grows
+    (the engine's prefix cache then encodes what was typed), the window moving once in `WINDOW_STRIDE` of the budget
+    typed, not at every line; the imports and the enclosing headers stay in view."""
+    body = "".join(f"        x{i} = values[{i}] * {i}\n" for i in range(200))
+    text = "import os\nimport sys\n\n\nclass Box:\n    def total(self, values):\n" + body + "        "
+    budget = int(OPTIONS.prefix_tokens * CHARS_PER_TOKEN)
+    typed = "".join(f"y{i} = x{i} + x{i + 1}\n        " for i in range(30))  # 30 lines, 612 characters
+    prefixes = []
+    for end in range(len(typed) + 1):
+        document = open_doc(text + typed[:end] + "\n        return y0\n\n    def other(self):\n        pass\n")
+        context = build_context(document, len(text) + end, OPTIONS)
+        assert isinstance(context, CompletionContext)
+        prefixes.append(context.prefix)
+    head = "import os\nimport sys\nclass Box:\n    def total(self, values):\n"
+    assert all(prefix.startswith(head) and len(prefix) <= budget for prefix in prefixes)
+    moves = [k for k in range(1, len(prefixes)) if not prefixes[k].startswith(prefixes[k - 1])]
+    stride = int(budget * WINDOW_STRIDE)
+    assert stride == 409 and len(moves) == 2  # 612 characters typed cross the grid twice; 30 lines
+    for k in moves:  # the window moved on to a line start: at most a stride and a line shorter than the budget
+        assert budget - stride - 40 <= len(prefixes[k]) <= budget
 
 
 def test_the_edit_is_shaped_to_its_line_and_dropped_when_it_breaks_the_code() -> None:
