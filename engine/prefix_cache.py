@@ -100,7 +100,7 @@ class PrefixCache:
             if grid > reused and ids[:grid] not in self._snapshots:
                 self._store(ids[:grid], crop(cache, len(ids) - grid))
             mark = len(ids) - MARK
-            if mark > max(grid, reused):
+            if mark > max(grid, reused) and mark >= GRID:  # a few tokens: not worth a copy
                 self._store(ids[:mark], crop(cache, MARK), cursor=True)
         return [(cache, reused) for _, cache, reused in held]
 

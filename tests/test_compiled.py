@@ -506,7 +506,10 @@ def test_a_deep_decoders_int8_dynamic_layers_compile_as_one_operator_each(
     assert report["state"] == "ready" and report["by_layer"] == {"kinds": 2, "layers": 3}, report
     assert all(path.is_file() for rows in ROWS for path in graph_files(model, rows, "aot_eager").values())
 
-    settings = [{"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 5, "seed": s} for s in (1, 2, 3)]
+    # Prefixes encoded whole in both engines: int8-dynamic quantises an encoder call's activations with one scale,
+    # so a prefix partly reused from the prefix cache (the warm-up's requests left snapshots) rounds differently
+    settings = [{"gap_tokens": 8, "max_new_tokens": 8, "max_steps": 5, "seed": s, "reuse_prefix": False}
+                for s in (1, 2, 3)]  # fmt: skip
     requests = [InfillRequest(p, s, o) for p, s, o in zip(PREFIXES, SUFFIXES, settings, strict=True)]
     for batch in (requests[:1], requests):
         assert [r.tokens for r in engine.infill_batch(batch)] == [r.tokens for r in eager.infill_batch(batch)]

@@ -59,6 +59,9 @@ def test_a_keystroke_reencodes_what_was_typed_and_the_last_few_tokens() -> None:
     assert held == deleted and reused == grid and log == [(grid, 290)]
     assert set(cache._snapshots) == {tuple(ids[:grid]), tuple(typed[: 301 - MARK]), tuple(ids[: 290 - MARK])}
 
+    encode_one(cache, list(range(5000, 5000 + GRID + MARK - 1)), log)  # too short to be worth a snapshot's copy
+    assert len(cache._snapshots) == 3
+
 
 def test_prefixes_encoded_together_each_get_their_snapshots() -> None:
     cache = PrefixCache(max_bytes=1 << 20)
