@@ -64,9 +64,10 @@ def _cropped(cache: DynamicCache, remove: int) -> DynamicCache:
 def _settle(cache: DynamicCache) -> None:
     """A recording cache as the decoder and later encodes read it: its sliding layers back to their window, and
     recording no more."""
-    cache.crop(0)
     for layer in cache.layers:
         if getattr(layer, "record_past", False):
+            if layer.is_initialized:
+                layer.crop(0)
             layer.record_past = False
 
 
