@@ -58,6 +58,8 @@ def _cropped(cache: DynamicCache, remove: int) -> DynamicCache:
     """A copy of a recording cache without its last `remove` tokens, its sliding layers back to their window."""
     copied = copy.deepcopy(cache)
     copied.crop(-remove)
+    for layer in copied.layers:
+        _compact(layer)
     return copied
 
 
@@ -68,7 +70,15 @@ def _settle(cache: DynamicCache) -> None:
         if getattr(layer, "record_past", False):
             if layer.is_initialized:
                 layer.crop(0)
+                _compact(layer)
             layer.record_past = False
+
+
+def _compact(layer: Any) -> None:
+    """A cropped layer's keys and values are views of the longer tensors it held: copies of what they show, so that
+    the tokens cropped off are freed (and a snapshot's bytes are what `cache_bytes` counts)."""
+    if layer.is_initialized and layer.keys.untyped_storage().nbytes() > layer.keys.nbytes:
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
 
 
 @torch.inference_mode()

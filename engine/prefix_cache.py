@@ -13,8 +13,7 @@ its window by then, so the caches handed here record their past until cropped (t
 a token's keys and values depend on the tokens before it only), to the float rounding of how tokens were grouped
 into calls; int8-dynamic weights quantise each call's activations with one scale, so there the grouping moves keys
 and values a little more, and may move an answer's late tokens (as batching requests together does). Memory is
-bounded by bytes and by the number of snapshots, least recently
-used out first.
+bounded by bytes and by the number of snapshots, least recently used out first.
 
 The count bound is what holds for a small model: a snapshot of the shipped model's 1k-token prefix is ~0.3 MB, so a
 byte budget alone (256 MB) let the cache grow to ~800 snapshots, each request scanning them all, and the engine's

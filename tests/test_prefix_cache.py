@@ -140,7 +140,11 @@ def test_a_reused_cache_holds_the_keys_and_values_a_fresh_encode_makes(tiny_mode
             assert torch.allclose(reused.keys, fresh.keys, atol=1e-5)
             assert torch.allclose(reused.values, fresh.values, atol=1e-5)
             assert not getattr(reused, "record_past", False)
+            assert reused.keys.untyped_storage().nbytes() == reused.keys.nbytes  # the cropped tokens freed
     assert cache.hits == 3
+    for snapshot in cache._snapshots.values():  # what a snapshot holds is what its bytes count
+        assert snapshot.nbytes == sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+                                      for layer in snapshot.cache.layers)  # fmt: skip
 
 
 def test_memory_stays_bounded(tiny_model_dir: Path) -> None:
