@@ -127,21 +127,24 @@ def test_a_reused_cache_holds_the_keys_and_values_a_fresh_encode_makes(tiny_mode
     model, tokenizer = engine.loaded.model, engine.tokenizer
     window = model.config.get_text_config().sliding_window
     text = "".join(f"x{i} = values[{i}] * {i}\n" for i in range(60))
+    others = ["".join(f"y{i} = weights[{i}] + {i}\n" for i in range(60)), "".join(f"z{i} = {i}\n" for i in range(90))]
     cache = PrefixCache(max_bytes=1 << 30)
-    for end in (len(text) - 20, len(text) - 12, len(text) - 11, len(text)):  # a new document, then typing on
-        ids = tokenizer(text[:end], add_special_tokens=False)["input_ids"]
-        assert len(ids) > window + MARK
-        (reused_cache,) = encode_prefixes(model, [ids], cache)
-        (fresh_cache,) = encode_prefixes(model, [ids], None)
-        for kind, reused, fresh in zip(model.config.get_text_config().layer_types, reused_cache.cache.layers,
-                                       fresh_cache.cache.layers, strict=True):  # fmt: skip
-            assert reused.keys.shape == fresh.keys.shape
-            assert reused.keys.shape[2] == (window - 1 if kind == "sliding_attention" else len(ids))
-            assert torch.allclose(reused.keys, fresh.keys, atol=1e-5)
-            assert torch.allclose(reused.values, fresh.values, atol=1e-5)
-            assert not getattr(reused, "record_past", False)
-            assert reused.keys.untyped_storage().nbytes() == reused.keys.nbytes  # the cropped tokens freed
-    assert cache.hits == 3
+    # a new document, then typing on; then that one typed on beside two new ones (those two rows of one batched
+    # forward: `encode_rows`)
+    for texts in ([text[:-20]], [text[:-12]], [text[:-11]], [text], [text + "z", *others]):
+        id_lists = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        for ids, reused_cache in zip(id_lists, encode_prefixes(model, id_lists, cache), strict=True):
+            assert len(ids) > window + MARK
+            (fresh_cache,) = encode_prefixes(model, [ids], None)
+            for kind, reused, fresh in zip(model.config.get_text_config().layer_types, reused_cache.cache.layers,
+                                           fresh_cache.cache.layers, strict=True):  # fmt: skip
+                assert reused.keys.shape == fresh.keys.shape
+                assert reused.keys.shape[2] == (window - 1 if kind == "sliding_attention" else len(ids))
+                assert torch.allclose(reused.keys, fresh.keys, atol=1e-5)
+                assert torch.allclose(reused.values, fresh.values, atol=1e-5)
+                assert not getattr(reused, "record_past", False)
+                assert reused.keys.untyped_storage().nbytes() == reused.keys.nbytes  # the cropped tokens freed
+    assert cache.hits == 4
     for snapshot in cache._snapshots.values():  # what a snapshot holds is what its bytes count
         assert snapshot.nbytes == sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
                                       for layer in snapshot.cache.layers)  # fmt: skip
