@@ -55,8 +55,12 @@ def _recording_cache(config: Any) -> DynamicCache:
 
 
 def _cropped(cache: DynamicCache, remove: int) -> DynamicCache:
-    """A copy of a recording cache without its last `remove` tokens, its sliding layers back to their window."""
-    copied = copy.deepcopy(cache)
+    """A copy of a recording cache without its last `remove` tokens, its sliding layers back to their window (0: a
+    copy to encode on). The copy has layers of its own over the same tensors: transformers' dynamic layers never
+    write a tensor they hold, they replace it (an encode concatenates, a crop slices), so neither cache can change
+    the other's; what a crop keeps of a longer tensor is copied out (`_compact`)."""
+    copied = copy.copy(cache)
+    copied.layers = [copy.copy(layer) for layer in cache.layers]
     copied.crop(-remove)
     for layer in copied.layers:
         _compact(layer)

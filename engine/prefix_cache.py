@@ -24,7 +24,6 @@ typed at lately; `MAX_SNAPSHOTS` of them. For a large model the byte budget bind
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,7 +78,8 @@ class PrefixCache:
         """Caches holding `id_lists`, each built from the longest stored snapshot its ids extend, with how many
         tokens came from that snapshot (not re-encoded). `new_cache()` makes an empty cache; `encode_rows(caches,
         id_lists, starts)` appends id_lists[r] to caches[r] at positions starts[r]..., all rows in one call;
-        `crop(cache, n)` is a copy of a cache without its last n tokens: each row's grid and cursor snapshots."""
+        `crop(cache, n)` is a copy of a cache without its last n tokens: each row's own copy of its snapshot (n = 0),
+        and its grid and cursor snapshots."""
         held = []
         for ids in map(tuple, id_lists):
             base = self._longest(ids, len(ids) - 1)  # at least one token encoded
@@ -89,7 +89,7 @@ class PrefixCache:
             else:
                 self.hits += 1
                 self._snapshots.move_to_end(base.ids)
-                held.append((ids, copy.deepcopy(base.cache), len(base.ids)))
+                held.append((ids, crop(base.cache, 0), len(base.ids)))
         rows = [(ids, cache, reused) for ids, cache, reused in held if reused < len(ids)]
         if rows:
             encode_rows([cache for _, cache, _ in rows], [ids[reused:] for ids, _, reused in rows],
