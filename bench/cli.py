@@ -249,7 +249,7 @@ def add_parser(commands: Any) -> None:
                                                      "compiled vs eager steps on its holes")  # fmt: skip
     warmup.add_argument("--limit", type=int, default=40, help="holes of --dataset")
     warmup.add_argument("--quantize", choices=("auto", "none"), default="auto", help="the engine's weights (auto: "
-                        "int8-dynamic from 100M weights on a CPU, which runs eager)")  # fmt: skip
+                        "int8-dynamic from 100M weights on a CPU; a deep decoder's compiled too)")  # fmt: skip
     warmup.add_argument("--by-layer", default="auto", help="comma list of auto, on, off: the decoder's graphs whole "
                         "or one per kind of layer (CANVAS_LS_COMPILE_BY_LAYER), each from empty caches")  # fmt: skip
     warmup.add_argument("--out", type=Path, help="JSON report path")

@@ -56,7 +56,7 @@ import torch
 
 from .compile_child import CompilerProcess, compile_mode
 from .elementwise import eager_logits
-from .graph_guards import KeptCheck, compile_options, serializable
+from .graph_guards import KeptCheck, compile_options, save_ahead, serializable
 from .layer_graphs import LayerGraphs, by_layer, compile_layers, layer_kinds
 from .loading import decoder_experts
 from .paths import cache_dir, die_with_parent
@@ -298,14 +298,10 @@ class CompiledDecoder:
             raise RuntimeError(f"no compiled graph for {rows} ({why}); the step runs eager")
         if None in paths:
             compiled = compile_model(self.model, torch.device("cpu"), self.backend, saved=True)
-            with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
-                graph = compiled.forward.aot_compile(((), inputs))
-            paths[None].parent.mkdir(parents=True, exist_ok=True)
-            graph.save_compiled_function(str(paths[None]))  # written whole, then renamed: engines compiling at once
+            save_ahead(compiled.forward, ((), inputs), paths[None])
         else:
             keep_inductor_cache()
-            compile_layers(self.model, inputs, self.backend, {first: path for first, path in paths.items()
-                                                              if first is not None})  # fmt: skip
+            compile_layers(self.model, inputs, self.backend, paths)
         _prune(next(iter(paths.values())).parent)
         return load_graphs(self.model, paths), "compiled"  # the saved graphs serve, as the next start's
 
@@ -390,7 +386,7 @@ def load_graphs(model: Any, paths: dict[int | None, Path]) -> Any:
     """The saved graph in `paths` (`graph_files`): a whole decoder's, or its layer graphs together (`LayerGraphs`)."""
     if None in paths:
         return load_graph(paths[None])
-    return LayerGraphs(model, {first: load_graph(path) for first, path in paths.items() if first is not None})
+    return LayerGraphs(model, {first: load_graph(path) for first, path in paths.items()})
 
 
 @functools.cache

@@ -1,11 +1,13 @@
 """What a saved decoder graph carries and checks (`compiled.py`'s whole graphs, `layer_graphs.py`'s per kind of
-layer): the compile options that keep only the guards a saved graph can carry, the check of those guards against a
-step's inputs, and the layout of those inputs that lets a check serve the steps of one batch."""
+layer): the compile options that keep only the guards a saved graph can carry, the ahead-of-time compilation and
+saving, the check of those guards against a step's inputs, and the layout of those inputs that lets a check serve
+the steps of one batch."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,16 @@ def compile_options(backend: str, guards: Callable[[list[Any]], list[bool]] | No
     if guards is not None:
         options["guard_filter_fn"] = guards
     return options or None
+
+
+def save_ahead(compiled: Any, args: tuple[Any, ...], path: Path) -> None:
+    """Compile `compiled` (a `torch.compile`d function, `fullgraph`, with `compile_options`'s guard filter) ahead of
+    time on the example `args` (positional, then keyword), and save it to `path` (written whole, then renamed:
+    engines compiling at once are safe). Traced outside inference mode, as the saved graphs run."""
+    with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
+        graph = compiled.aot_compile(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    graph.save_compiled_function(str(path))
 
 
 def guards_accept(graph: Any, *args: Any, **inputs: Any) -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .elementwise import eager_logits
-from .graph_guards import KeptCheck, compile_options, serializable
+from .graph_guards import KeptCheck, compile_options, save_ahead, serializable
 
 BY_LAYER_FROM = 8  # decoder layers from which the CPU's graphs are compiled layer by layer
 
@@ -152,7 +152,7 @@ def _layer_forward(layer: Any, **inputs: Any) -> torch.Tensor:
     return type(layer).forward(layer, **inputs)
 
 
-def compile_layers(model: Any, inputs: dict[str, Any], backend: str, paths: dict[int, Path]) -> None:
+def compile_layers(model: Any, inputs: dict[str, Any], backend: str, paths: dict[int | None, Path]) -> None:
     """Trace and compile one graph per kind of layer on what the decoder's `inputs` give each, saving each to its
     path in `paths` (keyed by the kind's first layer)."""
     layers = model.model.decoder.layers
@@ -161,10 +161,7 @@ def compile_layers(model: Any, inputs: dict[str, Any], backend: str, paths: dict
     for first, example in examples.items():
         compiled = torch.compile(_layer_forward, dynamic=True, backend=backend, fullgraph=True,
                                  options=compile_options(backend, _layer_guards))  # fmt: skip
-        with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode(False), torch.no_grad():
-            graph = compiled.aot_compile(((layers[first],), example))
-        paths[first].parent.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(paths[first]))  # written whole, then renamed
+        save_ahead(compiled, ((layers[first],), example), paths[first])
 
 
 def _layer_guards(entries: list[Any]) -> list[bool]:
