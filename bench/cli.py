@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine import confidence as calibration
 from ..engine.paths import cache_dir
@@ -26,7 +26,12 @@ from ..server.arguments import (
     settings_argument,
 )
 
+if TYPE_CHECKING:
+    from .core import Load
+
 BUSY_HELP = "K other processes keep a core busy each for the run (a busy machine, as a developer's is)"
+LOADS_HELP = (BUSY_HELP + "; several counts (0,1) take turns in blocks of --load-block documents in one run, each "
+              "compared with the first")  # fmt: skip
 
 
 def add_parser(commands: Any) -> None:
@@ -135,7 +140,9 @@ def add_parser(commands: Any) -> None:
     neovim.add_argument("--workspace-cache", type=float, help=WORKSPACE_CACHE_HELP)
     neovim.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="the engine's compiled step (engine.compile); stop a running engine first")  # fmt: skip
-    neovim.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
+    neovim.add_argument("--busy-cores", type=_counts, default=(0,), metavar="K[,K...]", help=LOADS_HELP)
+    neovim.add_argument("--load-block", type=int, default=4, metavar="N",
+                        help="documents in a row at one count of busy cores (with several)")  # fmt: skip
     neovim.add_argument("--out", type=Path, help="JSON report path")
 
     lsp = benches.add_parser("lsp", help="end-to-end latency through a real LSP client: cold, typing-through, "
@@ -153,7 +160,9 @@ def add_parser(commands: Any) -> None:
                      help="where the model runs: the shared engine (the default) or inside the server")  # fmt: skip
     lsp.add_argument("--learn", type=Path, metavar="DIR", help="the same requests while the server learns DIR in "
                      "the background (\"Learn this workspace\"; its model goes to the user's cache)")  # fmt: skip
-    lsp.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
+    lsp.add_argument("--busy-cores", type=_counts, default=(0,), metavar="K[,K...]", help=LOADS_HELP)
+    lsp.add_argument("--load-block", type=int, default=4, metavar="N",
+                        help="documents in a row at one count of busy cores (with several)")  # fmt: skip
     lsp.add_argument("--out", type=Path, help="JSON report path")
 
     soak = benches.add_parser("soak", help="many LSP requests (edits, completions, cancels, opens, closes) against "
@@ -332,10 +341,9 @@ def _bench_repo(args: argparse.Namespace) -> int:
 
 def _bench_neovim(args: argparse.Namespace) -> int:
     from . import neovim as bench_neovim
-    from .core import busy_cores
 
     try:
-        with busy_cores(args.busy_cores):
+        with _load(args) as load:
             report = bench_neovim.run(
                 args.dataset,
                 args.limit,
@@ -347,10 +355,11 @@ def _bench_neovim(args: argparse.Namespace) -> int:
                 context_tokens=args.context_tokens,
                 compile=args.compile,
                 workspace_cache=args.workspace_cache,
+                load=load,
             )
     except (ImportError, RuntimeError, TimeoutError) as exc:
         raise CliError(f"bench neovim: {exc}") from exc
-    report["busy_cores"] = args.busy_cores
+    report["busy_cores"] = _said(args.busy_cores)
     return _report("neovim", report, bench_neovim.format_neovim, args.out)
 
 
@@ -464,6 +473,34 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """`--busy-cores`: one count of busy cores, or several (comma separated) to take turns."""
+    try:
+        counts = _ints(text)
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"'{text}': a count of busy cores, or several comma separated (0,1)")
+    return counts
+
+
+def _load(args: argparse.Namespace) -> Load:
+    """The run's `Load` (`--busy-cores`, `--load-block`), its first count's processes already started: a single count
+    keeps the machine busy from before the server starts to the end, as a developer's machine is."""
+    from .core import Load
+
+    if args.load_block < 1:
+        raise CliError(f"--load-block {args.load_block}: one document or more")
+    load = Load(args.busy_cores, args.load_block, settle=len(args.busy_cores) > 1)
+    load.at(0)
+    return load
+
+
+def _said(counts: tuple[int, ...]) -> int | list[int]:
+    """The report's `busy_cores`: the count, or the counts that took turns."""
+    return counts[0] if len(counts) == 1 else list(counts)
+
+
 def _bench_sampler(args: argparse.Namespace) -> int:
     from .core import format_sampler, run_sampler
 
@@ -477,7 +514,6 @@ def _bench_train(args: argparse.Namespace) -> int:
 
 
 def _bench_lsp(args: argparse.Namespace) -> int:
-    from .core import busy_cores
     from .lsp import LANGUAGES, format_report, run_lsp_bench
 
     fixtures = Path(__file__).resolve().parent.parent / "fixtures"  # in a checkout (an editable install) only
@@ -485,10 +521,10 @@ def _bench_lsp(args: argparse.Namespace) -> int:
         raise CliError("bench lsp: give --files (the repository's fixtures, its default, are not part of an install)")
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
     speculate = not args.no_speculate
-    with busy_cores(args.busy_cores):
+    with _load(args) as load:
         report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms,
-                               speculate, args.context_tokens, args.learn, args.workspace_cache)  # fmt: skip
-    report["busy_cores"] = args.busy_cores
+                               speculate, args.context_tokens, args.learn, args.workspace_cache, load)  # fmt: skip
+    report["busy_cores"] = _said(args.busy_cores)
     return _report("lsp", report, format_report, args.out)
 
 

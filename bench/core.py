@@ -40,18 +40,99 @@ def paired_interval(before: list[float], after: list[float], draws: int = 4000, 
     return float(low), float(high)
 
 
+class Load:
+    """Other processes keeping cores busy (a spin loop each), as many as a run asks for each of its items: one count
+    for the whole run (`busy_cores`), or several interleaved in blocks of `block` items (`--busy-cores 0,1`), so that
+    an idle and a busy machine are compared in one run, on the same engine, the same caches and the machine's state of
+    the moment (two runs one after another differ in all three). After a change the run waits for the engine's thread
+    count to follow (`settle`): it measures a steady load, not the second after one starts or stops."""
+
+    def __init__(self, counts: tuple[int, ...], block: int = 4, settle: bool = True):
+        if not counts or min(counts) < 0 or block < 1:
+            raise ValueError(f"busy cores {counts} in blocks of {block}: counts of 0 or more, blocks of 1 or more")
+        self.counts, self.block, self.settle = counts, block, settle
+        self.spinners: list[subprocess.Popen[bytes]] = []
+
+    def of(self, index: int) -> int:
+        """The busy cores for item `index` of the run."""
+        return self.counts[(index // self.block) % len(self.counts)]
+
+    def at(self, index: int) -> int:
+        """Make the machine as busy as item `index` asks (waiting to settle after a change); returns the count."""
+        count = self.of(index)
+        if count != len(self.spinners):
+            rising = count > len(self.spinners)
+            while len(self.spinners) < count:
+                self.spinners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                                      stdin=subprocess.DEVNULL))  # fmt: skip
+            while len(self.spinners) > count:
+                self._stop(self.spinners.pop())
+            if self.settle:
+                time.sleep(settle_s(rising))
+        return count
+
+    def close(self) -> None:
+        while self.spinners:
+            self._stop(self.spinners.pop())
+
+    def __enter__(self) -> Load:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _stop(spinner: subprocess.Popen[bytes]) -> None:
+        spinner.kill()
+        spinner.wait()
+
+
+def settle_s(rising: bool) -> float:
+    """How long the engine's thread count takes to follow a load that rose (fewer threads after the first whole sample
+    of it: up to two) or fell (more only after `RAISE_AFTER` samples in a row allow them), half a sample to spare."""
+    from ..engine.threads import RAISE_AFTER, SAMPLE_S
+
+    return SAMPLE_S * (2.5 if rising else RAISE_AFTER + 1.5)
+
+
 @contextlib.contextmanager
 def busy_cores(count: int) -> Iterator[None]:
-    """`count` other processes each keeping a core busy (a spin loop) for the block: the machine as busy as a
-    developer's usually is (`--busy-cores`)."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
-                for _ in range(count)]  # fmt: skip
-    try:
+    """`count` other processes each keeping a core busy for the block: the machine as busy as a developer's usually is
+    (`--busy-cores K`; the run's own warm-up comes after they start)."""
+    with Load((count,), settle=False) as load:
+        load.at(0)
         yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
+
+
+def by_load(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Per busy-core count (`row["busy_cores"]`), each of `keys`' p50 and p95 over the rows, and their ratios to the
+    first count's (an interleaved run's idle baseline, `--busy-cores 0,1`)."""
+    counts = list(dict.fromkeys(row["busy_cores"] for row in rows))
+    table: dict[str, dict[str, Any]] = {}
+    for count in counts:
+        entry: dict[str, Any] = {"n": sum(row["busy_cores"] == count for row in rows)}
+        for key in keys:
+            values = [row[key] for row in rows if row["busy_cores"] == count and row.get(key) is not None]
+            entry[key] = {"n": len(values), "p50_ms": statistics.median(values), "p95_ms": percentile(values, 0.95)
+                          } if values else {"n": 0}  # fmt: skip
+            base = table[str(counts[0])][key] if table else entry[key]
+            if values and base["n"]:
+                entry[key]["ratio_p50"] = round(entry[key]["p50_ms"] / base["p50_ms"], 3)
+                entry[key]["ratio_p95"] = round(entry[key]["p95_ms"] / base["p95_ms"], 3)
+        table[str(count)] = entry
+    return table
+
+
+def format_by_load(table: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> list[str]:
+    """`by_load`'s table as lines: per count and key, p50 and p95 and their ratios to the first count."""
+    lines = []
+    for count, entry in table.items():
+        for key in keys:
+            s = entry[key]
+            if s["n"]:
+                lines.append(f"{count} busy  {key:<10} n={s['n']:<4} p50 {s['p50_ms']:8.1f} ms ({s['ratio_p50']:.2f}x)"
+                             f"   p95 {s['p95_ms']:8.1f} ms ({s['ratio_p95']:.2f}x)")  # fmt: skip
+    return lines
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -23,9 +23,10 @@ from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
 from ..engine.tasks import machine
-from .core import percentile
+from .core import Load, by_load, format_by_load, percentile
 
 LEARN_WARMUP_S = 25.0
+LOAD_KINDS = ("cold", "typing", "accepted")  # the requests compared per load (`--busy-cores 0,1`)
 LANGUAGES = {".py": "python", ".js": "javascript", ".go": "go", ".ts": "typescript", ".rs": "rust"}
 
 
@@ -67,7 +68,7 @@ async def start_session(name: str, command: list[str], init: dict[str, Any], env
 
 
 async def _drive(command: list[str], files: list[Path], requests: int, init: dict[str, Any],
-                 think_ms: float, learn: Path | None = None) -> dict[str, Any]:  # fmt: skip
+                 think_ms: float, learn: Path | None = None, load: Load | None = None) -> dict[str, Any]:  # fmt: skip
     client, drain = await start_session("canvas-ls-bench", command, init)
     if learn is not None:  # "Learn this workspace" running in the background through every request
         params = types.ExecuteCommandParams("canvas-ls.learnWorkspace", [{"folder": learn.resolve().as_uri()}])
@@ -83,7 +84,10 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
     typing: list[float] = []
     accepted: dict[str, list[float]] = {"speculated": [], "other": []}
     versions: dict[Path, int] = {}
-    for path, (line, character) in spots:
+    rows: list[dict[str, Any]] = []  # per place: its load and its requests' times
+    for index, (path, (line, character)) in enumerate(spots):
+        row: dict[str, Any] = {"busy_cores": await asyncio.to_thread(load.at, index) if load is not None else 0}
+        rows.append(row)
         uri = path.resolve().as_uri()
         version = versions.get(path, 0) + 1
         versions[path] = version
@@ -94,7 +98,7 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         )
         started = time.perf_counter()
         items = await _inline(client, uri, line, character)
-        cold.append((time.perf_counter() - started) * 1000)
+        cold.append(row.setdefault("cold", (time.perf_counter() - started) * 1000))
         if not items or len(items[0].insert_text) < 2:
             continue
         await asyncio.sleep(think_ms / 1000)  # the user reads the suggestion
@@ -103,14 +107,14 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         at = _insert(client, uri, version + 1000, types.Position(line, character), typed)
         started = time.perf_counter()
         await _inline(client, uri, at.line, at.character)
-        typing.append((time.perf_counter() - started) * 1000)
+        typing.append(row.setdefault("typing", (time.perf_counter() - started) * 1000))
         # Accept the rest (Tab): the suggestion's range is replaced, the cursor goes to its end.
         rest = shown.insert_text[len(typed) :]
         end = _insert(client, uri, version + 2000, at, rest, shown.range.end if shown.range else None, len(typed))
         before = (await client.protocol.send_request_async("canvas/stats", {})).speculation.used
         started = time.perf_counter()
         await _inline(client, uri, end.line, end.character)
-        elapsed = (time.perf_counter() - started) * 1000
+        elapsed = row.setdefault("accepted", (time.perf_counter() - started) * 1000)
         used = (await client.protocol.send_request_async("canvas/stats", {})).speculation.used > before
         accepted["speculated" if used else "other"].append(elapsed)
     stats = await client.protocol.send_request_async("canvas/stats", {})
@@ -137,6 +141,7 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         "model_call": _summary([row.call for row in stats.modelCallMs]),
         "engine": _summary([row.engine for row in stats.modelCallMs if row.engine is not None]),
         "call_overhead": _summary([row.call - row.engine for row in stats.modelCallMs if row.engine is not None]),
+        "by_load": by_load(rows, LOAD_KINDS) if load is not None and len(load.counts) > 1 else None,
     }
 
 
@@ -200,14 +205,15 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str, backend: str = "resident",
                   think_ms: float = 300, speculate: bool = True, context_tokens: int = 512,
-                  learn: Path | None = None, workspace_cache: float | None = None) -> dict[str, Any]:  # fmt: skip
+                  learn: Path | None = None, workspace_cache: float | None = None,
+                  load: Load | None = None) -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, "-m", "canvas_ls.server.cli", "serve", "--log-level", "WARNING"]
     init = {"engine": {"model": model, "device": device, "backend": backend},
             "completion": {"min_confidence": 0, "speculate": speculate, "context_tokens": context_tokens,
                            "workspace_cache": workspace_cache}}  # fmt: skip
     if learn is not None:
         init["engine"]["learn_minutes"] = 30  # longer than the run: it learns through every request
-    report = asyncio.run(_drive(command, files, requests, init, think_ms, learn))
+    report = asyncio.run(_drive(command, files, requests, init, think_ms, learn, load))
     report["learning"] = str(learn) if learn else None
     report["machine"] = machine()
     report["model"] = model or "(default)"
@@ -240,4 +246,4 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"context from other files ({report['context_tokens']} tokens): blocks built {blocks['built']}, "
                      f"reused {blocks['reused']}")  # fmt: skip
     lines.append(f"outcomes: {report['by_source']}")
-    return "\n".join(lines)
+    return "\n".join(lines + format_by_load(report.get("by_load") or {}, LOAD_KINDS))

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.tasks import machine
-from .core import percentile
+from .core import Load, by_load, format_by_load, percentile
 
 SETUP = """
 local root, python, init, prefetch, show_early = ...
@@ -103,7 +103,10 @@ def wait_for(predicate: Any, timeout: float = 90.0, what: str = "condition") -> 
 
 def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, warmup: int = 2,
         speculate: bool = True, prefetch: bool = True, show_early: bool = True, context_tokens: int = 512,
-        compile: str = "auto", workspace_cache: float | None = None) -> dict[str, Any]:  # fmt: skip
+        compile: str = "auto", workspace_cache: float | None = None, load: Load | None = None
+        ) -> dict[str, Any]:  # fmt: skip
+    """The run (`load`: other processes keeping cores busy, per counted document; the warm-up ones at its first
+    count)."""
     import pynvim
 
     binary = nvim or find_nvim()
@@ -123,6 +126,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
     try:
         editor.exec_lua(SETUP, str(root), sys.executable, json.dumps(init), prefetch, show_early)
         for index, task in enumerate(tasks):
+            busy = load.at(max(index - warmup, 0)) if load is not None else 0
             path = work / f"task{index}.py"
             prompt = task["prompt"]
             path.write_text(prompt + task["suffix"])
@@ -146,7 +150,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
             if index >= warmup:
                 rows.append({"task_id": task["task_id"], "request_ms": (answer["done"] - answer["sent"]) / 1e6,
                              "wait_ms": (answer["done"] - answer["entered"]) / 1e6, "items": answer["items"],
-                             "error": answer["error"]})  # fmt: skip
+                             "error": answer["error"], "busy_cores": busy})  # fmt: skip
             counters = editor.exec_lua("return require('canvas_ls').stats(0)") or {}
             shown_early = editor.exec_lua("return require('canvas_ls').shown_early")
             editor.input("<Esc>")
@@ -172,6 +176,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
         "wait": {"p50_ms": statistics.median(waits), "p95_ms": percentile(waits, 0.95)},
         "shown_share": sum(r["items"] > 0 for r in rows) / max(len(rows), 1),
         "errors": [r for r in rows if r["error"]], "rows": rows,
+        "by_load": by_load(rows, ("request_ms", "wait_ms")) if load is not None and len(load.counts) > 1 else None,
     }  # fmt: skip
 
 
@@ -191,6 +196,7 @@ def format_neovim(report: dict[str, Any]) -> str:
         f"model calls (warm-up documents included): the server's call p50 {report['model_call']['call_p50_ms']} ms, "
         f"of which the engine computed p50 {report['model_call']['engine_p50_ms']} ms",
         f"engine compile={report['compile']}: {report['engine_compile']}",
+        *format_by_load(report.get("by_load") or {}, ("request_ms", "wait_ms")),
     ])  # fmt: skip
 
 

@@ -11,7 +11,12 @@ spins (measured on the 2-core machine: the editor's completion p50 85 ms idle, 5
   more again only after it has stayed low for a few samples. With no more threads than free cores, OpenMP's
   brief spin at the end of a parallel region costs nothing, and it is faster than waiting passively
   (`OMP_WAIT_POLICY=PASSIVE` measured 12-15% slower with the compiled step, idle: 174-177 vs 151-156 ms a
-  completion, 2-core EPYC, 2026-12-06); a load that starts meets two threads for at most a second;
+  completion, 2-core EPYC, 2026-12-06);
+- a load that contends takes a thread away at the end of the run of steps that met it, not at the next sample, and
+  one sure to contend (`SURE`: most of a core) even while the engine waits between requests: a build that starts
+  between two keystrokes used to meet the next request with two threads, one of them spinning on a taken core, and
+  made it 1.6-4.4 s instead of ~0.2 (`bench neovim --busy-cores 0,1`, the shipped model, 2-core Zen 4,
+  2026-12-07);
 - `OMP_NUM_THREADS` set by the user is a fixed choice: kept, and said so.
 
 The choice and why are in `/health` ("threads") and the engine's log. No torch at import: `ThreadGovernor.apply`
@@ -39,6 +44,10 @@ GAP_S = 0.02  # a pause between two steps longer than this ends a run
 RAISE_AFTER = 3  # samples in a row that allow more threads before the count goes up (down: at once)
 # Busy time of other processes up to this share of a core leaves that core to the engine (noise, short bursts)
 SLACK = 0.3
+# A load of more than this share of a core over a second the engine waited takes a thread: it is sure to contend with
+# the next request (a build, a spinning process), where an editor's and a language server's work between two answers
+# stays below it
+SURE = 0.7
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -140,8 +149,9 @@ class ThreadGovernor:
     least `WINDOW_S` long): an editor's language server and client work between the engine's answers, not during
     them, and must not cost it a thread. A daemon thread decides every `SAMPLE_S`: from the windows computed since
     (fewer threads at once; more after `RAISE_AFTER` such decisions), or, when the engine was idle, from the whole
-    machine's load (only ever more threads: an idle engine has nobody to contend with). The model's thread applies
-    the count as a step starts (OpenMP's thread count belongs to the thread that starts the parallel regions)."""
+    machine's load (fewer threads only for a load `SURE` to contend with the next request). A window that shows
+    contention lowers the count as it ends. The model's thread applies the count as a step starts (OpenMP's thread
+    count belongs to the thread that starts the parallel regions)."""
 
     def __init__(self, sample_s: float = SAMPLE_S, start_sample_s: float = 0.1) -> None:
         self._limit = usable_cores()[1]
@@ -168,14 +178,20 @@ class ThreadGovernor:
     def describe(self) -> str:
         return f"{self.choice.threads} of {self.cores} cores ({self.choice.why})"
 
+    def _free(self, others: float, slack: float) -> int:
+        return max(1, min(self.cores, math.floor(self.cores - others + slack)))
+
     def _decide(self, others: float, start: bool = False, idle: bool = False) -> ThreadChoice:
         """The count for `others` busy cores: fewer at once, more only after `RAISE_AFTER` decisions in a row that
-        allow more; `idle` (the engine computed nothing since the last decision): never fewer, nobody contends."""
-        free = max(1, min(self.cores, math.floor(self.cores - others + SLACK)))
+        allow more; `idle` (the engine computed nothing since the last decision): fewer only for a load `SURE` to
+        contend with the next request, nobody contends with a waiting engine otherwise."""
+        free = self._free(others, SLACK)
         if not start:
             current = self.choice.threads
+            if idle and free < current:
+                free = max(free, self._free(others, SURE))
             self._lower = self._lower + 1 if free > current else 0
-            if (idle and free < current) or 0 < self._lower < RAISE_AFTER:
+            if 0 < self._lower < RAISE_AFTER:
                 free = current
             if free == current:
                 return replace(self.choice, others_busy=round(others, 2))
@@ -183,23 +199,27 @@ class ThreadGovernor:
         if free == self.cores:
             why = f"{self._limit}; other processes keep {others:.1f} cores busy"
         else:
-            why = f"{self._limit}; other processes keep {others:.1f} of {self.cores} cores busy while it computes: " \
+            when = "while it waits for a request" if idle else "while it computes"
+            why = f"{self._limit}; other processes keep {others:.1f} of {self.cores} cores busy {when}: " \
                   "no thread waits on a core it cannot get"  # fmt: skip
         return ThreadChoice(free, self.cores, round(others, 2), why)
+
+    def _choose(self, choice: ThreadChoice) -> None:
+        """`choice` from now on (under the lock): the model's thread applies it as its next step starts."""
+        if choice.threads != self.choice.threads:
+            log.info("threads: %d -> %d (%s)", self.choice.threads, choice.threads, choice.why)
+        self.choice = choice
 
     def _watch(self, sample_s: float) -> None:
         while not self._stop.wait(sample_s):
             machine = self._sampler.others_busy()
             with self._lock:
                 seen, self._seen = self._seen, []
-            seconds = sum(s for _, s in seen)
-            if seconds > 0:
-                choice = self._decide(sum(o * s for o, s in seen) / seconds)
-            else:
-                choice = self._decide(machine, idle=True)
-            if choice.threads != self.choice.threads:
-                log.info("threads: %d -> %d (%s)", self.choice.threads, choice.threads, choice.why)
-            self.choice = choice
+                seconds = sum(s for _, s in seen)
+                if seconds > 0:
+                    self._choose(self._decide(sum(o * s for o, s in seen) / seconds))
+                else:
+                    self._choose(self._decide(machine, idle=True))
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -222,8 +242,11 @@ class ThreadGovernor:
             self._last_end = now = time.monotonic()
             if now - self._window[0] >= WINDOW_S:
                 reading = read_load()
+                others = others_between(self._window, reading)
                 with self._lock:
-                    self._seen.append((others_between(self._window, reading), reading[0] - self._window[0]))
+                    self._seen.append((others, reading[0] - self._window[0]))
+                    if self._free(others, SLACK) < self.choice.threads:  # contention: fewer from the next step
+                        self._choose(self._decide(others))
                 self._window = None
 
     def stop(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -345,3 +347,59 @@ def test_bench_step_counts_the_int8_projections_and_the_arithmetic_floor(tiny_mo
     embedding = model.get_input_embeddings().weight.nbytes
     vision = sum(p.nbytes for n, p in model.named_parameters() if "vision" in n)
     assert report["step_weight_bytes"] == report["weights_bytes"] - vision - embedding
+
+
+def test_busy_cores_take_turns_in_blocks_with_real_spinning_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--busy-cores 0,1` in blocks of 2: documents 0-1 idle, 2-3 with one process spinning (it burns a core), 4 idle
+    again (the process gone); after each change the run waits for the engine's thread count to follow: two samples
+    when the load rose, `RAISE_AFTER` and one when it fell."""
+    from canvas_ls.bench import core
+
+    waits: list[float] = []
+    monkeypatch.setattr(core.time, "sleep", waits.append)
+    with core.Load((0, 1), block=2) as load:
+        assert [load.of(i) for i in range(6)] == [0, 0, 1, 1, 0, 0]
+        assert (load.at(0), load.at(1), load.spinners, waits) == (0, 0, [], [])
+        assert load.at(2) == 1 and waits == [2.5]
+        (spinner,) = load.spinners
+        started = _cpu_seconds(spinner.pid)
+        deadline = time.monotonic() + 30
+        while _cpu_seconds(spinner.pid) - started < 0.2 and time.monotonic() < deadline:
+            pass  # the spinner runs on the other core (or shares this one)
+        assert _cpu_seconds(spinner.pid) - started >= 0.2
+        assert load.at(3) == 1 and load.spinners == [spinner] and waits == [2.5]
+        assert load.at(4) == 0 and load.spinners == [] and spinner.returncode is not None and waits == [2.5, 4.5]
+        load.at(2)
+        (left,) = load.spinners
+    assert load.spinners == [] and left.returncode is not None  # closed with the run
+    with pytest.raises(ValueError, match="counts of 0 or more"):
+        core.Load((0, -1))
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_by_load_compares_each_count_with_the_first() -> None:
+    from canvas_ls.bench.core import by_load, format_by_load
+
+    rows = [{"busy_cores": 0, "cold": 100.0, "typing": 10.0}, {"busy_cores": 0, "cold": 120.0, "typing": None},
+            {"busy_cores": 1, "cold": 130.0, "typing": 30.0}, {"busy_cores": 1, "cold": 170.0}]  # fmt: skip
+    table = by_load(rows, ("cold", "typing"))
+    assert table == {
+        "0": {"n": 2, "cold": {"n": 2, "p50_ms": 110.0, "p95_ms": 120.0, "ratio_p50": 1.0, "ratio_p95": 1.0},
+              "typing": {"n": 1, "p50_ms": 10.0, "p95_ms": 10.0, "ratio_p50": 1.0, "ratio_p95": 1.0}},
+        "1": {"n": 2, "cold": {"n": 2, "p50_ms": 150.0, "p95_ms": 170.0, "ratio_p50": 1.364, "ratio_p95": 1.417},
+              "typing": {"n": 1, "p50_ms": 30.0, "p95_ms": 30.0, "ratio_p50": 3.0, "ratio_p95": 3.0}},
+    }  # fmt: skip
+    assert format_by_load(table, ("cold",)) == [
+        "0 busy  cold       n=2    p50    110.0 ms (1.00x)   p95    120.0 ms (1.00x)",
+        "1 busy  cold       n=2    p50    150.0 ms (1.36x)   p95    170.0 ms (1.42x)",
+    ]
+
+
+@pytest.mark.parametrize("said", ["0,x", "-1", ""])
+def test_busy_cores_that_are_not_counts_are_refused(said: str) -> None:
+    result = canvas_ls("bench", "lsp", "--busy-cores", said, "--requests", "1")
+    assert result.returncode == 2 and "a count of busy cores, or several comma separated (0,1)" in result.stderr

@@ -18,6 +18,7 @@ import pynvim
 import pytest
 
 from canvas_ls.bench import neovim as bench_neovim
+from canvas_ls.bench.core import Load
 from canvas_ls.bench.neovim import find_nvim, wait_for
 from tests.conftest import FIXTURES, REPO
 
@@ -265,7 +266,8 @@ def test_bench_neovim_times_freshly_opened_documents(fixed_model_dir: Path, tmp_
     """`canvas-ls bench neovim` on three made-up problems with holes over two lines (one warms up): real Neovim, the
     plugin, the server and its resident engine. Each counted document gets an answer, timed from the request and
     from entering insert mode (not before it), every request was prefetched, and the report says how fast the
-    machine was around the run."""
+    machine was around the run. Idle and one busy core take turns (`--busy-cores 0,1`): each document is timed
+    under its own load and each load compared with the idle one."""
     rows = [
         {"task_id": f"Made/{n}/1", "prompt": f"def f{n}(x):\n    y = x + {n}\n", "suffix": "\n\nprint(1)\n",
          "canonical_solution": f"    z = y * {n}\n    return z\n"}
@@ -274,13 +276,20 @@ def test_bench_neovim_times_freshly_opened_documents(fixed_model_dir: Path, tmp_
     dataset = tmp_path / "made.jsonl.gz"
     with gzip.open(dataset, "wt", encoding="utf-8") as sink:
         sink.writelines(json.dumps(row) + "\n" for row in rows)
-    report = bench_neovim.run(dataset, 2, str(fixed_model_dir), NVIM, warmup=1, compile="off")
+    with Load((0, 1), block=1, settle=False) as load:
+        report = bench_neovim.run(dataset, 2, str(fixed_model_dir), NVIM, warmup=1, compile="off", load=load)
     assert report["tasks"] == 2 and report["errors"] == [], report
+    assert [row["busy_cores"] for row in report["rows"]] == [0, 1] and load.spinners == []
+    idle, busy = report["rows"]
+    assert report["by_load"]["0"]["request_ms"] == {"n": 1, "p50_ms": idle["request_ms"], "p95_ms": idle["request_ms"],
+                                                    "ratio_p50": 1.0, "ratio_p95": 1.0}  # fmt: skip
+    assert report["by_load"]["1"]["wait_ms"]["ratio_p50"] == round(busy["wait_ms"] / idle["wait_ms"], 3)
     assert all(0 < row["request_ms"] <= row["wait_ms"] for row in report["rows"]), report["rows"]
     assert report["prefetches"]["started"] == report["prefetches"]["used"] == 3, report
     assert report["model_call"]["calls"] == 3 and report["model_call"]["engine_p50_ms"] > 0, report
     assert len(report["fp32_matmul_tflops"]) == 2 and min(report["fp32_matmul_tflops"]) > 0
     assert "insert -> answer" in bench_neovim.format_neovim(report)
+    assert "1 busy  wait_ms" in bench_neovim.format_neovim(report)
 
 
 NEXT_EDIT_SETUP = """

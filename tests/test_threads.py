@@ -39,8 +39,14 @@ def test_threads_follow_the_cores_other_processes_leave(monkeypatch: pytest.Monk
         assert chosen.choice.threads == 1
     chosen.choice = chosen._decide(0.0)
     assert chosen.choice.threads == 2
-    chosen.choice = chosen._decide(1.02, idle=True)  # an idle engine's busy machine: nobody contends with it
+    # An idle engine: its editor's and server's work between two answers does not cost it a thread...
+    chosen.choice = chosen._decide(0.6, idle=True)
     assert chosen.choice.threads == 2
+    # ...a build that keeps a core busy meanwhile does: the next request would meet it
+    chosen.choice = chosen._decide(1.02, idle=True)
+    assert chosen.choice.threads == 1
+    assert chosen.choice.why == ("affinity mask; other processes keep 1.0 of 2 cores busy while it waits for a "
+                                 "request: no thread waits on a core it cannot get")  # fmt: skip
     assert governor(monkeypatch, 8, [2.6]).choice.threads == 5  # 2.6 busy cores of 8 leave 5 (a little slack)
     assert governor(monkeypatch, 2, [7.0]).choice.threads == 1  # never fewer than one
 
@@ -118,3 +124,20 @@ def test_the_load_counts_while_the_engine_computes(monkeypatch: pytest.MonkeyPat
     with chosen.computing():  # right after (no pause): the same run, 0.0 - 0.2
         pass
     assert chosen._seen == [(pytest.approx(1.0), 0.2)]
+
+
+def test_a_run_of_steps_that_meets_a_sure_load_drops_a_thread_as_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window that shows another process contending lowers the count at its end, not at the next sample (up to a
+    second of steps with a thread spinning on a taken core); noise within the slack does not."""
+    chosen = governor(monkeypatch, 2, [0.0])
+    busy = threads._TICKS // 5  # another process busy for 0.2 s
+    readings = iter([(0.0, 0, 0), (0.2, busy // 5, 0), (1.0, 0, 0), (1.2, busy // 2, 0)])
+    monkeypatch.setattr(threads, "read_load", lambda: next(readings))
+    clock = iter([0.2, 1.2])  # each run ends 0.2 s after its first reading
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    with chosen.computing():  # a fifth of a core over the window: noise
+        pass
+    assert chosen.choice.threads == 2 and chosen._seen == [(pytest.approx(0.2), 0.2)]
+    with chosen.computing():  # half a core (a spinning process sharing the cores with two threads): one thread now
+        pass
+    assert chosen.choice.threads == 1 and chosen.choice.others_busy == pytest.approx(0.5)
