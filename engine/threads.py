@@ -44,6 +44,9 @@ GAP_S = 0.02  # a pause between two steps longer than this ends a run
 RAISE_AFTER = 3  # samples in a row that allow more threads before the count goes up (down: at once)
 # Busy time of other processes up to this share of a core leaves that core to the engine (noise, short bursts)
 SLACK = 0.3
+# A run of steps that saw others take more than this share of a core lowers the count as it ends (another process
+# spinning beside two threads on two cores shows as 0.6-0.8 of a core; a language server's burst beside it, 0.3)
+AT_ONCE = 0.5
 # A load of more than this share of a core over a second the engine waited takes a thread: it is sure to contend with
 # the next request (a build, a spinning process), where an editor's and a language server's work between two answers
 # stays below it
@@ -128,7 +131,8 @@ def read_load() -> Reading:
 def others_between(then: Reading, now: Reading) -> float:
     """Cores other processes kept busy between two readings (this process and its children aside)."""
     seconds = now[0] - then[0]
-    return 0.0 if seconds <= 0 else max(0.0, (now[1] - then[1]) - (now[2] - then[2])) / _TICKS / seconds
+    own = max(0, now[2] - then[2])  # a child that exited meanwhile takes its ticks with it: never less than none
+    return 0.0 if seconds <= 0 else max(0.0, (now[1] - then[1]) - own) / _TICKS / seconds
 
 
 class LoadSampler:
@@ -245,7 +249,7 @@ class ThreadGovernor:
                 others = others_between(self._window, reading)
                 with self._lock:
                     self._seen.append((others, reading[0] - self._window[0]))
-                    if self._free(others, SLACK) < self.choice.threads:  # contention: fewer from the next step
+                    if self._free(others, AT_ONCE) < self.choice.threads:  # contention: fewer from the next step
                         self._choose(self._decide(others))
                 self._window = None
 
