@@ -100,11 +100,12 @@ def _system_busy() -> int:
 
 
 def _process_ticks(pid: int | str) -> int:
-    """User + system clock ticks of a process (all its threads)."""
+    """User + system clock ticks of a process (all its threads) and of the children it has reaped (an exited child's
+    ticks move there: a compiling child that starts and ends between two readings stays ours)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
+        return int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
     except (OSError, IndexError, ValueError):
         return 0
 
@@ -131,7 +132,7 @@ def read_load() -> Reading:
 def others_between(then: Reading, now: Reading) -> float:
     """Cores other processes kept busy between two readings (this process and its children aside)."""
     seconds = now[0] - then[0]
-    own = max(0, now[2] - then[2])  # a child that exited meanwhile takes its ticks with it: never less than none
+    own = max(0, now[2] - then[2])  # a child exited and not yet reaped has taken its ticks along: never below none
     return 0.0 if seconds <= 0 else max(0.0, (now[1] - then[1]) - own) / _TICKS / seconds
 
 

@@ -108,12 +108,15 @@ def test_this_process_and_its_children_are_not_others(monkeypatch: pytest.Monkey
         system=1000 + 3 * threads._TICKS // 2, self=100 + threads._TICKS // 2, **{"42": 50 + threads._TICKS // 2}
     )
     assert sampler.others_busy() == pytest.approx(0.5, abs=0.02)  # 1.5 cores busy, 1 of them ours
-    # The child exited (its ticks leave with it): the machine's busy time is all others can have had, not more
-    clock2 = iter([12.0])
+    # The child exited: for a moment its ticks are nowhere (our reading fell), never counted as others' load...
+    clock2 = iter([12.0, 13.0])
     monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock2))
     monkeypatch.setattr(threads, "_children", lambda: [])
     ticks.update(system=ticks["system"] + threads._TICKS // 10)
     assert sampler.others_busy() == pytest.approx(0.1, abs=0.02)
+    # ...then, reaped, they are this process's children's time (`cutime`): ours, with what it did meanwhile
+    ticks.update(system=ticks["system"] + threads._TICKS, self=ticks["self"] + ticks["42"] + threads._TICKS)
+    assert sampler.others_busy() == pytest.approx(0.0, abs=0.02)
 
 
 def test_the_load_counts_while_the_engine_computes(monkeypatch: pytest.MonkeyPatch) -> None:
