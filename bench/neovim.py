@@ -162,6 +162,8 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
             editor.command("qa!", async_=True)
             editor.close()
         shutil.rmtree(work, ignore_errors=True)
+    if load is not None:
+        load.at(0)  # the machine measured after the run as before it (taking turns, the last block may be busy)
     speed.append(_machine_speed())
     requests, waits = [r["request_ms"] for r in rows], [r["wait_ms"] for r in rows]
     return {
