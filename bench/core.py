@@ -129,9 +129,10 @@ def format_by_load(table: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> l
     for count, entry in table.items():
         for key in keys:
             s = entry[key]
-            if s["n"]:
-                lines.append(f"{count} busy  {key:<10} n={s['n']:<4} p50 {s['p50_ms']:8.1f} ms ({s['ratio_p50']:.2f}x)"
-                             f"   p95 {s['p95_ms']:8.1f} ms ({s['ratio_p95']:.2f}x)")  # fmt: skip
+            if s["n"]:  # no ratio where the first count had none of these requests
+                p50, p95 = (f" ({s[ratio]:.2f}x)" if ratio in s else "" for ratio in ("ratio_p50", "ratio_p95"))
+                lines.append(f"{count} busy  {key:<10} n={s['n']:<4} p50 {s['p50_ms']:8.1f} ms{p50}"
+                             f"   p95 {s['p95_ms']:8.1f} ms{p95}")  # fmt: skip
     return lines
 
 

@@ -19,7 +19,7 @@ spins (measured on the 2-core machine: the editor's completion p50 85 ms idle, 5
   2026-12-07);
 - `OMP_NUM_THREADS` set by the user is a fixed choice: kept, and said so.
 
-The choice and why are in `/health` ("threads") and the engine's log. No torch at import: `ThreadGovernor.apply`
+The choice and why are in `/health` ("threads") and the engine's log. No torch at import: `ThreadGovernor.computing`
 imports it when the model's thread calls it.
 """
 

@@ -397,6 +397,10 @@ def test_by_load_compares_each_count_with_the_first() -> None:
         "0 busy  cold       n=2    p50    110.0 ms (1.00x)   p95    120.0 ms (1.00x)",
         "1 busy  cold       n=2    p50    150.0 ms (1.36x)   p95    170.0 ms (1.42x)",
     ]
+    # Requests of a kind the idle blocks never made: their times, no ratio
+    lone = by_load([{"busy_cores": 0, "cold": 1.0}, {"busy_cores": 1, "cold": 2.0, "typing": 5.0}], ("typing",))
+    assert lone["1"]["typing"] == {"n": 1, "p50_ms": 5.0, "p95_ms": 5.0}
+    assert format_by_load(lone, ("typing",)) == ["1 busy  typing     n=1    p50      5.0 ms   p95      5.0 ms"]
 
 
 @pytest.mark.parametrize("said", ["0,x", "-1", ""])
