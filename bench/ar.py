@@ -34,7 +34,10 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .core import Load
 
 # The shapes both models are built at (`--shape`): Qwen2.5-Coder-0.5B's published config.json, and a tiny one for
 # the tests (canvas-ls's own vocabulary, a few layers)
@@ -56,6 +59,7 @@ class Timed:
     # Where the time went, as the server says: prompt tokens, of them reused from its cache, ms encoding the prompt
     # (llama: prompt processing), ms producing the answer (llama: decoding; canvas-ls: denoising), steps or tokens
     detail: dict[str, float]
+    busy_cores: int = 0  # other processes spinning meanwhile (`--busy-cores`)
 
 
 def documents(count: int) -> list[tuple[str, str]]:
@@ -248,8 +252,8 @@ def canvas_infill(client: Any, prefix: str, suffix: str, steps: int | None, refr
 
 def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int | None, ...], threads: int,
         compile_mode: str, shape: str = "qwen2.5-coder-0.5b", quantize: tuple[str, ...] = ("auto",),
-        refresh: tuple[int, ...] = (1,),
-        progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
+        refresh: tuple[int, ...] = (1,), progress: Callable[[str], None] = lambda _: None,
+        load: Load | None = None) -> dict[str, Any]:  # fmt: skip
     """The side-by-side: per document, a cold request then len(TYPED) warm ones, to each system in turn (the order
     alternating), llama-server skipped with the reason when it is missing or fails. canvas-ls runs one engine per
     `quantize` choice (the engine's --quantize), each at every step cap and every `refresh` (`suffix_refresh`)."""
@@ -274,11 +278,11 @@ def run(llama: str | None, gguf_file: Path | None, count: int, steps: tuple[int 
                                                       "threads": health.get("threads")}  # fmt: skip
         try:
             with _llama(llama, gguf_file, work, SHAPES[shape], threads, report, progress) as llama_client:
-                timed = _interleaved(engines, llama_client, documents(count), steps, progress, refresh)
+                timed = _interleaved(engines, llama_client, documents(count), steps, progress, refresh, load)
         except RuntimeError as exc:  # llama-server missing or failing: canvas-ls's rows still run
             report["llama_error"] = str(exc)
             progress(f"llama-server: {exc}; timing canvas-ls alone")
-            timed = _interleaved(engines, None, documents(count), steps, progress, refresh)
+            timed = _interleaved(engines, None, documents(count), steps, progress, refresh, load)
     report["requests"] = [vars(t) for t in timed]
     report["rows"] = summary(timed)
     shutil.rmtree(work, ignore_errors=True)
@@ -300,7 +304,8 @@ def _llama(binary: str | None, gguf_file: Path | None, work: Path, shape: dict[s
 
 
 def _interleaved(engines: dict[str, Any], llama: Any, docs: list[tuple[str, str]], steps: tuple[int | None, ...],
-                 progress: Callable[[str], None], refresh: tuple[int, ...] = (1,)) -> list[Timed]:  # fmt: skip
+                 progress: Callable[[str], None], refresh: tuple[int, ...] = (1,), load: Load | None = None
+                 ) -> list[Timed]:  # fmt: skip
     systems: list[tuple[str, Callable[[str, str], tuple[float, int, dict[str, float]]]]] = [
         (f"{name} {f'{s} steps' if s else 'default steps'}{f', suffix every {n}' if n > 1 else ''}",
          lambda p, x, e=engine, s=s, n=n: canvas_infill(e, p, x, s, n))
@@ -314,35 +319,44 @@ def _interleaved(engines: dict[str, Any], llama: Any, docs: list[tuple[str, str]
         infill(f"# warm-up {name}\n" + docs[0][0], docs[0][1])
     timed = []
     for index, (prefix, suffix) in enumerate(docs):
+        busy = load.at(index) if load is not None else 0
         order = systems if index % 2 == 0 else systems[::-1]
         for name, infill in order:
             # A document opened in this system: its prompt never seen (the first line names the system)
             text = f"# {name} {index}\n" + prefix
-            timed.append(Timed(name, "cold", *infill(text, suffix)))
+            timed.append(Timed(name, "cold", *infill(text, suffix), busy_cores=busy))
             for typed in TYPED:
                 text += typed
-                timed.append(Timed(name, "warm", *infill(text, suffix)))
+                timed.append(Timed(name, "warm", *infill(text, suffix), busy_cores=busy))
         progress(f"document {index + 1}/{len(docs)}")
     return timed
 
 
 def summary(timed: list[Timed]) -> list[dict[str, Any]]:
-    """p50 and p95 per system and mode, the medians of where the time went, and each canvas-ls row's ratio to
-    llama-server's p50 (< 1: faster)."""
+    """p50 and p95 per system, mode and load (busy cores), the medians of where the time went, each row's ratio to
+    llama-server's p50 under the same load (< 1: faster), and to its own p50 at the first load (`--busy-cores 0,1`:
+    what the busy core cost it)."""
     rows = []
+    loads = list(dict.fromkeys(t.busy_cores for t in timed))
     for system in dict.fromkeys(t.system for t in timed):
         for mode in ("cold", "warm"):
-            picked = [t for t in timed if t.system == system and t.mode == mode]
-            if not picked:
-                continue
-            values = sorted(t.ms for t in picked)
-            p95 = values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]  # nearest rank
-            parts = {key: statistics.median(t.detail[key] for t in picked) for key in picked[0].detail}
-            rows.append({"system": system, "mode": mode, "requests": len(values),
-                         "p50_ms": statistics.median(values), "p95_ms": p95, **parts})  # fmt: skip
+            for busy in loads:
+                picked = [t for t in timed if t.system == system and t.mode == mode and t.busy_cores == busy]
+                if not picked:
+                    continue
+                values = sorted(t.ms for t in picked)
+                p95 = values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]  # nearest rank
+                parts = {key: statistics.median(t.detail[key] for t in picked) for key in picked[0].detail}
+                rows.append({"system": system, "mode": mode, "busy_cores": busy, "requests": len(values),
+                             "p50_ms": statistics.median(values), "p95_ms": p95, **parts})  # fmt: skip
     for row in rows:
-        base = next((r for r in rows if r["system"] == "llama-server" and r["mode"] == row["mode"]), None)
+        same = [r for r in rows if r["mode"] == row["mode"]]
+        base = next((r for r in same if r["system"] == "llama-server" and r["busy_cores"] == row["busy_cores"]), None)
         row["p50_vs_llama"] = row["p50_ms"] / base["p50_ms"] if base else None
+        idle = next((r for r in same if r["system"] == row["system"] and r["busy_cores"] == loads[0]), None)
+        if len(loads) > 1 and idle is not None:
+            row["p50_vs_first_load"] = round(row["p50_ms"] / idle["p50_ms"], 3)
+            row["p95_vs_first_load"] = round(row["p95_ms"] / idle["p95_ms"], 3)
     return rows
 
 
@@ -360,11 +374,15 @@ def format_ar(report: dict[str, Any]) -> str:
                  f"{'prompt':>7}{'reused':>7}{'encode ms':>10}{'answer ms':>10}{'steps':>6}")  # fmt: skip
     for row in report["rows"]:
         ratio = f"{row['p50_vs_llama']:.2f}" if row["p50_vs_llama"] is not None else "-"
+        busy = f"{row['busy_cores']} busy" if row.get("busy_cores") else "idle"
+        load = f"  {busy}: {row['p50_vs_first_load']:.2f}x / {row['p95_vs_first_load']:.2f}x" \
+            if "p50_vs_first_load" in row else (f"  {busy}" if row.get("busy_cores") else "")  # fmt: skip
         lines.append(f"{row['system']:<52}{row['mode']:<6}{row['requests']:>5}{row['p50_ms']:>10.1f}"
                      f"{row['p95_ms']:>10.1f}{ratio:>13} | {row['prompt_tokens']:>7.0f}{row['reused_tokens']:>7.0f}"
-                     f"{row['encode_ms']:>10.1f}{row['answer_ms']:>10.1f}{row['steps']:>6.0f}")  # fmt: skip
+                     f"{row['encode_ms']:>10.1f}{row['answer_ms']:>10.1f}{row['steps']:>6.0f}{load}")  # fmt: skip
     lines.append("(medians; 'answer ms': llama-server's decoding, canvas-ls's denoising; 'steps': tokens decoded or "
-                 "denoising steps)")  # fmt: skip
+                 "denoising steps; with several loads, each row's p50 / p95 over its own at the first load)"
+                 )  # fmt: skip
     return "\n".join(lines)
 
 
@@ -375,10 +393,12 @@ def plot_ar(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = list(dict.fromkeys(r["system"] for r in report["requests"]))[::-1]  # the first on top
+    first = report["requests"][0].get("busy_cores", 0) if report["requests"] else 0
+    requests = [r for r in report["requests"] if r.get("busy_cores", 0) == first]  # several loads: the first one's
+    systems = list(dict.fromkeys(r["system"] for r in requests))[::-1]  # the first on top
     figure, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * len(systems)), sharey=True)
     for axis, mode in zip(axes, ("cold", "warm"), strict=True):
-        data = [[r["ms"] for r in report["requests"] if r["system"] == s and r["mode"] == mode] for s in systems]
+        data = [[r["ms"] for r in requests if r["system"] == s and r["mode"] == mode] for s in systems]
         if "llama-server" in systems:  # as the docs give them: over llama-server's p50 of the same run and mode
             unit = statistics.median(data[systems.index("llama-server")])
             data = [[ms / unit for ms in times] for times in data]

@@ -232,7 +232,9 @@ def add_parser(commands: Any) -> None:
     ar.add_argument("--threads", type=int, default=2, help="llama-server's -t (canvas-ls picks its own)")
     ar.add_argument("--compile", choices=("auto", "on", "off"), default="off",
                     help="canvas-ls's engine --compile (a 0.5B model's graphs take minutes to compile)")  # fmt: skip
-    ar.add_argument("--busy-cores", type=int, default=0, metavar="K", help=BUSY_HELP)
+    ar.add_argument("--busy-cores", type=_counts, default=(0,), metavar="K[,K...]", help=LOADS_HELP)
+    ar.add_argument("--load-block", type=int, default=1, metavar="N",
+                    help="documents in a row at one count of busy cores (with several)")  # fmt: skip
     ar.add_argument("--quantize", default="auto", help="canvas-ls's weights, one engine each: comma-separated of "
                     f"{', '.join(QUANTIZE)} (e.g. none,int8: before and after in one run)")  # fmt: skip
     ar.add_argument("--out", type=Path, help="JSON report path")
@@ -417,7 +419,6 @@ def _bench_step(args: argparse.Namespace) -> int:
 
 def _bench_ar(args: argparse.Namespace) -> int:
     from . import ar as bench_ar
-    from .core import busy_cores
 
     steps = tuple(None if s == "default" else int(s) for s in args.steps.split(","))
     try:
@@ -430,11 +431,11 @@ def _bench_ar(args: argparse.Namespace) -> int:
     unknown = [choice for choice in quantize if choice not in QUANTIZE]
     if unknown:
         raise CliError(f"bench ar: --quantize {','.join(unknown)}: use {', '.join(QUANTIZE)}")
-    with busy_cores(args.busy_cores):
+    with _load(args) as load:
         report = bench_ar.run(args.llama_server, args.gguf, args.documents, steps, args.threads, args.compile,
                               args.shape, quantize, refresh,
-                              progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
-    report["busy_cores"] = args.busy_cores
+                              progress=lambda line: print(line, file=sys.stderr, flush=True), load=load)  # fmt: skip
+    report["busy_cores"] = _said(args.busy_cores)
     return _report("ar", report, bench_ar.format_ar, args.out, bench_ar.plot_ar)
 
 

@@ -407,3 +407,30 @@ def test_by_load_compares_each_count_with_the_first() -> None:
 def test_busy_cores_that_are_not_counts_are_refused(said: str) -> None:
     result = canvas_ls("bench", "lsp", "--busy-cores", said, "--requests", "1")
     assert result.returncode == 2 and "a count of busy cores, or several comma separated (0,1)" in result.stderr
+
+
+def test_bench_ar_compares_each_load_with_llama_server_under_it_and_with_its_own_idle_time() -> None:
+    """`bench ar --busy-cores 0,1`: rows per system, mode and load; each row's ratio to llama-server's p50 under the
+    same load, and to its own p50 and p95 idle."""
+    from canvas_ls.bench.ar import Timed, format_ar, summary
+
+    detail = {"prompt_tokens": 10.0, "reused_tokens": 0.0, "encode_ms": 1.0, "answer_ms": 2.0, "steps": 4.0}
+    timed = [Timed(system, "warm", ms, 16, detail, busy_cores=busy)
+             for system, busy, times in (("llama-server", 0, (100, 100)), ("canvas-ls 4 steps", 0, (50, 70)),
+                                         ("llama-server", 1, (250, 250)), ("canvas-ls 4 steps", 1, (60, 91)))
+             for ms in times]  # fmt: skip
+    rows = summary(timed)
+    assert [(r["system"], r["busy_cores"], r["p50_ms"], r["p95_ms"], r["p50_vs_llama"], r["p50_vs_first_load"],
+             r["p95_vs_first_load"]) for r in rows] == [
+        ("llama-server", 0, 100, 100, 1.0, 1.0, 1.0), ("llama-server", 1, 250, 250, 1.0, 2.5, 2.5),
+        ("canvas-ls 4 steps", 0, 60, 70, 0.6, 1.0, 1.0), ("canvas-ls 4 steps", 1, 75.5, 91, 0.302, 1.258, 1.3),
+    ]  # fmt: skip
+    report = {"machine": "m", "shape": "tiny", "llama_parameters": 1, "threads": 2, "canvas_parameters": 1,
+              "engines": {"canvas-ls": {"quantize": "none", "dtype": "float32"}}, "compile": "off", "documents": 2,
+              "llama_error": None, "rows": rows}  # fmt: skip
+    assert format_ar(report).splitlines()[6:8] == [
+        "canvas-ls 4 steps                                   warm      2      60.0      70.0         0.60 |      10"
+        "      0       1.0       2.0     4  idle: 1.00x / 1.00x",
+        "canvas-ls 4 steps                                   warm      2      75.5      91.0         0.30 |      10"
+        "      0       1.0       2.0     4  1 busy: 1.26x / 1.30x",
+    ]
