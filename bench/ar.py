@@ -306,6 +306,8 @@ def _llama(binary: str | None, gguf_file: Path | None, work: Path, shape: dict[s
 def _interleaved(engines: dict[str, Any], llama: Any, docs: list[tuple[str, str]], steps: tuple[int | None, ...],
                  progress: Callable[[str], None], refresh: tuple[int, ...] = (1,), load: Load | None = None
                  ) -> list[Timed]:  # fmt: skip
+    from .core import settle_s
+
     systems: list[tuple[str, Callable[[str, str], tuple[float, int, dict[str, float]]]]] = [
         (f"{name} {f'{s} steps' if s else 'default steps'}{f', suffix every {n}' if n > 1 else ''}",
          lambda p, x, e=engine, s=s, n=n: canvas_infill(e, p, x, s, n))
@@ -321,7 +323,11 @@ def _interleaved(engines: dict[str, Any], llama: Any, docs: list[tuple[str, str]
     for index, (prefix, suffix) in enumerate(docs):
         busy = load.at(index) if load is not None else 0
         order = systems if index % 2 == 0 else systems[::-1]
-        for name, infill in order:
+        for turn, (name, infill) in enumerate(order):
+            if turn and order[turn - 1][0] == "llama-server":
+                # llama-server's two threads kept both cores busy: canvas-ls's engine, waiting, took that for a load
+                # and went to one thread; it meets the machine as the load says, not as llama-server left it
+                time.sleep(settle_s(rising=False))
             # A document opened in this system: its prompt never seen (the first line names the system)
             text = f"# {name} {index}\n" + prefix
             timed.append(Timed(name, "cold", *infill(text, suffix), busy_cores=busy))
