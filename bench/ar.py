@@ -393,25 +393,30 @@ def format_ar(report: dict[str, Any]) -> str:
 
 
 def plot_ar(report: dict[str, Any], path: Path) -> Path:
-    """Each request's latency by system, cold and warm side by side (a strip per system)."""
+    """Each request's latency by system (and load, where the run took turns), cold and warm side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    first = report["requests"][0].get("busy_cores", 0) if report["requests"] else 0
-    requests = [r for r in report["requests"] if r.get("busy_cores", 0) == first]  # several loads: the first one's
-    systems = list(dict.fromkeys(r["system"] for r in requests))[::-1]  # the first on top
-    figure, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * len(systems)), sharey=True)
+    loads = list(dict.fromkeys(r.get("busy_cores", 0) for r in report["requests"]))
+
+    def strip(r: dict[str, Any]) -> str:  # a strip per system, and per load where the run took turns
+        return r["system"] + (f", {r.get('busy_cores', 0)} busy" if len(loads) > 1 else "")
+
+    strips = list(dict.fromkeys(strip(r) for r in report["requests"]))[::-1]  # the first on top
+    figure, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * len(strips)), sharey=True)
     for axis, mode in zip(axes, ("cold", "warm"), strict=True):
-        data = [[r["ms"] for r in requests if r["system"] == s and r["mode"] == mode] for s in systems]
-        if "llama-server" in systems:  # as the docs give them: over llama-server's p50 of the same run and mode
-            unit = statistics.median(data[systems.index("llama-server")])
+        data = [[r["ms"] for r in report["requests"] if strip(r) == name and r["mode"] == mode] for name in strips]
+        idle = [r["ms"] for r in report["requests"] if r["system"] == "llama-server" and r["mode"] == mode
+                and r.get("busy_cores", 0) == loads[0]]  # fmt: skip
+        if idle:  # as the docs give them: over llama-server's p50 of the same run and mode (at the first load)
+            unit = statistics.median(idle)
             data = [[ms / unit for ms in times] for times in data]
             axis.axvline(1.0, color="grey", linewidth=0.8)
-        axis.boxplot(data, tick_labels=systems, orientation="horizontal")
+        axis.boxplot(data, tick_labels=strips, orientation="horizontal")
         axis.set_title(f"{mode} ({ANSWER_TOKENS}-token answer)")
-        axis.set_xlabel("latency / llama-server's p50" if "llama-server" in systems else "ms")
+        axis.set_xlabel(("latency / llama-server's p50" + (" idle" if len(loads) > 1 else "")) if idle else "ms")
     figure.suptitle(report["machine"], fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

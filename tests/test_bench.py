@@ -409,10 +409,12 @@ def test_busy_cores_that_are_not_counts_are_refused(said: str) -> None:
     assert result.returncode == 2 and "a count of busy cores, or several comma separated (0,1)" in result.stderr
 
 
-def test_bench_ar_compares_each_load_with_llama_server_under_it_and_with_its_own_idle_time() -> None:
+def test_bench_ar_compares_each_load_with_llama_server_under_it_and_with_its_own_idle_time(tmp_path: Path) -> None:
     """`bench ar --busy-cores 0,1`: rows per system, mode and load; each row's ratio to llama-server's p50 under the
-    same load, and to its own p50 and p95 idle."""
-    from canvas_ls.bench.ar import Timed, format_ar, summary
+    same load, and to its own p50 and p95 idle; the plot has a strip per system and load."""
+    import dataclasses
+
+    from canvas_ls.bench.ar import Timed, format_ar, plot_ar, summary
 
     detail = {"prompt_tokens": 10.0, "reused_tokens": 0.0, "encode_ms": 1.0, "answer_ms": 2.0, "steps": 4.0}
     timed = [Timed(system, "warm", ms, 16, detail, busy_cores=busy)
@@ -434,3 +436,5 @@ def test_bench_ar_compares_each_load_with_llama_server_under_it_and_with_its_own
         "canvas-ls 4 steps                                   warm      2      75.5      91.0         0.30 |      10"
         "      0       1.0       2.0     4  1 busy: 1.26x / 1.30x",
     ]
+    report["requests"] = [dataclasses.asdict(t) for t in timed]
+    assert plot_ar(report, tmp_path / "ar.png").stat().st_size > 0
