@@ -492,7 +492,7 @@ def _load(args: argparse.Namespace) -> Load:
 
     if args.load_block < 1:
         raise CliError(f"--load-block {args.load_block}: one document or more")
-    load = Load(args.busy_cores, args.load_block, settle=len(args.busy_cores) > 1)
+    load = Load(args.busy_cores, args.load_block)
     load.at(0)
     return load
 

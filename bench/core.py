@@ -112,11 +112,9 @@ def by_load(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, dict
     for count in counts:
         entry: dict[str, Any] = {"n": sum(row["busy_cores"] == count for row in rows)}
         for key in keys:
-            values = [row[key] for row in rows if row["busy_cores"] == count and row.get(key) is not None]
-            entry[key] = {"n": len(values), "p50_ms": statistics.median(values), "p95_ms": percentile(values, 0.95)
-                          } if values else {"n": 0}  # fmt: skip
+            entry[key] = latency([row[key] for row in rows if row["busy_cores"] == count and row.get(key) is not None])
             base = table[str(counts[0])][key] if table else entry[key]
-            if values and base["n"]:
+            if entry[key]["n"] and base["n"]:
                 entry[key]["ratio_p50"] = round(entry[key]["p50_ms"] / base["p50_ms"], 3)
                 entry[key]["ratio_p95"] = round(entry[key]["p95_ms"] / base["p95_ms"], 3)
         table[str(count)] = entry
@@ -134,6 +132,13 @@ def format_by_load(table: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> l
                 lines.append(f"{count} busy  {key:<10} n={s['n']:<4} p50 {s['p50_ms']:8.1f} ms{p50}"
                              f"   p95 {s['p95_ms']:8.1f} ms{p95}")  # fmt: skip
     return lines
+
+
+def latency(values: list[float]) -> dict[str, Any]:
+    """How many, p50 and p95 of request times in ms (only the count where there are none)."""
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50_ms": statistics.median(values), "p95_ms": percentile(values, 0.95)}
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -13,7 +13,6 @@ own counters. Every answer is shown (`min_confidence` 0), so that the figures me
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
 from ..engine.tasks import machine
-from .core import Load, by_load, format_by_load, percentile
+from .core import Load, by_load, format_by_load, latency
 
 LEARN_WARMUP_S = 25.0
 LOAD_KINDS = ("cold", "typing", "accepted")  # the requests compared per load (`--busy-cores 0,1`)
@@ -80,11 +79,8 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
     texts = {path: path.read_text() for path in files}
     spots = [(path, spot) for path in files for spot in _positions(texts[path])]
     spots = [spots[int(i * len(spots) / requests)] for i in range(min(requests, len(spots)))]
-    cold: list[float] = []
-    typing: list[float] = []
-    accepted: dict[str, list[float]] = {"speculated": [], "other": []}
     versions: dict[Path, int] = {}
-    rows: list[dict[str, Any]] = []  # per place: its load and its requests' times
+    rows: list[dict[str, Any]] = []  # per place: its load, its requests' times, whether the speculation answered
     for index, (path, (line, character)) in enumerate(spots):
         row: dict[str, Any] = {"busy_cores": await asyncio.to_thread(load.at, index) if load is not None else 0}
         rows.append(row)
@@ -99,7 +95,6 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         started = time.perf_counter()
         items = await _inline(client, uri, line, character)
         row["cold"] = (time.perf_counter() - started) * 1000
-        cold.append(row["cold"])
         if not items or len(items[0].insert_text) < 2:
             continue
         await asyncio.sleep(think_ms / 1000)  # the user reads the suggestion
@@ -109,28 +104,30 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         started = time.perf_counter()
         await _inline(client, uri, at.line, at.character)
         row["typing"] = (time.perf_counter() - started) * 1000
-        typing.append(row["typing"])
         # Accept the rest (Tab): the suggestion's range is replaced, the cursor goes to its end.
         rest = shown.insert_text[len(typed) :]
         end = _insert(client, uri, version + 2000, at, rest, shown.range.end if shown.range else None, len(typed))
         before = (await client.protocol.send_request_async("canvas/stats", {})).speculation.used
         started = time.perf_counter()
         await _inline(client, uri, end.line, end.character)
-        elapsed = row["accepted"] = (time.perf_counter() - started) * 1000
-        used = (await client.protocol.send_request_async("canvas/stats", {})).speculation.used > before
-        accepted["speculated" if used else "other"].append(elapsed)
+        row["accepted"] = (time.perf_counter() - started) * 1000
+        row["speculated"] = (await client.protocol.send_request_async("canvas/stats", {})).speculation.used > before
     stats = await client.protocol.send_request_async("canvas/stats", {})
     await end_session(client, drain)
-    accepts = len(accepted["speculated"]) + len(accepted["other"])
+
+    def times(kind: str, speculated: bool | None = None) -> list[float]:
+        return [row[kind] for row in rows if kind in row and speculated in (None, row.get("speculated"))]
+
+    accepts = len(times("accepted"))
     return {
-        "requests": len(cold) + len(typing) + accepts,
+        "requests": len(times("cold")) + len(times("typing")) + accepts,
         "think_ms": think_ms,
-        "cold": _summary(cold),
-        "typing": _summary(typing),
-        "accepted": _summary(accepted["speculated"] + accepted["other"]),
-        "accepted_speculated": _summary(accepted["speculated"]),
-        "accepted_other": _summary(accepted["other"]),
-        "speculation_share": len(accepted["speculated"]) / max(accepts, 1),
+        "cold": latency(times("cold")),
+        "typing": latency(times("typing")),
+        "accepted": latency(times("accepted")),
+        "accepted_speculated": latency(times("accepted", True)),
+        "accepted_other": latency(times("accepted", False)),
+        "speculation_share": len(times("accepted", True)) / max(accepts, 1),
         "speculation": {k: getattr(stats.speculation, k) for k in ("started", "used", "wasted")},
         "context_blocks": {"built": stats.contextBlocks.built, "reused": stats.contextBlocks.reused},
         "model_calls": stats.modelCalls,
@@ -140,9 +137,9 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         "by_source": {row.source: row.count for row in stats.bySource},
         # Where a model call's time goes: the backend call the server waited on, of which the engine computed
         # (encode + denoise) so much; the rest is transport, queueing and scheduling.
-        "model_call": _summary([row.call for row in stats.modelCallMs]),
-        "engine": _summary([row.engine for row in stats.modelCallMs if row.engine is not None]),
-        "call_overhead": _summary([row.call - row.engine for row in stats.modelCallMs if row.engine is not None]),
+        "model_call": latency([row.call for row in stats.modelCallMs]),
+        "engine": latency([row.engine for row in stats.modelCallMs if row.engine is not None]),
+        "call_overhead": latency([row.call - row.engine for row in stats.modelCallMs if row.engine is not None]),
         "by_load": by_load(rows, LOAD_KINDS) if load is not None and len(load.counts) > 1 else None,
     }
 
@@ -197,12 +194,6 @@ async def _inline(client: LanguageClient, uri: str, line: int, character: int) -
         )
     )
     return list(result.items if isinstance(result, types.InlineCompletionList) else result or [])
-
-
-def _summary(values: list[float]) -> dict[str, Any]:
-    if not values:
-        return {"n": 0}
-    return {"n": len(values), "p50_ms": statistics.median(values), "p95_ms": percentile(values, 0.95)}
 
 
 def run_lsp_bench(files: list[Path], requests: int, model: str | None, device: str, backend: str = "resident",

@@ -186,15 +186,15 @@ class ThreadGovernor:
     def _free(self, others: float, slack: float) -> int:
         return max(1, min(self.cores, math.floor(self.cores - others + slack)))
 
-    def _decide(self, others: float, start: bool = False, idle: bool = False) -> ThreadChoice:
+    def _decide(self, others: float, start: bool = False, idle: bool = False, fewer: float = SLACK) -> ThreadChoice:
         """The count for `others` busy cores: fewer at once, more only after `RAISE_AFTER` decisions in a row that
-        allow more; `idle` (the engine computed nothing since the last decision): fewer only for a load `SURE` to
-        contend with the next request, nobody contends with a waiting engine otherwise."""
+        allow more. `fewer`: the share of a core others may take before this reading lowers the count (`SLACK` for a
+        second's average while computing, `AT_ONCE` for one run of steps, `SURE` while the engine waited: `idle`)."""
         free = self._free(others, SLACK)
         if not start:
             current = self.choice.threads
-            if idle and free < current:
-                free = max(free, self._free(others, SURE))
+            if free < current:
+                free = max(free, self._free(others, fewer))
             self._lower = self._lower + 1 if free > current else 0
             if 0 < self._lower < RAISE_AFTER:
                 free = current
@@ -217,14 +217,18 @@ class ThreadGovernor:
 
     def _watch(self, sample_s: float) -> None:
         while not self._stop.wait(sample_s):
-            machine = self._sampler.others_busy()
-            with self._lock:
-                seen, self._seen = self._seen, []
-                seconds = sum(s for _, s in seen)
-                if seconds > 0:
-                    self._choose(self._decide(sum(o * s for o, s in seen) / seconds))
-                else:
-                    self._choose(self._decide(machine, idle=True))
+            self._sample(self._sampler.others_busy())
+
+    def _sample(self, machine: float) -> None:
+        """One decision: from the runs of steps computed since the last (others' load while it computed), else from
+        the `machine`'s load while the engine waited."""
+        with self._lock:
+            seen, self._seen = self._seen, []
+            seconds = sum(s for _, s in seen)
+            if seconds > 0:
+                self._choose(self._decide(sum(o * s for o, s in seen) / seconds))
+            else:
+                self._choose(self._decide(machine, idle=True, fewer=SURE))
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -251,7 +255,7 @@ class ThreadGovernor:
                 with self._lock:
                     self._seen.append((others, reading[0] - self._window[0]))
                     if self._free(others, AT_ONCE) < self.choice.threads:  # contention: fewer from the next step
-                        self._choose(self._decide(others))
+                        self._choose(self._decide(others, fewer=AT_ONCE))
                 self._window = None
 
     def stop(self) -> None:

@@ -40,10 +40,10 @@ def test_threads_follow_the_cores_other_processes_leave(monkeypatch: pytest.Monk
     chosen.choice = chosen._decide(0.0)
     assert chosen.choice.threads == 2
     # An idle engine: its editor's and server's work between two answers does not cost it a thread...
-    chosen.choice = chosen._decide(0.6, idle=True)
+    chosen._sample(0.6)  # a second in which the engine computed nothing
     assert chosen.choice.threads == 2
     # ...a build that keeps a core busy meanwhile does: the next request would meet it
-    chosen.choice = chosen._decide(1.02, idle=True)
+    chosen._sample(1.02)
     assert chosen.choice.threads == 1
     assert chosen.choice.why == ("affinity mask; other processes keep 1.0 of 2 cores busy while it waits for a "
                                  "request: no thread waits on a core it cannot get")  # fmt: skip
