@@ -41,6 +41,9 @@ vim.api.nvim_create_autocmd({ 'InsertEnter', 'CursorMovedI' }, { callback = func
   _G.canvas_bench.entered = vim.uv.hrtime()
 end })
 """
+# Per load, the user's wait and its parts: the request's own time, and the model call it was answered from (the
+# server's whole call and the engine's encode + denoise in it)
+LOAD_KEYS = ("request_ms", "wait_ms", "call_ms", "engine_ms")
 # Once attached: every inline-completion request timed from its sending to its answer.
 WRAP = """
 local client = vim.lsp.get_clients({ name = 'canvas_ls' })[1]
@@ -139,6 +142,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
                 # (seconds) or compile (a minute or two, the first time on a machine); `bench warmup` times that
                 wait_for(lambda: (_engine_compile(model) or {}).get("state") != "warming", 600, "the compiled step")
             before = editor.exec_lua("return #_G.canvas_bench.answers")
+            calls_before = len(counters.get("modelCallMs") or [])
             # As a user does: the cursor to the hole, then `i` (or `A` where the hole ends its line).
             row, column = prompt.count("\n") + 1, len(prompt.rsplit("\n", 1)[-1].encode())
             at_end = task["suffix"].startswith("\n") or not task["suffix"]
@@ -147,11 +151,14 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
                             row, column, at_end)  # fmt: skip
             wait_for(lambda before=before: editor.exec_lua("return #_G.canvas_bench.answers") > before, 30, "an answer")
             answer = editor.exec_lua("return _G.canvas_bench.answers[#_G.canvas_bench.answers]")
+            counters = editor.exec_lua("return require('canvas_ls').stats(0)") or {}
             if index >= warmup:
+                # the model call this document's answer came from: its first (the prefetch, or the request's own)
+                call = ((counters.get("modelCallMs") or [])[calls_before:] or [{"call": None, "engine": None}])[0]
                 rows.append({"task_id": task["task_id"], "request_ms": (answer["done"] - answer["sent"]) / 1e6,
                              "wait_ms": (answer["done"] - answer["entered"]) / 1e6, "items": answer["items"],
-                             "error": answer["error"], "busy_cores": busy})  # fmt: skip
-            counters = editor.exec_lua("return require('canvas_ls').stats(0)") or {}
+                             "error": answer["error"], "busy_cores": busy, "call_ms": call["call"],
+                             "engine_ms": call["engine"]})  # fmt: skip
             shown_early = editor.exec_lua("return require('canvas_ls').shown_early")
             editor.input("<Esc>")
             editor.command("bwipeout!")
@@ -178,7 +185,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
         "wait": {"p50_ms": statistics.median(waits), "p95_ms": percentile(waits, 0.95)},
         "shown_share": sum(r["items"] > 0 for r in rows) / max(len(rows), 1),
         "errors": [r for r in rows if r["error"]], "rows": rows,
-        "by_load": by_load(rows, ("request_ms", "wait_ms")) if load is not None and len(load.counts) > 1 else None,
+        "by_load": by_load(rows, LOAD_KEYS) if load is not None and len(load.counts) > 1 else None,
     }  # fmt: skip
 
 
@@ -198,7 +205,7 @@ def format_neovim(report: dict[str, Any]) -> str:
         f"model calls (warm-up documents included): the server's call p50 {report['model_call']['call_p50_ms']} ms, "
         f"of which the engine computed p50 {report['model_call']['engine_p50_ms']} ms",
         f"engine compile={report['compile']}: {report['engine_compile']}",
-        *format_by_load(report.get("by_load") or {}, ("request_ms", "wait_ms")),
+        *format_by_load(report.get("by_load") or {}, LOAD_KEYS),
     ])  # fmt: skip
 
 

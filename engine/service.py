@@ -33,6 +33,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import logging
 import os
 import stat
 import threading
@@ -78,6 +79,8 @@ from .supersession import Supersession
 __all__ = [
     "EngineService", "ServeError", "check_address", "check_host", "check_socket", "default_socket", "loopback", "serve",
 ]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 class BadRequest(Exception):
@@ -337,6 +340,9 @@ class EngineService:
             if result["prefix_reused_tokens"]:
                 self.m_prefix_hits.inc()
                 self.m_prefix_reused.inc(result["prefix_reused_tokens"])
+            log.debug("%s: %d prefix tokens (%d reused) encoded in %.1f ms, %d steps in %.1f ms",
+                      endpoint, result["prefix_tokens"], result["prefix_reused_tokens"], result["encode_ms"],
+                      result["steps"], result["denoise_ms"])  # fmt: skip
         return result
 
     def _observe_step(self, rows: int, seconds: float) -> None:

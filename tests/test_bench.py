@@ -438,3 +438,33 @@ def test_bench_ar_compares_each_load_with_llama_server_under_it_and_with_its_own
     ]
     report["requests"] = [dataclasses.asdict(t) for t in timed]
     assert plot_ar(report, tmp_path / "ar.png").stat().st_size > 0
+
+
+def test_bench_lsp_times_each_kind_of_request_through_a_real_client_under_each_load(
+    ending_model_dir: Path, tmp_path: Path
+) -> None:
+    """`canvas-ls bench lsp` end to end: a pygls client starts `canvas-ls serve`, whose resident engine runs a model
+    that answers "None" after `= ` (and then ends). At each of two places, idle then with one core busy: a cold
+    request (a model call), the user types "Non" of the suggestion (answered from the screen, no model call),
+    accepts the rest and asks at its end (answered by the speculation computed meanwhile). The report counts each
+    kind per load and prints what it counted."""
+    source = tmp_path / "area.py"
+    source.write_text("width = \nheight = \n")
+    out = tmp_path / "lsp.json"
+    result = canvas_ls("bench", "lsp", "--model", str(ending_model_dir), "--device", "cpu", "--files", str(source),
+                       "--requests", "2", "--think-ms", "0", "--busy-cores", "0,1", "--load-block", "1",
+                       "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["model"] == str(ending_model_dir) and report["backend"] == "resident"
+    assert [report[kind]["n"] for kind in ("cold", "typing", "accepted")] == [2, 2, 2] and report["requests"] == 6
+    assert report["by_source"] == {"model": 2, "typing": 2, "speculated": 2} and report["typing_hits"] == 2
+    assert report["model_calls"] == report["model_call"]["n"] == report["engine"]["n"] == 2
+    assert report["busy_cores"] == [0, 1]
+    for load in ("0", "1"):  # one place each: its cold, typing and accepted requests
+        counts = [report["by_load"][load][kind]["n"] for kind in ("cold", "typing", "accepted")]
+        assert counts == [1, 1, 1], report["by_load"]
+    assert report["by_load"]["0"]["cold"]["ratio_p50"] == 1.0
+    printed = result.stdout
+    assert "cold           n=2" in printed and "typing-through hits 2" in printed
+    assert "1 busy  cold       n=1" in printed

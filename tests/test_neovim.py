@@ -285,11 +285,16 @@ def test_bench_neovim_times_freshly_opened_documents(fixed_model_dir: Path, tmp_
                                                     "ratio_p50": 1.0, "ratio_p95": 1.0}  # fmt: skip
     assert report["by_load"]["1"]["wait_ms"]["ratio_p50"] == round(busy["wait_ms"] / idle["wait_ms"], 3)
     assert all(0 < row["request_ms"] <= row["wait_ms"] for row in report["rows"]), report["rows"]
+    # each document has the model call its answer came from (the prefetch, asked as the cursor moved: it may start
+    # before insert mode does), and the engine's time in that
+    assert all(0 < row["engine_ms"] <= row["call_ms"] for row in report["rows"]), report["rows"]
+    assert report["by_load"]["1"]["engine_ms"]["p50_ms"] == busy["engine_ms"]
     assert report["prefetches"]["started"] == report["prefetches"]["used"] == 3, report
     assert report["model_call"]["calls"] == 3 and report["model_call"]["engine_p50_ms"] > 0, report
     assert len(report["fp32_matmul_tflops"]) == 2 and min(report["fp32_matmul_tflops"]) > 0
     assert "insert -> answer" in bench_neovim.format_neovim(report)
     assert "1 busy  wait_ms" in bench_neovim.format_neovim(report)
+    assert "1 busy  engine_ms" in bench_neovim.format_neovim(report)
 
 
 NEXT_EDIT_SETUP = """
