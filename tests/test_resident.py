@@ -50,14 +50,27 @@ def wait_health(client: httpx.Client, timeout: float = 120) -> dict[str, Any]:
 def unix_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     """One engine for the module's HTTP tests (each starting its own cost ~6 s apiece); tests read deltas."""
     path = tmp_path_factory.mktemp("resident") / "run" / "engine.sock"
-    process = subprocess.Popen([*ENGINE, "--model", str(tiny_model_dir), "--socket", str(path), "--max-body", "20000"],
-                               stdin=subprocess.DEVNULL)  # fmt: skip
+    log = path.parent.parent / "engine.log"
+    with log.open("wb") as sink:
+        command = [*ENGINE, "--model", str(tiny_model_dir), "--socket", str(path), "--max-body", "20000",
+                   "--log-level", "DEBUG"]  # fmt: skip
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=sink)
     client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://engine", timeout=60)
     wait_health(client)
     client.socket_path = path  # type: ignore[attr-defined]
+    client.log_path = log  # type: ignore[attr-defined]
     yield client
     process.kill()
     process.wait()
+
+
+def test_each_request_is_logged_at_debug(unix_engine: httpx.Client) -> None:
+    """At --log-level DEBUG the engine's log has a line per request: what it encoded, reused and stepped."""
+    result = unix_engine.post("/v1/infill", json=BODY).json()
+    said = (f"DEBUG canvas_ls.engine.service infill: {result['prefix_tokens']} prefix tokens "
+            f"({result['prefix_reused_tokens']} reused) encoded in {result['encode_ms']:.1f} ms, {result['steps']} "
+            f"steps in {result['denoise_ms']:.1f} ms")  # fmt: skip
+    assert said in unix_engine.log_path.read_text()  # type: ignore[attr-defined]
 
 
 def test_socket_is_private(unix_engine: httpx.Client) -> None:
