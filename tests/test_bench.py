@@ -300,6 +300,58 @@ def test_bench_ar_without_llama_server_says_so_and_times_canvas_ls(tmp_path: Pat
     assert refused.returncode != 0 and "bench ar: --quantize int3: use auto" in refused.stderr
 
 
+# A stand-in llama-server: healthy, but every /infill answers 500 ("answers"), or it exits as it starts ("exits").
+FAKE_LLAMA = """#!{python}
+import http.server, json, sys
+if "{how}" == "exits":
+    sys.stderr.write("llama_model_load: error loading model: tensor 'output.weight' not found\\n")
+    sys.exit(1)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Handler(http.server.BaseHTTPRequestHandler):
+    def _send(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._send(200, {{"status": "ok"}})
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(500, {{"error": {{"code": 500, "message": "the context is full"}}}})
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("how", ["answers", "exits"])
+def test_bench_ar_with_a_failing_llama_server_says_why_and_times_canvas_ls(tmp_path: Path, how: str) -> None:
+    """A llama-server that answers errors, or exits as it starts: the report and the printed table say what it said,
+    and canvas-ls's rows are all there."""
+    import sys
+
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE_LLAMA.format(python=sys.executable, how=how))
+    fake.chmod(0o755)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: the stand-in answers or exits whatever it is given
+    out = tmp_path / "ar.json"
+    done = cli("bench", "ar", "--shape", "tiny", "--llama-server", str(fake), "--gguf", str(gguf), "--documents", "1",
+               "--steps", "2", "--quantize", "none", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    said = {"answers": 'llama-server answered 500: {"error": {"code": 500, "message": "the context is full"}}',
+            "exits": "llama-server did not come up (exit 1): llama_model_load: error loading model: tensor "
+                     "'output.weight' not found\n"}[how]  # fmt: skip
+    assert report["llama_error"] == said
+    assert [(row["system"], row["mode"], row["requests"]) for row in report["rows"]] == [
+        ("canvas-ls 2 steps", "cold", 1), ("canvas-ls 2 steps", "warm", 4)
+    ]  # fmt: skip
+    assert f"llama-server not timed: {said}" in done.stdout
+
+
 def test_bench_step_reports_the_engines_own_step_and_the_bandwidth_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
     from canvas_ls.engine.loading import load_model
 
