@@ -153,7 +153,8 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
             answer = editor.exec_lua("return _G.canvas_bench.answers[#_G.canvas_bench.answers]")
             counters = editor.exec_lua("return require('canvas_ls').stats(0)") or {}
             if index >= warmup:
-                # the model call this document's answer came from: its first (the prefetch, or the request's own)
+                # the model call this document's answer came from: its first (the prefetch, or the request's own);
+                # none once the server's list is full (it keeps the last 1,000 calls)
                 call = ((counters.get("modelCallMs") or [])[calls_before:] or [{"call": None, "engine": None}])[0]
                 rows.append({"task_id": task["task_id"], "request_ms": (answer["done"] - answer["sent"]) / 1e6,
                              "wait_ms": (answer["done"] - answer["entered"]) / 1e6, "items": answer["items"],
