@@ -4,7 +4,9 @@ missing from the navigation fail), and what the docs say of the command line is 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +66,24 @@ def test_readme_is_short_and_for_users() -> None:
     assert len(lines) <= 250, len(lines)
     headings = [line for line in lines if line.startswith("## ")]
     assert "## The two commands" in headings and "## In your editor" in headings
+
+
+def test_the_readme_s_main_job_completes_with_the_shipped_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's main job, its completion exactly as written (the set-up before it is what this suite runs in):
+    the shipped model answers at the demo file's `return` what the docs quote (models.md), the line of `is_even`
+    copied into `add`. A position past the line's end is refused (exit 2): the command names the end of the line as
+    the file has it."""
+    from tests.test_cli import cli as run
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    main_job = text.split("Main job", 1)[1].split("```sh\n", 1)[1].split("\n```", 1)[0]
+    words = shlex.split(main_job.split("&& ")[-1])
+    assert words[:2] == ["canvas-ls", "complete"], words
+    monkeypatch.chdir(REPO)
+    done = run(*words[1:])
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert (answer["text"], answer["stop_reason"], answer["healed"]) == (" n % 2 == 0\n", "eos", " return")
 
 
 def test_every_command_and_option_the_docs_name_exists() -> None:
