@@ -68,6 +68,18 @@ def test_readme_is_short_and_for_users() -> None:
     assert "## The two commands" in headings and "## In your editor" in headings
 
 
+def readme_command(heading: str) -> str:
+    """The command of the README's "The two commands" that follows `heading` ("Main job", "Test suite")."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return text.split(f"\n{heading}", 1)[1].split("```sh\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_ci_runs_exactly_the_readme_s_test_command() -> None:
+    """`.ci/run` (what CI runs on a clean clone) is the README's test command, word for word."""
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()
+    assert ci[-1] == readme_command("Test suite")
+
+
 def test_the_readme_s_main_job_completes_with_the_shipped_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's main job, its completion exactly as written (the set-up before it is what this suite runs in):
     the shipped model answers at the demo file's `return` what the docs quote (models.md), the line of `is_even`
@@ -75,9 +87,7 @@ def test_the_readme_s_main_job_completes_with_the_shipped_model(monkeypatch: pyt
     the file has it."""
     from tests.test_cli import cli as run
 
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    main_job = text.split("Main job", 1)[1].split("```sh\n", 1)[1].split("\n```", 1)[0]
-    words = shlex.split(main_job.split("&& ")[-1])
+    words = shlex.split(readme_command("Main job").split("&& ")[-1])
     assert words[:2] == ["canvas-ls", "complete"], words
     monkeypatch.chdir(REPO)
     done = run(*words[1:])
