@@ -15,6 +15,7 @@ import pytest
 
 from canvas_ls.server import cli
 from tests.conftest import REPO
+from tests.test_cli import cli as run_cli
 
 DOCS = [REPO / "README.md", REPO / "ARCHITECTURE.md", *sorted((REPO / "docs" / "pages").glob("*.md"))]
 
@@ -85,12 +86,10 @@ def test_the_readme_s_main_job_completes_with_the_shipped_model(monkeypatch: pyt
     the shipped model answers at the demo file's `return` what the docs quote (models.md), the line of `is_even`
     copied into `add`. A position past the line's end is refused (exit 2): the command names the end of the line as
     the file has it."""
-    from tests.test_cli import cli as run
-
     words = shlex.split(readme_command("Main job").split("&& ")[-1])
     assert words[:2] == ["canvas-ls", "complete"], words
     monkeypatch.chdir(REPO)
-    done = run(*words[1:])
+    done = run_cli(*words[1:])
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
     assert (answer["text"], answer["stop_reason"], answer["healed"]) == (" n % 2 == 0\n", "eos", " return")
