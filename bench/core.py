@@ -495,6 +495,16 @@ def engine_process(model: str | None, dtype: str = "auto", engine_args: list[str
 TYPED = "total = compute(values, weights)"
 
 
+def engine_compile(model: str | None, device: str | None = None) -> dict[str, Any] | None:
+    """The resident engine's compiled-step report (its /health) for this model and device: its state ("warming"
+    until its graphs are loaded or compiled), which steps ran compiled. None where no engine answers."""
+    from ..engine.paths import default_socket
+    from ..server.backend import engine_health
+
+    health = engine_health(default_socket(model, device), timeout=5.0)
+    return health.get("compile") if health else None
+
+
 def _engine_client(socket: Path) -> Any:
     """An HTTP client for the engine on its unix socket (one per benchmark client thread)."""
     import httpx

@@ -22,10 +22,12 @@ from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
 from ..engine.tasks import machine
-from .core import Load, by_load, format_by_load, latency
+from .core import Load, by_load, engine_compile, format_by_load, latency
 
 LEARN_WARMUP_S = 25.0
 LOAD_KINDS = ("cold", "typing", "accepted")  # the requests compared per load (`--busy-cores 0,1`)
+WARMUP = 2  # untimed requests before the timed ones (`_warm_up`), in a document of this text
+WARMUP_TEXT = "total = 0\nfor value in range(10):\n    total = total + value\n"
 LANGUAGES = {".py": "python", ".js": "javascript", ".go": "go", ".ts": "typescript", ".rs": "rust"}
 
 
@@ -76,6 +78,7 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
             raise RuntimeError(f"learn: {started.error}")
         await asyncio.sleep(LEARN_WARMUP_S)  # past its corpus and model loading: training steps are running
 
+    warm = await _warm_up(client, files[0], init)  # the server's counters after it: the report counts from there
     texts = {path: path.read_text() for path in files}
     spots = [(path, spot) for path in files for spot in _positions(texts[path])]
     spots = [spots[int(i * len(spots) / requests)] for i in range(min(requests, len(spots)))]
@@ -119,6 +122,15 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         return [row[kind] for row in rows if kind in row and speculated in (None, row.get("speculated"))]
 
     accepts = len(times("accepted"))
+
+    def since(counts: Any, before: Any, *fields: str) -> dict[str, int]:
+        return {field: getattr(counts, field) - getattr(before, field) for field in fields}
+
+    sources = {row.source: row.count for row in stats.bySource}
+    for row in warm.bySource:
+        sources[row.source] -= row.count
+    counted = since(stats, warm, "modelCalls", "cacheHits", "typingHits", "requests")
+    calls = stats.modelCallMs[len(warm.modelCallMs) :]
     return {
         "requests": len(times("cold")) + len(times("typing")) + accepts,
         "think_ms": think_ms,
@@ -128,20 +140,44 @@ async def _drive(command: list[str], files: list[Path], requests: int, init: dic
         "accepted_speculated": latency(times("accepted", True)),
         "accepted_other": latency(times("accepted", False)),
         "speculation_share": len(times("accepted", True)) / max(accepts, 1),
-        "speculation": {k: getattr(stats.speculation, k) for k in ("started", "used", "wasted")},
-        "context_blocks": {"built": stats.contextBlocks.built, "reused": stats.contextBlocks.reused},
-        "model_calls": stats.modelCalls,
-        "cache_hits": stats.cacheHits,
-        "typing_hits": stats.typingHits,
-        "hit_rate": (stats.cacheHits + stats.typingHits) / max(stats.requests, 1),
-        "by_source": {row.source: row.count for row in stats.bySource},
+        "speculation": since(stats.speculation, warm.speculation, "started", "used", "wasted"),
+        "context_blocks": since(stats.contextBlocks, warm.contextBlocks, "built", "reused"),
+        "model_calls": counted["modelCalls"],
+        "cache_hits": counted["cacheHits"],
+        "typing_hits": counted["typingHits"],
+        "hit_rate": (counted["cacheHits"] + counted["typingHits"]) / max(counted["requests"], 1),
+        "by_source": {source: count for source, count in sources.items() if count},
         # Where a model call's time goes: the backend call the server waited on, of which the engine computed
         # (encode + denoise) so much; the rest is transport, queueing and scheduling.
-        "model_call": latency([row.call for row in stats.modelCallMs]),
-        "engine": latency([row.engine for row in stats.modelCallMs if row.engine is not None]),
-        "call_overhead": latency([row.call - row.engine for row in stats.modelCallMs if row.engine is not None]),
+        "model_call": latency([row.call for row in calls]),
+        "engine": latency([row.engine for row in calls if row.engine is not None]),
+        "call_overhead": latency([row.call - row.engine for row in calls if row.engine is not None]),
         "by_load": by_load(rows, LOAD_KINDS) if load is not None and len(load.counts) > 1 else None,
+        "rows": rows,  # per place, in order: its load, each of its requests' ms, whether the speculation answered
     }
+
+
+async def _warm_up(client: LanguageClient, near: Path, init: dict[str, Any]) -> Any:
+    """Before the timed requests, as `bench neovim` does: the resident engine's compiled step ready (or off), then
+    WARMUP untimed requests in a small document of their own beside the first file (the workspace's token cache and
+    the engine's first forwards paid for), so that the first timed request is not a start's. Returns the server's
+    `canvas/stats` after them."""
+    engine = init["engine"]
+    if engine.get("backend", "resident") == "resident":
+        deadline = time.monotonic() + 600
+        while ((await asyncio.to_thread(engine_compile, engine.get("model"), engine.get("device"))) or {}).get(
+                "state") == "warming":  # fmt: skip
+            if time.monotonic() > deadline:
+                raise RuntimeError("bench lsp: the engine's compiled step was not ready after 600 s")
+            await asyncio.sleep(0.5)
+    uri = near.with_name(f"canvas-ls-warm-up{near.suffix}").resolve().as_uri()
+    client.text_document_did_open(
+        types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, LANGUAGES[near.suffix], 1, WARMUP_TEXT))
+    )
+    for line, character in _positions(WARMUP_TEXT)[:WARMUP]:
+        await _inline(client, uri, line, character)
+    client.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri)))
+    return await client.protocol.send_request_async("canvas/stats", {})
 
 
 def _insert(client: LanguageClient, uri: str, version: int, at: types.Position, text: str,

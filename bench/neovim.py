@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.tasks import machine
-from .core import Load, by_load, format_by_load, percentile
+from .core import Load, by_load, engine_compile, format_by_load, percentile
 
 SETUP = """
 local root, python, init, prefetch, show_early = ...
@@ -140,7 +140,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
                                               "return s and s.engine.state == 'ready'"), 300, "the model")  # fmt: skip
                 # the steady state is measured: a new engine serves eager steps until its compiled graphs load
                 # (seconds) or compile (a minute or two, the first time on a machine); `bench warmup` times that
-                wait_for(lambda: (_engine_compile(model) or {}).get("state") != "warming", 600, "the compiled step")
+                wait_for(lambda: (engine_compile(model) or {}).get("state") != "warming", 600, "the compiled step")
             before = editor.exec_lua("return #_G.canvas_bench.answers")
             calls_before = len(counters.get("modelCallMs") or [])
             # As a user does: the cursor to the hole, then `i` (or `A` where the hole ends its line).
@@ -164,7 +164,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
             editor.input("<Esc>")
             editor.command("bwipeout!")
         version = editor.exec_lua("return tostring(vim.version())")
-        compiled = _engine_compile(model)
+        compiled = engine_compile(model)
     finally:
         with contextlib.suppress(OSError, EOFError, pynvim.NvimError):  # the editor may already be gone
             editor.command("qa!", async_=True)
@@ -230,12 +230,3 @@ def _call_split(calls: list[dict[str, Any]]) -> dict[str, Any]:
     engine = [c["engine"] for c in calls if c["engine"] is not None]
     return {"calls": len(whole), "call_p50_ms": round(statistics.median(whole), 1) if whole else None,
             "engine_p50_ms": round(statistics.median(engine), 1) if engine else None}  # fmt: skip
-
-
-def _engine_compile(model: str | None) -> dict[str, Any] | None:
-    """The resident engine's compiled-step report (its /health): its state, which steps ran compiled."""
-    from ..engine.paths import default_socket
-    from ..server.backend import engine_health
-
-    health = engine_health(default_socket(model, None), timeout=5.0)
-    return health.get("compile") if health else None

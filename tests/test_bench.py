@@ -498,8 +498,9 @@ def test_bench_lsp_times_each_kind_of_request_through_a_real_client_under_each_l
     """`canvas-ls bench lsp` end to end: a pygls client starts `canvas-ls serve`, whose resident engine runs a model
     that answers "None" after `= ` (and then ends). At each of two places, idle then with one core busy: a cold
     request (a model call), the user types "Non" of the suggestion (answered from the screen, no model call),
-    accepts the rest and asks at its end (answered by the speculation computed meanwhile). The report counts each
-    kind per load and prints what it counted."""
+    accepts the rest and asks at its end (answered by the speculation computed meanwhile). Two untimed requests in
+    a document of their own come first (the warm-up), and the report counts only the timed ones: each kind per load,
+    and the server's counters from after the warm-up."""
     source = tmp_path / "area.py"
     source.write_text("width = \nheight = \n")
     out = tmp_path / "lsp.json"
@@ -512,7 +513,7 @@ def test_bench_lsp_times_each_kind_of_request_through_a_real_client_under_each_l
     assert [report[kind]["n"] for kind in ("cold", "typing", "accepted")] == [2, 2, 2] and report["requests"] == 6
     assert report["by_source"] == {"model": 2, "typing": 2, "speculated": 2} and report["typing_hits"] == 2
     assert report["model_calls"] == report["model_call"]["n"] == report["engine"]["n"] == 2
-    assert report["busy_cores"] == [0, 1]
+    assert report["busy_cores"] == [0, 1] and [row["busy_cores"] for row in report["rows"]] == [0, 1]
     for load in ("0", "1"):  # one place each: its cold, typing and accepted requests
         counts = [report["by_load"][load][kind]["n"] for kind in ("cold", "typing", "accepted")]
         assert counts == [1, 1, 1], report["by_load"]
