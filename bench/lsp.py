@@ -8,6 +8,9 @@ completion's first characters (the server should answer from what is on screen, 
 computed that next suggestion in the background meanwhile). Reported: p50/p95 per kind, accepted ones split by
 whether the speculation answered, the share it answered, the cache hit rate and the model calls, from the server's
 own counters. Every answer is shown (`min_confidence` 0), so that the figures measure the path, not the threshold.
+Nothing of a start is timed: first the resident engine's compiled step is ready and two untimed requests are made
+in a small document of their own (which then stays among the recently closed documents, a few lines that the
+other files' snippets may draw on), and the server's counters are counted from there.
 """
 
 from __future__ import annotations
