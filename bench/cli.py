@@ -522,9 +522,12 @@ def _bench_lsp(args: argparse.Namespace) -> int:
         raise CliError("bench lsp: give --files (the repository's fixtures, its default, are not part of an install)")
     files = args.files or sorted(p for p in fixtures.rglob("*") if p.suffix in LANGUAGES)
     speculate = not args.no_speculate
-    with _load(args) as load:
-        report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms,
-                               speculate, args.context_tokens, args.learn, args.workspace_cache, load)  # fmt: skip
+    try:
+        with _load(args) as load:
+            report = run_lsp_bench(files, args.requests, args.model, args.device, args.backend, args.think_ms,
+                                   speculate, args.context_tokens, args.learn, args.workspace_cache, load)  # fmt: skip
+    except (RuntimeError, TimeoutError) as exc:  # the engine's step not ready, a learn that did not start
+        raise CliError(f"bench lsp: {exc}") from exc
     report["busy_cores"] = _said(args.busy_cores)
     return _report("lsp", report, format_report, args.out)
 

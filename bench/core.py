@@ -505,6 +505,17 @@ def engine_compile(model: str | None, device: str | None = None) -> dict[str, An
     return health.get("compile") if health else None
 
 
+def wait_compiled(model: str | None, device: str | None = None, timeout_s: float = 600.0) -> None:
+    """Until the resident engine of this model and device has its compiled step (loaded, compiled, or off): a new
+    engine serves eager steps until its graphs load (seconds) or compile (a minute or two the first time on a
+    machine), and a bench measures the steady state (`bench warmup` times the start)."""
+    deadline = time.monotonic() + timeout_s
+    while (engine_compile(model, device) or {}).get("state") == "warming":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine's compiled step was not ready after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 def _engine_client(socket: Path) -> Any:
     """An HTTP client for the engine on its unix socket (one per benchmark client thread)."""
     import httpx

@@ -25,7 +25,7 @@ from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
 from ..engine.tasks import machine
-from .core import Load, by_load, engine_compile, format_by_load, latency
+from .core import Load, by_load, format_by_load, latency, wait_compiled
 
 LEARN_WARMUP_S = 25.0
 LOAD_KINDS = ("cold", "typing", "accepted")  # the requests compared per load (`--busy-cores 0,1`)
@@ -167,12 +167,7 @@ async def _warm_up(client: LanguageClient, near: Path, init: dict[str, Any]) -> 
     `canvas/stats` after them."""
     engine = init["engine"]
     if engine.get("backend", "resident") == "resident":
-        deadline = time.monotonic() + 600
-        while ((await asyncio.to_thread(engine_compile, engine.get("model"), engine.get("device"))) or {}).get(
-                "state") == "warming":  # fmt: skip
-            if time.monotonic() > deadline:
-                raise RuntimeError("bench lsp: the engine's compiled step was not ready after 600 s")
-            await asyncio.sleep(0.5)
+        await asyncio.to_thread(wait_compiled, engine.get("model"), engine.get("device"))
     uri = near.with_name(f"canvas-ls-warm-up{near.suffix}").resolve().as_uri()
     client.text_document_did_open(
         types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, LANGUAGES[near.suffix], 1, WARMUP_TEXT))

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.tasks import machine
-from .core import Load, by_load, engine_compile, format_by_load, percentile
+from .core import Load, by_load, engine_compile, format_by_load, percentile, wait_compiled
 
 SETUP = """
 local root, python, init, prefetch, show_early = ...
@@ -138,9 +138,7 @@ def run(dataset: Path, limit: int, model: str | None, nvim: str | None = None, w
             if index == 0:
                 wait_for(lambda: editor.exec_lua("local s = require('canvas_ls').stats(0); "
                                               "return s and s.engine.state == 'ready'"), 300, "the model")  # fmt: skip
-                # the steady state is measured: a new engine serves eager steps until its compiled graphs load
-                # (seconds) or compile (a minute or two, the first time on a machine); `bench warmup` times that
-                wait_for(lambda: (engine_compile(model) or {}).get("state") != "warming", 600, "the compiled step")
+                wait_compiled(model)  # the steady state is measured
             before = editor.exec_lua("return #_G.canvas_bench.answers")
             calls_before = len(counters.get("modelCallMs") or [])
             # As a user does: the cursor to the hole, then `i` (or `A` where the hole ends its line).
