@@ -31,11 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import os
-import stat
 import threading
 import time
 import uuid
@@ -59,6 +57,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .addresses import check_address, check_socket
 from .batcher import Batcher
 from .canvas import InfillCancelled, StepView
 from .engine import Engine, InfillRequest
@@ -69,16 +68,13 @@ from .paths import (
     CANCELLED_STATUS,
     MAX_BATCH,
     MAX_BODY_BYTES,
-    default_socket,
     document_repository,
 )
 from .regions import FillError, Hole, parts_from_json, split_parts
 from .settings import SettingsError
 from .supersession import Supersession
 
-__all__ = [
-    "EngineService", "ServeError", "check_address", "check_host", "check_socket", "default_socket", "loopback", "serve",
-]  # fmt: skip
+__all__ = ["EngineService", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -480,40 +476,6 @@ def _number(body: dict[str, Any], key: str) -> float:
 
 def _finish(result: dict[str, Any]) -> str:
     return "stop" if result["stop_reason"] == "eos" else "length"
-
-
-class ServeError(ValueError):
-    """An address or socket the engine refuses to listen on; the message says why."""
-
-
-def check_address(host: str, token: str | None, allow_remote: bool) -> None:
-    """TCP needs a bearer token, and an IP address: a loopback one unless `allow_remote` (`check_host`)."""
-    if not token:
-        raise ServeError("TCP needs a bearer token (--token, --token-file or $CANVAS_LS_TOKEN)")
-    check_host(host, allow_remote)
-
-
-def check_host(host: str, allow_remote: bool) -> None:
-    """An IP address to listen on: a loopback one unless `allow_remote` (a host name is refused, since what it
-    resolves to can change under the listener)."""
-    if not loopback(host) and not allow_remote:
-        raise ServeError(f"{host} is not a loopback address; pass --allow-remote to listen on it")
-
-
-def loopback(host: str) -> bool:
-    """Whether `host` (an IP address, or "localhost") is a loopback address; a host name is refused."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        raise ServeError(f"'{host}' is not an IP address; give one, such as 127.0.0.1 or ::1") from None
-
-
-def check_socket(path: Path) -> None:
-    """A socket path may be new or an old socket (replaced); anything else there is refused, never deleted."""
-    if path.is_symlink() or (path.exists() and not stat.S_ISSOCK(path.lstat().st_mode)):
-        raise ServeError(f"{path} exists and is not a socket; remove it or choose another --socket")
 
 
 def serve(service: EngineService, socket: Path | None = None, host: str | None = None, port: int | None = None,

@@ -24,7 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..engine.paths import IDLE_EXIT_S, MAX_BATCH, MAX_BODY_BYTES, PREFIX_CACHE_MB, installation
+from ..engine.addresses import ServeError, check_address, check_host, check_socket
+from ..engine.paths import IDLE_EXIT_S, MAX_BATCH, MAX_BODY_BYTES, PREFIX_CACHE_MB, default_socket, installation
 from .arguments import CliError, host_port, load_engine, model_arguments, parse_settings, settings_argument
 from .positions import PositionError, offset_at
 
@@ -280,8 +281,6 @@ def _serve(args: argparse.Namespace) -> int:
         for chatty in ("pygls", "httpx"):  # each logs every message it sends at INFO
             logging.getLogger(chatty).setLevel(logging.WARNING)
     if args.tcp:
-        from ..engine.service import ServeError, check_host
-
         host, port = host_port(args.tcp)
         try:  # any client that connects may point the server at any folder or engine: loopback unless told
             check_host(host, args.allow_remote)
@@ -307,28 +306,21 @@ def _engine(args: argparse.Namespace) -> int:
     logging.getLogger("canvas_ls").setLevel(args.log_level)  # every module's logger is named by the module
     token = _token(args)
     host, port = host_port(args.tcp) if args.tcp else (None, None)
+    socket = None if args.tcp else (args.socket or default_socket(args.model, args.device, args.adapter,
+                                                                   args.quantize))  # fmt: skip
+    try:  # before anything starts or loads (the compiling process, torch: seconds): a refusal is immediate
+        if socket is None:
+            check_address(host or "", token, args.allow_remote)
+        else:
+            check_socket(socket)
+    except ServeError as exc:
+        raise CliError(str(exc)) from exc
     # On a new machine the CPU's compiled step comes from a child process: started before the engine's own imports
     # (torch, transformers: seconds), which its own then overlap; the warm-up reads it, or stops it if not needed
     early = start_early(args.model, args.device, args.dtype, args.compile, args.quantize)
     try:
-        from ..engine.service import (
-            EngineService,
-            ServeError,
-            check_address,
-            check_socket,
-            default_socket,
-            serve,
-        )
+        from ..engine.service import EngineService, serve
 
-        socket = None if args.tcp else (args.socket or default_socket(args.model, args.device, args.adapter,
-                                                                       args.quantize))  # fmt: skip
-        try:  # before the model loads: a refusal is immediate
-            if socket is None:
-                check_address(host or "", token, args.allow_remote)
-            else:
-                check_socket(socket)
-        except ServeError as exc:
-            raise CliError(str(exc)) from exc
         engine = load_engine(args, prefix_cache_mb=args.prefix_cache_mb, compile=args.compile)
     except BaseException:
         if early is not None:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..engine.addresses import ServeError, check_host, loopback
 from ..engine.paths import MAX_BATCH
 from ..engine.settings import QUANTIZE_CHOICES as QUANTIZE
 from .arguments import CliError, host_port
@@ -87,8 +88,6 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ..engine.service import ServeError, check_host, loopback
-
     host, port = host_port(args.http)
     try:
         check_host(host, args.allow_remote)
