@@ -23,6 +23,7 @@ import torch
 
 from .elementwise import cheaper_activations
 from .errors import ModelLoadError
+from .model_source import model_source
 from .paths import DEFAULT_MODEL_DIR, fingerprint, installation
 
 __all__ = ["DEFAULT_MODEL_DIR", "LoadedModel", "load_model"]
@@ -58,30 +59,6 @@ def resolve_device(device: str | None) -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _hub_unreachable(name: str, timeout_s: float = 3.0) -> str | None:
-    """Why the model hub cannot serve `name` here (None: it is cached, the hub is reachable, or the hub is asked
-    offline, which transformers reports at once itself): a connection tried for a few seconds, instead of the
-    hub client's retries (~28 s) before it says the same."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    try:
-        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except ValueError:  # not a hub id at all: the hub client says so itself
-        return None
-    if constants.HF_HUB_OFFLINE or cached:
-        return None
-    endpoint = urlparse(constants.ENDPOINT)
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        socket.create_connection((endpoint.hostname or "", port), timeout=timeout_s).close()
-    except OSError as exc:
-        return f"the hub ({constants.ENDPOINT}) cannot be reached from this machine ({exc})"
-    return None
-
-
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo"), capability: str | None = None) -> bool:
     """Whether the CPU has bf16 arithmetic (AVX-512 BF16 or AMX) and torch's kernels use it: with its kernels held
     to AVX2 (`ATEN_CPU_CAPABILITY=avx2`, or a build without AVX-512) bf16 is emulated, slower than fp32."""
@@ -103,11 +80,6 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _looks_like_path(name: str) -> bool:
-    """A hub id is `name` or `org/name`; anything else that names no existing folder was meant as a path."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
-
-
 def load_model(name: str | None = None, device: str | None = None, dtype: str | None = None,
                adapter: str | None = None, merge_adapter: bool = True,
                quantize: str | None = None) -> LoadedModel:  # fmt: skip
@@ -126,32 +98,8 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     if target.type == "cpu":
         bound_kernel_caches()
 
-    if name is None:
-        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-            raise ModelLoadError(
-                f"no model given and no default model is installed at {DEFAULT_MODEL_DIR}; pass --model PATH_OR_ID"
-            )
-        name = str(DEFAULT_MODEL_DIR)
-
-    folder: Path | None = None
-    local = Path(name).expanduser()
-    if local.exists():
-        if not local.is_dir():
-            raise ModelLoadError(f"model '{name}' is a file; give the folder that holds config.json")
-        if not (local / "config.json").is_file():
-            raise ModelLoadError(f"folder '{name}' holds no model (no config.json in it)")
-        folder = local
-        source = str(local)
-    elif _looks_like_path(name):
-        raise ModelLoadError(f"model folder '{name}' does not exist")
-    else:
-        source = name
-        unreachable = _hub_unreachable(name)
-        if unreachable is not None:
-            raise ModelLoadError(
-                f"model '{name}' is not a local folder, not in the Hugging Face cache, and {unreachable}: download "
-                "it where the hub can be reached and pass its folder (--model /path/to/it)"
-            )
+    folder, source = model_source(name)
+    name = name or str(DEFAULT_MODEL_DIR)
 
     try:
         config = AutoConfig.from_pretrained(source)

@@ -34,7 +34,11 @@ def model_arguments(parser: argparse.ArgumentParser, device: bool = True) -> Non
 
 
 def load_engine(args: argparse.Namespace, overrides: dict[str, Any] | None = None, **options: Any) -> Any:
-    """The engine of the command's model arguments (`model_arguments`)."""
+    """The engine of the command's model arguments (`model_arguments`); a model that is not there is refused before
+    torch is imported (`model_source`: at once, where the imports take seconds)."""
+    from ..engine.model_source import model_source
+
+    model_source(args.model)
     from ..engine import Engine
 
     return Engine.load(args.model, getattr(args, "device", None), overrides, dtype=args.dtype, adapter=args.adapter,

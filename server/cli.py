@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.addresses import ServeError, check_address, check_host, check_socket
+from ..engine.model_source import model_source
 from ..engine.paths import IDLE_EXIT_S, MAX_BATCH, MAX_BODY_BYTES, PREFIX_CACHE_MB, default_socket, installation
 from .arguments import CliError, host_port, load_engine, model_arguments, parse_settings, settings_argument
 from .positions import PositionError, offset_at
@@ -315,6 +316,7 @@ def _engine(args: argparse.Namespace) -> int:
             check_socket(socket)
     except ServeError as exc:
         raise CliError(str(exc)) from exc
+    model_source(args.model)
     # On a new machine the CPU's compiled step comes from a child process: started before the engine's own imports
     # (torch, transformers: seconds), which its own then overlap; the warm-up reads it, or stops it if not needed
     early = start_early(args.model, args.device, args.dtype, args.compile, args.quantize)

@@ -13,6 +13,8 @@ os.environ.setdefault("CANVAS_LS_COMPILE", "off")
 
 import contextlib
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,29 @@ def tokenizer_texts() -> list[str]:
     files = sorted(p for p in FIXTURES.rglob("*") if p.is_file())
     files += sorted(Path(json.__file__).parent.glob("*.py"))
     return [p.read_text(encoding="utf-8") for p in files]
+
+
+NOTHING_LOADED = "loaded: none of torch, transformers, a compiling process"
+
+
+def refused_before_loading(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`canvas-ls ARGV` (the CLI's own `main`) in a new interpreter, which then prints whether torch, transformers or
+    a compiling process (`compile_child.CompilerProcess`) had been loaded or started by the time it returned:
+    `NOTHING_LOADED` for a refusal that comes at once, not after seconds of imports. Run with compile "auto" (the
+    user's default, where a CPU engine starts the compiling process; the suite runs with it off) and no token."""
+    code = ("import sys\n"
+            "from canvas_ls.engine import compile_child\n"
+            "started = []\n"
+            "compile_child.CompilerProcess = lambda *a, **k: started.append(a)\n"
+            "from canvas_ls.server.cli import main\n"
+            "code = main(sys.argv[1:])\n"
+            "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "loaded += ['a compiling process'] * bool(started)\n"
+            "print('loaded:', ', '.join(loaded) or 'none of torch, transformers, a compiling process')\n"
+            "sys.exit(code)\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "CANVAS_LS_COMPILE"} | {"CANVAS_LS_TOKEN": ""} | (env or {})
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL, env=env)  # fmt: skip
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from canvas_ls.server.cli import main
-from tests.conftest import FIXTURES, REPO
+from tests.conftest import FIXTURES, NOTHING_LOADED, REPO, refused_before_loading
 
 STATS = FIXTURES / "python" / "stats.py"
 RESULT_FIELDS = {
@@ -127,6 +127,23 @@ def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
 def test_missing_model_folder_is_one_clear_line(tmp_path: Path) -> None:
     done = canvas_ls("complete", str(STATS), "--line", "0", "--character", "0", "--model", str(tmp_path / "nope"))
     assert "does not exist" in one_line_error(done)
+
+
+@pytest.mark.parametrize("command", [["complete", str(STATS), "--line", "0", "--character", "0"], ["engine"]])
+def test_a_model_that_is_not_there_is_refused_before_torch_loads(command: list[str], tmp_path: Path) -> None:
+    """A mistyped folder, a folder without a model, a hub id while the hub is off: refused at once (`model_source`),
+    before torch, transformers or the engine's compiling process load."""
+    (tmp_path / "empty").mkdir()
+    for model, error in [(str(tmp_path / "nope"), f"model folder '{tmp_path / 'nope'}' does not exist"),
+                         (str(tmp_path / "empty"), f"folder '{tmp_path / 'empty'}' holds no model (no config.json in "
+                                                   "it)"),
+                         ("google/diffusiongemma-26B-A4B-it", "model 'google/diffusiongemma-26B-A4B-it' is not a local "
+                          "folder, not in the Hugging Face cache, and could not be fetched from the model hub, which "
+                          "HF_HUB_OFFLINE switches off: download it where the hub can be reached and pass its folder "
+                          "(--model /path/to/it)")]:  # fmt: skip
+        done = refused_before_loading([*command, "--model", model], env={"HF_HUB_OFFLINE": "1"})
+        assert (done.returncode, done.stderr, done.stdout.strip()) == (2, f"canvas-ls: error: {error}\n",
+                                                                       NOTHING_LOADED)  # fmt: skip
 
 
 def test_folder_without_a_model_is_one_clear_line(tmp_path: Path) -> None:

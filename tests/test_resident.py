@@ -26,7 +26,7 @@ from pygls.lsp.client import LanguageClient
 
 from canvas_ls.bench.soak import rss_mb
 from canvas_ls.engine import Engine
-from tests.conftest import fuzz
+from tests.conftest import NOTHING_LOADED, fuzz, refused_before_loading
 from tests.test_adapters import PROMPTS
 
 ENGINE = [sys.executable, "-m", "canvas_ls.server.cli", "engine"]
@@ -292,38 +292,18 @@ def test_tcp_needs_the_bearer_token(tiny_model_dir: Path, tmp_path: Path) -> Non
     ],
 )
 def test_unsafe_tcp_is_refused(args: list[str], message: str) -> None:
-    done = refused_engine(args)
+    done = refused_before_loading(["engine", *args])
     assert done.returncode == 2 and message in done.stderr
-    assert done.stdout.strip() == "imported: none of torch, transformers, the compiling process"
+    assert done.stdout.strip() == NOTHING_LOADED
 
 
 def test_a_socket_path_that_is_not_a_socket_is_refused_and_kept(tmp_path: Path) -> None:
     path = tmp_path / "important.txt"
     path.write_text("keep me")
-    done = refused_engine(["--socket", str(path)])
+    done = refused_before_loading(["engine", "--socket", str(path)])
     assert done.returncode == 2 and "exists and is not a socket" in done.stderr
-    assert done.stdout.strip() == "imported: none of torch, transformers, the compiling process"
+    assert done.stdout.strip() == NOTHING_LOADED
     assert path.read_text() == "keep me"
-
-
-def refused_engine(args: list[str]) -> subprocess.CompletedProcess[str]:
-    """`canvas-ls engine ARGS` (the CLI's own `main`) in a new interpreter, which then says whether the refusal came
-    before torch, transformers or a compiling process (`compile_child.start_early`) were loaded or started: a
-    refusal is immediate, not after seconds of imports."""
-    code = ("import sys\n"
-            "from canvas_ls.engine import compile_child\n"
-            "started = []\n"
-            "compile_child.CompilerProcess = lambda *a, **k: started.append(a)\n"
-            "from canvas_ls.server.cli import main\n"
-            "code = main(['engine', *sys.argv[1:]])\n"
-            "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
-            "loaded += ['the compiling process'] * bool(started)\n"
-            "print('imported:', ', '.join(loaded) or 'none of torch, transformers, the compiling process')\n"
-            "sys.exit(code)\n")  # fmt: skip
-    # compile "auto" (the user's default; the suite runs with it off), where a CPU engine starts the compiling process
-    env = {k: v for k, v in os.environ.items() if k != "CANVAS_LS_COMPILE"} | {"CANVAS_LS_TOKEN": ""}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60,
-                          stdin=subprocess.DEVNULL, env=env)  # fmt: skip
 
 
 def test_an_endless_chunked_body_is_refused_without_being_held(unix_engine: httpx.Client) -> None:
