@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # path has its own tests (test_compiled.py), which ask for it by name.
 os.environ.setdefault("CANVAS_LS_COMPILE", "off")
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -48,6 +49,21 @@ def tokenizer_texts() -> list[str]:
     files = sorted(p for p in FIXTURES.rglob("*") if p.is_file())
     files += sorted(Path(json.__file__).parent.glob("*.py"))
     return [p.read_text(encoding="utf-8") for p in files]
+
+
+async def end_session(client: Any, timeout_s: float = 30.0) -> None:
+    """The end of a test's language server (a pytest-lsp client), whatever the test left: `shutdown` and `exit` where
+    the session is up, and the process killed where it has not exited within `timeout_s`. Every `pytest_lsp.fixture`
+    ends with it: pytest-lsp's own teardown then waits for the process to exit, without a limit, so a test that
+    failed before its `shutdown_session` (or never initialized) held its worker, and CI, until CI's own limit."""
+    server = getattr(client, "_server", None)  # pygls keeps the process there; it offers no public handle
+    if server is None or server.returncode is not None:
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(client.shutdown_session(), timeout_s)
+    if server.returncode is None:
+        server.kill()
+        await server.wait()
 
 
 NOTHING_LOADED = "loaded: none of torch, transformers, a compiling process"

@@ -20,7 +20,7 @@ from pytest_lsp import ClientServerConfig, LanguageClient
 from canvas_ls.engine.architecture import build_tiny_model
 from canvas_ls.server import acceptance
 from canvas_ls.server.acceptance import ACCEPTED_COMMAND, Recorder, clear, default_path
-from tests.conftest import tokenizer_texts
+from tests.conftest import end_session, tokenizer_texts
 from tests.test_identity import AFTER_RETURN, DOC
 from tests.test_lsp import SERVE, inline, open_doc, request, uri, wait_ready
 from tests.test_lsp_fill import span
@@ -31,7 +31,7 @@ INVOKED = types.InlineCompletionTriggerKind.Invoked
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
 async def client(lsp_client: LanguageClient):
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 async def start(client: LanguageClient, model: Path, **options: Any) -> None:
@@ -176,7 +176,7 @@ async def editing(lsp_client: LanguageClient, ending_model_dir: Path, private_st
     clear(default_path())
     await start(lsp_client, ending_model_dir, completion={"speculate": False, "workspace_cache": 0})
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 async def test_next_edits_fills_and_rewrites_are_recorded_by_what_the_document_keeps(editing: LanguageClient) -> None:

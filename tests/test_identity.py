@@ -37,6 +37,7 @@ from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.context import build_context
 from canvas_ls.server.documents import Document
 from canvas_ls.server.workspaces import RoutedBackend
+from tests.conftest import end_session
 from tests.test_lsp import SERVE, fill, open_doc, request
 from tests.test_workspaces import fake_run
 
@@ -224,7 +225,7 @@ async def test_an_engine_left_by_an_older_version_is_stopped_when_this_one_start
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
 async def client(lsp_client: LanguageClient):
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 async def wait_model(client: LanguageClient, model: Path, timeout: float = 120) -> None:

@@ -8,6 +8,7 @@ ranges, cache and typing-through (no model call), cancellation, supersession, an
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pygls.exceptions import JsonRpcException
 from pytest_lsp import ClientServerConfig, LanguageClient
 
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, end_session
 
 SERVE = [sys.executable, "-m", "canvas_ls.server.cli", "serve"]
 COMMENT_DOC = "import os\n\n\ndef main():\n    # TODO: \n    return os.getcwd()\n"
@@ -99,7 +100,7 @@ async def client(lsp_client: LanguageClient, writing_model_dir: Path):
     )
     lsp_client.init_result = await lsp_client.initialize_session(params)
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 async def test_initialize_advertises_inline_completion(client: LanguageClient) -> None:
@@ -414,7 +415,7 @@ async def slow_client(lsp_client: LanguageClient, writing_model_dir: Path, reque
     await wait_ready(lsp_client)
     open_doc(lsp_client, "a.py", COMMENT_DOC)
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 def make_fast(client: LanguageClient, writing_model_dir: Path) -> None:
@@ -588,6 +589,23 @@ async def test_a_language_with_no_grammar_uses_plain_text(client: LanguageClient
 async def raw_client(lsp_client: LanguageClient):
     """A client the test initializes itself."""
     yield
+    await end_session(lsp_client)
+
+
+async def test_a_session_a_test_left_open_or_never_began_ends_at_teardown(writing_model_dir: Path) -> None:
+    """`end_session`, every pytest-lsp fixture's teardown: a server the test left initialized gets `shutdown` and
+    `exit`, one never initialized is killed; either way pytest-lsp's own stop, which waits for the process without
+    a limit, returns (a test that failed before its `shutdown_session` held the suite for 17 minutes once)."""
+    for initialize, code in ((True, 0), (False, -signal.SIGKILL)):
+        client = await ClientServerConfig(server_command=SERVE).start()
+        if initialize:
+            capabilities = pytest_lsp.client_capabilities("neovim")
+            init = types.InitializeParams(capabilities=capabilities, initialization_options=options(writing_model_dir))
+            await client.initialize_session(init)
+        process = client._server  # what `end_session` ends
+        await end_session(client, timeout_s=10)
+        await asyncio.wait_for(client.stop(), 30)
+        assert process.returncode == code
 
 
 async def test_invalid_options_give_a_message_and_defaults(raw_client: LanguageClient, writing_model_dir: Path) -> None:

@@ -17,6 +17,7 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pytest_lsp import ClientServerConfig, LanguageClient
 
+from tests.conftest import end_session
 from tests.test_crossfile import MAIN, UTIL
 from tests.test_lsp import SERVE, open_doc, options, plain, request, uri, wait_ready
 
@@ -82,7 +83,7 @@ async def client(lsp_client: LanguageClient, ending_model_dir: Path):
     here)."""
     await session(lsp_client, ending_model_dir, "resident")
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 async def fill_regions(client: LanguageClient, name: str, regions: list[dict] | None = None, **extra: Any) -> dict:
@@ -241,7 +242,7 @@ async def slow_client(lsp_client: LanguageClient, writing_model_dir: Path, reque
     await wait_ready(lsp_client)
     open_doc(lsp_client, "notes.txt", NOTES, language="plaintext")
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 async def test_cancel_mid_fill_and_a_document_changed_during_the_fill(slow_client: LanguageClient) -> None:

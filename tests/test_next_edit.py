@@ -30,6 +30,7 @@ from canvas_ls.server.nextedit import (
     sites,
     window,
 )
+from tests.conftest import end_session
 from tests.test_lsp import SERVE, open_doc, options, request, uri, wait_ready
 
 
@@ -334,7 +335,7 @@ async def client(lsp_client: LanguageClient, ending_model_dir: Path):
         capabilities=types.ClientCapabilities(), initialization_options=settings))  # fmt: skip
     await wait_ready(lsp_client)
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 def change(client: LanguageClient, name: str, version: int, line: int, start: int, end: int, text: str) -> None:

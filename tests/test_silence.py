@@ -12,6 +12,7 @@ from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
 from canvas_ls.server.silence import Why
+from tests.conftest import end_session
 from tests.test_lsp import SERVE, inline, open_doc, options, request, wait_ready
 
 FIXTURE = (Path(__file__).parent.parent / "fixtures" / "python").glob("*.py")
@@ -25,7 +26,7 @@ async def client(lsp_client: LanguageClient, writing_model_dir: Path):
     params = types.InitializeParams(capabilities=pytest_lsp.client_capabilities("neovim"), initialization_options=init)
     lsp_client.init_result = await lsp_client.initialize_session(params)
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 async def test_every_typing_request_that_shows_nothing_names_its_reason(client: LanguageClient) -> None:

@@ -34,6 +34,7 @@ from canvas_ls.server import backend as backends
 from canvas_ls.server.backend import Answer, CancelFlag, CompletionRequest, Failed, RemoteBackend, Settings
 from canvas_ls.server.cli import main
 from canvas_ls.server.silence import Why
+from tests.conftest import end_session
 from tests.test_identity import AFTER_RETURN, DOC, loaded, wait_model
 from tests.test_lsp import SERVE, fill, open_doc
 
@@ -451,7 +452,7 @@ def test_a_killed_replica_costs_no_request_and_serve_restarts_it(deployment: Dep
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
 async def client(lsp_client: LanguageClient):
     yield
-    await lsp_client.shutdown_session()
+    await end_session(lsp_client)
 
 
 async def test_the_language_server_completes_through_the_team_deployment(
