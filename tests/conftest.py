@@ -54,8 +54,9 @@ def tokenizer_texts() -> list[str]:
 async def end_session(client: Any, timeout_s: float = 30.0) -> None:
     """The end of a test's language server (a pytest-lsp client), whatever the test left: `shutdown` and `exit` where
     the session is up, and the process killed where it has not exited within `timeout_s`. Every `pytest_lsp.fixture`
-    ends with it: pytest-lsp's own teardown then waits for the process to exit, without a limit, so a test that
-    failed before its `shutdown_session` (or never initialized) held its worker, and CI, until CI's own limit."""
+    ends with it. pytest-lsp's own teardown, which comes after, waits for the process to exit without a limit, and
+    pytest-timeout stops timing a test once it has failed: before this, a test that failed ahead of its
+    `shutdown_session` (or never initialized) held its worker, and CI, until CI's own limit (1,040 s once)."""
     server = getattr(client, "_server", None)  # pygls keeps the process there; it offers no public handle
     if server is None or server.returncode is not None:
         return
