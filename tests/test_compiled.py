@@ -26,6 +26,11 @@ from canvas_ls.engine.threads import full_threads
 from tests.conftest import tokenizer_texts
 from tests.test_batching import PREFIXES, SUFFIXES
 
+# The graphs are compiled by a child process at SCHED_IDLE (`paths.lowest_priority`): only on a core nothing else
+# wants, so a compilation of ~25 s stretches while the other worker's tests hold both cores (278 s once, with one
+# more process spinning): each test here may take up to 10 minutes before it counts as hung.
+pytestmark = pytest.mark.timeout(600)
+
 
 def test_compiled_steps_answer_as_eager_ones_alone_and_batched(tiny_model_dir: Path,
                                                                 tiny_engine_fp32: Engine) -> None:  # fmt: skip
