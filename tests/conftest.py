@@ -24,6 +24,9 @@ from typing import Any
 # assertion rewriting) can fail there with "AST constructor recursion depth mismatch" (fixed in 3.11.8).
 import hypothesis
 import pytest
+from pygls.protocol import default_converter
+from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp.client import register_lsp_features
 
 from canvas_ls.engine import Engine
 from canvas_ls.engine.architecture import build_tiny_model
@@ -51,12 +54,12 @@ def tokenizer_texts() -> list[str]:
     return [p.read_text(encoding="utf-8") for p in files]
 
 
+SERVE = [sys.executable, "-m", "canvas_ls.server.cli", "serve"]
+
+
 async def end_session(client: Any, timeout_s: float = 30.0) -> None:
-    """The end of a test's language server (a pytest-lsp client), whatever the test left: `shutdown` and `exit` where
-    the session is up, and the process killed where it has not exited within `timeout_s`. Every `pytest_lsp.fixture`
-    ends with it. pytest-lsp's own teardown, which comes after, waits for the process to exit without a limit, and
-    pytest-timeout stops timing a test once it has failed: before this, a test that failed ahead of its
-    `shutdown_session` (or never initialized) held its worker, and CI, until CI's own limit (1,040 s once)."""
+    """The end of a test's language server, whatever the test left: `shutdown` and `exit` where the session is up,
+    and the process killed where it has not exited within `timeout_s`."""
     server = getattr(client, "_server", None)  # pygls keeps the process there; it offers no public handle
     if server is None or server.returncode is not None:
         return
@@ -65,6 +68,28 @@ async def end_session(client: Any, timeout_s: float = 30.0) -> None:
     if server.returncode is None:
         server.kill()
         await server.wait()
+
+
+class EndingClient(LanguageClient):
+    """pytest-lsp's test client, whose `stop` (every `pytest_lsp.fixture`'s teardown) ends the server first
+    (`end_session`). pytest-lsp's own `stop` waits for the process to exit without a limit, and pytest-timeout stops
+    timing a test once it has failed: a test that failed ahead of its `shutdown_session` (or never initialized)
+    held its worker, and CI, until CI's own limit (1,040 s once)."""
+
+    async def stop(self) -> Any:
+        await end_session(self)
+        return await super().stop()
+
+
+def ending_client() -> EndingClient:
+    """`make_test_lsp_client`, with `EndingClient`."""
+    client = EndingClient(converter_factory=default_converter)
+    register_lsp_features(client)
+    return client
+
+
+# The language server under test, as every `pytest_lsp.fixture` of the suite starts it
+SERVER = ClientServerConfig(server_command=SERVE, client_factory=ending_client)
 
 
 NOTHING_LOADED = "loaded: none of torch, transformers, a compiling process"

@@ -15,23 +15,22 @@ from typing import Any
 import pytest
 import pytest_lsp
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 from canvas_ls.engine.architecture import build_tiny_model
 from canvas_ls.server import acceptance
 from canvas_ls.server.acceptance import ACCEPTED_COMMAND, Recorder, clear, default_path
-from tests.conftest import end_session, tokenizer_texts
+from tests.conftest import SERVER, tokenizer_texts
 from tests.test_identity import AFTER_RETURN, DOC
-from tests.test_lsp import SERVE, inline, open_doc, request, uri, wait_ready
+from tests.test_lsp import inline, open_doc, request, uri, wait_ready
 from tests.test_lsp_fill import span
 
 INVOKED = types.InlineCompletionTriggerKind.Invoked
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def client(lsp_client: LanguageClient):
     yield
-    await end_session(lsp_client)
 
 
 async def start(client: LanguageClient, model: Path, **options: Any) -> None:
@@ -155,7 +154,7 @@ async def test_a_suggestion_typed_through_stays_one_shown_suggestion(
     }  # fmt: skip
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def editing(lsp_client: LanguageClient, ending_model_dir: Path, private_state_dir: Path):
     """A client that applies the workspace edits the server asks for, as an editor does (each a didChange back), on
     the model that writes one word ("code") and ends."""
@@ -176,7 +175,6 @@ async def editing(lsp_client: LanguageClient, ending_model_dir: Path, private_st
     clear(default_path())
     await start(lsp_client, ending_model_dir, completion={"speculate": False, "workspace_cache": 0})
     yield
-    await end_session(lsp_client)
 
 
 async def test_next_edits_fills_and_rewrites_are_recorded_by_what_the_document_keeps(editing: LanguageClient) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import pytest_lsp
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 from canvas_ls.engine import workspaces
 from canvas_ls.engine.paths import default_socket, installation
@@ -37,8 +37,8 @@ from canvas_ls.server.config import ServerConfig
 from canvas_ls.server.context import build_context
 from canvas_ls.server.documents import Document
 from canvas_ls.server.workspaces import RoutedBackend
-from tests.conftest import end_session
-from tests.test_lsp import SERVE, fill, open_doc, request
+from tests.conftest import SERVER
+from tests.test_lsp import fill, open_doc, request
 from tests.test_workspaces import fake_run
 
 DOC = "def size(x):\n    return \n"
@@ -222,10 +222,9 @@ async def test_an_engine_left_by_an_older_version_is_stopped_when_this_one_start
             os.kill(health["pid"], 9)
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def client(lsp_client: LanguageClient):
     yield
-    await end_session(lsp_client)
 
 
 async def wait_model(client: LanguageClient, model: Path, timeout: float = 120) -> None:

@@ -19,11 +19,10 @@ import pytest_lsp
 from lsprotocol import types
 from prometheus_client.parser import text_string_to_metric_families
 from pygls.exceptions import JsonRpcException
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
-from tests.conftest import FIXTURES, end_session
+from tests.conftest import FIXTURES, SERVE, SERVER
 
-SERVE = [sys.executable, "-m", "canvas_ls.server.cli", "serve"]
 COMMENT_DOC = "import os\n\n\ndef main():\n    # TODO: \n    return os.getcwd()\n"
 COMMENT_POS = types.Position(line=4, character=12)  # right after "# TODO: "
 
@@ -92,7 +91,7 @@ def options(writing_model_dir: Path, backend: str | None = None, **completion: A
     return {"engine": engine, "completion": {"speculate": False, **completion}}
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def client(lsp_client: LanguageClient, writing_model_dir: Path):
     params = types.InitializeParams(
         capabilities=pytest_lsp.client_capabilities("neovim"),
@@ -100,7 +99,6 @@ async def client(lsp_client: LanguageClient, writing_model_dir: Path):
     )
     lsp_client.init_result = await lsp_client.initialize_session(params)
     yield
-    await end_session(lsp_client)
 
 
 async def test_initialize_advertises_inline_completion(client: LanguageClient) -> None:
@@ -402,7 +400,7 @@ async def test_no_completion_inside_an_identifier(client: LanguageClient) -> Non
     assert response["source"] == "skip:inside an identifier" and response["edit"] is None
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE), params=["resident", "local"])
+@pytest_lsp.fixture(config=SERVER, params=["resident", "local"])
 async def slow_client(lsp_client: LanguageClient, writing_model_dir: Path, request: pytest.FixtureRequest):
     """A session whose model calls take 2000 denoising steps per canvas (seconds), unless stopped; with the model
     in the shared engine (the default) and in the server itself."""
@@ -415,7 +413,6 @@ async def slow_client(lsp_client: LanguageClient, writing_model_dir: Path, reque
     await wait_ready(lsp_client)
     open_doc(lsp_client, "a.py", COMMENT_DOC)
     yield
-    await end_session(lsp_client)
 
 
 def make_fast(client: LanguageClient, writing_model_dir: Path) -> None:
@@ -585,26 +582,25 @@ async def test_a_language_with_no_grammar_uses_plain_text(client: LanguageClient
     await still_up(client)
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def raw_client(lsp_client: LanguageClient):
     """A client the test initializes itself."""
     yield
-    await end_session(lsp_client)
 
 
 async def test_a_session_a_test_left_open_or_never_began_ends_at_teardown(writing_model_dir: Path) -> None:
-    """`end_session`, every pytest-lsp fixture's teardown: a server the test left initialized gets `shutdown` and
-    `exit`, one never initialized is killed; either way pytest-lsp's own stop, which waits for the process without
-    a limit, returns (a test that failed before its `shutdown_session` held the suite for 17 minutes once)."""
+    """The suite's client (`conftest.EndingClient`) at its teardown, `stop`: a server the test left initialized gets
+    `shutdown` and `exit`, one never initialized is killed; either way `stop`, which in pytest-lsp waits for the
+    process without a limit, returns (a test that failed before its `shutdown_session` held the suite for 17 minutes
+    once)."""
     for initialize, code in ((True, 0), (False, -signal.SIGKILL)):
-        client = await ClientServerConfig(server_command=SERVE).start()
+        client = await SERVER.start()
         if initialize:
             capabilities = pytest_lsp.client_capabilities("neovim")
             init = types.InitializeParams(capabilities=capabilities, initialization_options=options(writing_model_dir))
             await client.initialize_session(init)
-        process = client._server  # what `end_session` ends
-        await end_session(client, timeout_s=10)
-        await asyncio.wait_for(client.stop(), 30)
+        process = client._server  # what `stop` ends
+        await asyncio.wait_for(client.stop(), 60)
         assert process.returncode == code
 
 

@@ -15,11 +15,11 @@ import pytest
 import pytest_lsp
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
-from tests.conftest import end_session
+from tests.conftest import SERVER
 from tests.test_crossfile import MAIN, UTIL
-from tests.test_lsp import SERVE, open_doc, options, plain, request, uri, wait_ready
+from tests.test_lsp import open_doc, options, plain, request, uri, wait_ready
 
 SHAPES = """import math
 
@@ -76,14 +76,13 @@ async def session(lsp_client: LanguageClient, model: Path, backend: str) -> None
     open_doc(lsp_client, "notes.txt", NOTES, language="plaintext")
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def client(lsp_client: LanguageClient, ending_model_dir: Path):
     """The model that answers one word and ends (`ending_model_dir`), in the shared engine (the default; the model in
     the server is the cancellation test's other case: a server of its own loads torch and the model, ~6 s a session
     here)."""
     await session(lsp_client, ending_model_dir, "resident")
     yield
-    await end_session(lsp_client)
 
 
 async def fill_regions(client: LanguageClient, name: str, regions: list[dict] | None = None, **extra: Any) -> dict:
@@ -234,7 +233,7 @@ async def test_bad_regions_give_a_clear_error(client: LanguageClient) -> None:
     assert client.applied == []
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE), params=["local", "resident"])
+@pytest_lsp.fixture(config=SERVER, params=["local", "resident"])
 async def slow_client(lsp_client: LanguageClient, writing_model_dir: Path, request: pytest.FixtureRequest):
     """Fills that take 800 denoising steps (seconds), unless stopped; in the server and in the shared engine."""
     fill = {"max_steps": 800, "gap_tokens": 8, "max_new_tokens": 8}  # no hole grows: one canvas of 800 steps
@@ -242,7 +241,6 @@ async def slow_client(lsp_client: LanguageClient, writing_model_dir: Path, reque
     await wait_ready(lsp_client)
     open_doc(lsp_client, "notes.txt", NOTES, language="plaintext")
     yield
-    await end_session(lsp_client)
 
 
 async def test_cancel_mid_fill_and_a_document_changed_during_the_fill(slow_client: LanguageClient) -> None:

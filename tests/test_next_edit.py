@@ -11,7 +11,7 @@ import pytest
 import pytest_lsp
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 from canvas_ls.engine.regions import Hole
 from canvas_ls.server.backend import Answer, CancelFlag, Cancelled, Failed, FillRequest, Gap, Reply
@@ -30,8 +30,8 @@ from canvas_ls.server.nextedit import (
     sites,
     window,
 )
-from tests.conftest import end_session
-from tests.test_lsp import SERVE, open_doc, options, request, uri, wait_ready
+from tests.conftest import SERVER
+from tests.test_lsp import open_doc, options, request, uri, wait_ready
 
 
 def typed(history: EditHistory, changes: list[tuple[int, str, str]], now: float = 0.0) -> None:
@@ -328,14 +328,13 @@ def test_next_edit_options_are_checked() -> None:
 # -- canvas/nextEdit over stdio -------------------------------------------------------------------------------------
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def client(lsp_client: LanguageClient, ending_model_dir: Path):
     settings = {**options(ending_model_dir, workspace_cache=0), "next_edit": {"window_lines": 2, "canvas_sites": 4}}
     await lsp_client.initialize_session(types.InitializeParams(
         capabilities=types.ClientCapabilities(), initialization_options=settings))  # fmt: skip
     await wait_ready(lsp_client)
     yield
-    await end_session(lsp_client)
 
 
 def change(client: LanguageClient, name: str, version: int, line: int, start: int, end: int, text: str) -> None:

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest_lsp
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 from canvas_ls.server.silence import Why
-from tests.conftest import end_session
-from tests.test_lsp import SERVE, inline, open_doc, options, request, wait_ready
+from tests.conftest import SERVER
+from tests.test_lsp import inline, open_doc, options, request, wait_ready
 
 FIXTURE = (Path(__file__).parent.parent / "fixtures" / "python").glob("*.py")
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def client(lsp_client: LanguageClient, writing_model_dir: Path):
     # A threshold the tiny model never reaches: typing requests are hidden unless asked for; Go is turned off.
     init = options(writing_model_dir, max_steps=2, min_confidence=0.99)
@@ -26,7 +26,6 @@ async def client(lsp_client: LanguageClient, writing_model_dir: Path):
     params = types.InitializeParams(capabilities=pytest_lsp.client_capabilities("neovim"), initialization_options=init)
     lsp_client.init_result = await lsp_client.initialize_session(params)
     yield
-    await end_session(lsp_client)
 
 
 async def test_every_typing_request_that_shows_nothing_names_its_reason(client: LanguageClient) -> None:

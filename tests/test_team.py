@@ -22,7 +22,7 @@ import httpx
 import pytest
 import pytest_lsp
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -34,9 +34,9 @@ from canvas_ls.server import backend as backends
 from canvas_ls.server.backend import Answer, CancelFlag, CompletionRequest, Failed, RemoteBackend, Settings
 from canvas_ls.server.cli import main
 from canvas_ls.server.silence import Why
-from tests.conftest import end_session
+from tests.conftest import SERVER
 from tests.test_identity import AFTER_RETURN, DOC, loaded, wait_model
-from tests.test_lsp import SERVE, fill, open_doc
+from tests.test_lsp import fill, open_doc
 
 CLI = [sys.executable, "-m", "canvas_ls.server.cli"]
 RATE, BURST = 0.2, 10  # the deployment's rate limit: each test asks as a user of its own
@@ -449,10 +449,9 @@ def test_a_killed_replica_costs_no_request_and_serve_restarts_it(deployment: Dep
             time.sleep(0.5)
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def client(lsp_client: LanguageClient):
     yield
-    await end_session(lsp_client)
 
 
 async def test_the_language_server_completes_through_the_team_deployment(

@@ -16,11 +16,11 @@ import pytest
 import pytest_lsp
 import torch
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 from canvas_ls.engine import workspaces
-from tests.conftest import end_session, random_adapter, tokenizer_texts
-from tests.test_lsp import SERVE, options, request, wait_ready
+from tests.conftest import SERVER, random_adapter, tokenizer_texts
+from tests.test_lsp import options, request, wait_ready
 
 RETURN_DOC = "def f(x):\n    return \n"
 AFTER_RETURN = types.Position(line=1, character=11)
@@ -93,10 +93,9 @@ def test_a_finished_run_starts_anew_and_an_interrupted_one_resumes(tmp_path: Pat
     assert not run.exists()
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVE))
+@pytest_lsp.fixture(config=SERVER)
 async def raw_client(lsp_client: LanguageClient):
     yield
-    await end_session(lsp_client)
 
 
 def open_file(client: LanguageClient, path: Path, text: str) -> str:
